@@ -1,0 +1,342 @@
+//! The planner: a pure function from (node state, target, policy, now) to a
+//! plan — admit, evicting these instances (possibly none), or refuse, for
+//! these reasons. No I/O, no clock (time comes in as `now`), no allocation
+//! beyond the answer and one sorted candidate list.
+//!
+//! The rule that sets this planner apart from the ones it grew from: when
+//! the target cannot fit even after every permitted eviction, nothing is
+//! evicted and the start is refused with every reason.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::name::{GroupName, InstanceId, PoolName, Role, WorkloadName};
+use crate::reason::{GroupRule, Reason, Refusal};
+use crate::spec::{GroupPolicy, Spec};
+use crate::state::{NodeState, Pool, Resident};
+
+/// What to do when a constraint fails.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Policy {
+    /// Refuse with every failing reason.
+    #[default]
+    Refuse,
+    /// Evict conflicting and least-recently-used residents where permitted.
+    Evict,
+}
+
+/// The planner's answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Plan {
+    /// The instance is already resident with this workload.
+    Existing,
+    /// The target fits once `evict` (in this order) are gone.
+    Admit {
+        /// Victims: conflicting residents first, then least-recently-used.
+        evict: Vec<InstanceId>,
+        /// Conflicting instances already being evicted for another start.
+        wait_for: Vec<InstanceId>,
+    },
+    /// The target cannot be placed; nothing is to be evicted.
+    Refuse(Refusal),
+}
+
+/// A request the planner cannot even weigh.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlanError {
+    /// The spec asks memory of a pool the node does not have.
+    #[error(
+        "workload '{workload}' asks for memory in pool '{pool}', which this node does not have"
+    )]
+    UnknownPool {
+        /// The workload.
+        workload: WorkloadName,
+        /// The unknown pool.
+        pool: PoolName,
+    },
+    /// The id is taken by an instance of another workload.
+    #[error("instance '{id}' already exists with workload '{existing}'")]
+    AlreadyExists {
+        /// The instance.
+        id: InstanceId,
+        /// Its workload.
+        existing: WorkloadName,
+    },
+    /// The id belongs to an instance that is being evicted.
+    #[error("instance '{id}' is being evicted; start it again once it has exited")]
+    Evicting {
+        /// The instance.
+        id: InstanceId,
+    },
+}
+
+/// A pool's budget arithmetic at one moment.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PoolFigures {
+    budget: Option<u64>,
+    /// Declared bytes of every entry.
+    used: u128,
+    live: Option<Live>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Live {
+    available: u64,
+    reserve: u64,
+    /// Measured (capped at declared) bytes of every entry.
+    touched: u128,
+}
+
+impl PoolFigures {
+    pub(crate) fn of(state: &NodeState, pool: &Pool) -> Self {
+        let name = pool.config.name.as_str();
+        let (mut used, mut touched) = (0u128, 0u128);
+        for r in state.residents.values() {
+            used += u128::from(r.footprint(name));
+            touched += u128::from(r.touched(name));
+        }
+        let live = match (pool.config.live, pool.available) {
+            (true, Some(available)) => Some(Live {
+                available,
+                reserve: pool.config.reserve,
+                touched,
+            }),
+            _ => None,
+        };
+        Self {
+            budget: pool.config.budget,
+            used,
+            live,
+        }
+    }
+
+    /// The live ceiling in budget terms: what the probe shows available
+    /// plus what our residents already touched, less the reserve.
+    fn ceiling(&self) -> Option<u128> {
+        self.live
+            .map(|l| (u128::from(l.available) + l.touched).saturating_sub(u128::from(l.reserve)))
+    }
+
+    /// The configured budget tightened by the ceiling; a reading never
+    /// raises it.
+    pub(crate) fn effective(&self) -> Option<u64> {
+        let limit = match (self.budget.map(u128::from), self.ceiling()) {
+            (Some(b), Some(c)) => Some(b.min(c)),
+            (b, c) => b.or(c),
+        };
+        limit.map(|l| u64::try_from(l).unwrap_or(u64::MAX))
+    }
+
+    /// How far `used + need` exceeds the effective budget (negative: room).
+    fn excess(&self, need: u64) -> i128 {
+        match self.effective() {
+            Some(e) => (self.used + u128::from(need)) as i128 - i128::from(e),
+            None => i128::MIN / 2,
+        }
+    }
+}
+
+/// Plans the start of `spec` as instance `id`.
+pub fn plan(
+    state: &NodeState,
+    id: &InstanceId,
+    spec: &Spec,
+    policy: Policy,
+    now: u64,
+) -> Result<Plan, PlanError> {
+    if let Some(r) = state.residents.get(id) {
+        if r.spec.workload != spec.workload {
+            let existing = r.spec.workload.clone();
+            return Err(PlanError::AlreadyExists {
+                id: id.clone(),
+                existing,
+            });
+        }
+        if r.evicting {
+            return Err(PlanError::Evicting { id: id.clone() });
+        }
+        return Ok(Plan::Existing);
+    }
+    let mut pools = Vec::with_capacity(spec.demand.len());
+    for (name, demand) in &spec.demand {
+        let Some(pool) = state.pools.get(name) else {
+            let workload = spec.workload.clone();
+            return Err(PlanError::UnknownPool {
+                workload,
+                pool: name.clone(),
+            });
+        };
+        if demand.footprint() > 0 {
+            pools.push((pool, PoolFigures::of(state, pool), demand.footprint()));
+        }
+    }
+
+    let target_group = state.groups.of(spec.workload.as_str());
+    let mut reasons = Vec::new();
+    let mut conflicting = Vec::new();
+    let mut wait_for = Vec::new();
+    for r in state.residents.values() {
+        let Some(reason) = conflict(state, spec, target_group, r) else {
+            continue;
+        };
+        if r.evicting {
+            wait_for.push(r.id.clone());
+        } else {
+            reasons.push(reason);
+            conflicting.push(r);
+        }
+    }
+    for (pool, figures, need) in &pools {
+        memory_reasons(state, spec, pool, figures, *need, &mut reasons);
+    }
+    let Some(refusal) = Refusal::new(reasons) else {
+        return Ok(Plan::Admit {
+            evict: Vec::new(),
+            wait_for,
+        });
+    };
+    if policy == Policy::Refuse {
+        return Ok(Plan::Refuse(refusal));
+    }
+    match victims(state, spec, now, &conflicting, &pools) {
+        Some(evict) => Ok(Plan::Admit { evict, wait_for }),
+        None => Ok(Plan::Refuse(refusal)),
+    }
+}
+
+/// The co-residency rule, if any, that keeps `spec` from sitting beside `r`.
+fn conflict(
+    state: &NodeState,
+    spec: &Spec,
+    target_group: Option<(&GroupName, GroupPolicy)>,
+    r: &Resident,
+) -> Option<Reason> {
+    let excluded = |declared_by: &Role| Reason::Excluded {
+        role: spec.role.clone(),
+        with: r.spec.role.clone(),
+        with_instance: r.id.clone(),
+        declared_by: declared_by.clone(),
+    };
+    if spec.excludes(&r.spec.role) {
+        return Some(excluded(&spec.role));
+    }
+    if r.spec.excludes(&spec.role) {
+        return Some(excluded(&r.spec.role));
+    }
+    let (tg, tp) = target_group?;
+    let (rg, rp) = state.groups.of(r.spec.workload.as_str())?;
+    let rule = if tg == rg {
+        (tp.swap).then_some((tg, GroupRule::Swap))
+    } else if tp.exclusive && !rp.persistent {
+        Some((tg, GroupRule::Exclusive))
+    } else if rp.exclusive && !tp.persistent {
+        Some((rg, GroupRule::Exclusive))
+    } else {
+        None
+    };
+    rule.map(|(group, rule)| Reason::GroupConflict {
+        role: spec.role.clone(),
+        with: r.spec.role.clone(),
+        with_instance: r.id.clone(),
+        group: group.clone(),
+        rule,
+    })
+}
+
+/// The budget and live-ceiling reasons for one pool, as things stand.
+fn memory_reasons(
+    state: &NodeState,
+    spec: &Spec,
+    pool: &Pool,
+    figures: &PoolFigures,
+    need: u64,
+    out: &mut Vec<Reason>,
+) {
+    let name = pool.config.name.as_str();
+    let over = |limit: u128| figures.used + u128::from(need) > limit;
+    if let Some(budget) = figures.budget.filter(|b| over(u128::from(*b))) {
+        out.push(Reason::OverBudget {
+            role: spec.role.clone(),
+            pool: pool.config.name.clone(),
+            need,
+            free: u64::try_from(u128::from(budget).saturating_sub(figures.used)).unwrap_or(0),
+            budget,
+            holders: state.holders(name),
+        });
+    }
+    if let (Some(live), Some(ceiling)) = (figures.live, figures.ceiling()) {
+        if over(ceiling) {
+            let pending = figures.used - live.touched;
+            out.push(Reason::HostMemory {
+                role: spec.role.clone(),
+                pool: pool.config.name.clone(),
+                need,
+                available: live.available,
+                reserve: live.reserve,
+                pending: u64::try_from(pending).unwrap_or(u64::MAX),
+                holders: state.holders(name),
+            });
+        }
+    }
+}
+
+/// Whether policy lets `r` be evicted for `spec` at `now`.
+fn permitted(state: &NodeState, spec: &Spec, now: u64, r: &Resident) -> bool {
+    !r.evicting
+        && !r.held(now)
+        && r.spec.priority <= spec.priority
+        && !state.groups.is_persistent(r.spec.workload.as_str())
+}
+
+/// The victims that make room, or `None` when even every permitted
+/// eviction would not: conflicting residents first (all must be permitted),
+/// then, while a pool is short, least-recently-used permitted residents that
+/// hold bytes in a short pool.
+fn victims(
+    state: &NodeState,
+    spec: &Spec,
+    now: u64,
+    conflicting: &[&Resident],
+    pools: &[(&Pool, PoolFigures, u64)],
+) -> Option<Vec<InstanceId>> {
+    if !conflicting.iter().all(|r| permitted(state, spec, now, r)) {
+        return None;
+    }
+    let mut excess: BTreeMap<&str, i128> = pools
+        .iter()
+        .map(|(pool, figures, need)| (pool.config.name.as_str(), figures.excess(*need)))
+        .collect();
+    let release = |excess: &mut BTreeMap<&str, i128>, r: &Resident| {
+        for (pool, e) in excess.iter_mut() {
+            *e -= i128::from(r.footprint(pool));
+        }
+    };
+    let mut evict = Vec::new();
+    let mut chosen = BTreeSet::new();
+    for r in conflicting {
+        release(&mut excess, r);
+        evict.push(r.id.clone());
+        chosen.insert(r.seq);
+    }
+    let short = |excess: &BTreeMap<&str, i128>| excess.values().any(|e| *e > 0);
+    if short(&excess) {
+        let mut candidates: Vec<&Resident> = state
+            .residents
+            .values()
+            .filter(|r| permitted(state, spec, now, r) && !chosen.contains(&r.seq))
+            .collect();
+        candidates.sort_by_key(|r| (r.last_used, r.seq));
+        for r in candidates {
+            let helps = excess
+                .iter()
+                .any(|(pool, e)| *e > 0 && r.footprint(pool) > 0);
+            if helps {
+                release(&mut excess, r);
+                evict.push(r.id.clone());
+                if !short(&excess) {
+                    break;
+                }
+            }
+        }
+    }
+    (!short(&excess)).then_some(evict)
+}

@@ -1,0 +1,324 @@
+//! The node state the planner reads and the ledger operations that change
+//! it: pools with budgets and live readings, and what every resident holds.
+//!
+//! `NodeState` is plain data owned by one caller (the daemon keeps it behind
+//! one lock), so `admit` — plan and reserve — is one atomic step.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use crate::name::{InstanceId, PoolName};
+use crate::planner::{self, Plan, PlanError, Policy};
+use crate::reason::{Holder, Refusal};
+use crate::spec::{Groups, Spec};
+
+/// A pool as configured.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolConfig {
+    /// Its name.
+    pub name: PoolName,
+    /// The configured budget; `None` leaves it unbounded unless a live
+    /// reading bounds it.
+    pub budget: Option<u64>,
+    /// Headroom kept free on a live (probe-bound) pool.
+    pub reserve: u64,
+    /// Whether a probe reading bounds this pool.
+    pub live: bool,
+}
+
+impl PoolConfig {
+    /// A static pool with this budget.
+    pub fn new(name: PoolName, budget: Option<u64>) -> Self {
+        Self {
+            name,
+            budget,
+            reserve: 0,
+            live: false,
+        }
+    }
+}
+
+/// A pool and its last probe reading.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Pool {
+    pub(crate) config: PoolConfig,
+    /// Bytes the probe last read as available; `None`: no trustworthy
+    /// reading, the configured budget stands.
+    pub(crate) available: Option<u64>,
+}
+
+/// One entry of the ledger.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Resident {
+    /// The instance.
+    pub id: InstanceId,
+    /// What it declared.
+    pub spec: Arc<Spec>,
+    /// Admission order, the tie-break of least-recently-used.
+    pub seq: u64,
+    /// Last use on the caller's clock (admission, repeated Start, Touch).
+    pub last_used: u64,
+    /// Not evictable before this instant on the caller's clock.
+    pub hold_until: u64,
+    /// Measured bytes per pool (what the instance really touched).
+    pub measured: BTreeMap<PoolName, u64>,
+    /// Chosen as a victim: it still holds its memory until released, but
+    /// it is no longer a candidate and no longer counts in co-residency.
+    pub evicting: bool,
+}
+
+impl Resident {
+    /// Declared bytes in `pool`.
+    pub fn footprint(&self, pool: &str) -> u64 {
+        self.spec.footprint(pool)
+    }
+
+    /// Measured bytes in `pool`, never more than declared: memory beyond
+    /// the declaration is not ours to hand out again.
+    pub(crate) fn touched(&self, pool: &str) -> u64 {
+        self.measured
+            .get(pool)
+            .copied()
+            .unwrap_or(0)
+            .min(self.footprint(pool))
+    }
+
+    /// Whether a hold protects it at `now`.
+    pub fn held(&self, now: u64) -> bool {
+        now < self.hold_until
+    }
+}
+
+/// A pool's figures as the `Node` RPC shows them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolStatus {
+    /// The pool.
+    pub name: PoolName,
+    /// Configured budget.
+    pub budget: Option<u64>,
+    /// Configured budget tightened by the live ceiling.
+    pub effective: Option<u64>,
+    /// Declared bytes held by every entry, evicting ones included.
+    pub used: u64,
+    /// `effective - used`, saturating; `None` when unbounded.
+    pub free: Option<u64>,
+    /// Who holds memory there, in id order.
+    pub holders: Vec<Holder>,
+}
+
+/// The result of a successful `admit`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Admission {
+    /// False when the instance was already resident (idempotent start).
+    pub created: bool,
+    /// Victims now marked evicting: stop them, then release them.
+    pub evict: Vec<InstanceId>,
+    /// Instances already on their way out that conflict with the target:
+    /// spawn only once these (and `evict`) are released.
+    pub wait_for: Vec<InstanceId>,
+}
+
+/// Why `admit` reserved nothing.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AdmitError {
+    /// The plan is a refusal.
+    #[error("{0}")]
+    Refused(Refusal),
+    /// The request itself is wrong.
+    #[error(transparent)]
+    Invalid(#[from] PlanError),
+}
+
+/// Pools, groups and residents of one node.
+#[derive(Debug, Clone, Default)]
+pub struct NodeState {
+    pub(crate) pools: BTreeMap<PoolName, Pool>,
+    pub(crate) groups: Groups,
+    pub(crate) residents: BTreeMap<InstanceId, Resident>,
+    next_seq: u64,
+}
+
+impl NodeState {
+    /// A node with these pools and groups and no residents.
+    pub fn new(pools: impl IntoIterator<Item = PoolConfig>, groups: Groups) -> Self {
+        let mut state = Self {
+            groups,
+            ..Self::default()
+        };
+        state.set_pools(pools);
+        state
+    }
+
+    /// Replaces pools and groups (a config reload). Residents stay; a pool
+    /// that keeps its name keeps its last reading.
+    pub fn reconfigure(&mut self, pools: impl IntoIterator<Item = PoolConfig>, groups: Groups) {
+        self.groups = groups;
+        self.set_pools(pools);
+    }
+
+    fn set_pools(&mut self, pools: impl IntoIterator<Item = PoolConfig>) {
+        let old = std::mem::take(&mut self.pools);
+        for config in pools {
+            let available = old.get(&config.name).and_then(|p| p.available);
+            self.pools
+                .insert(config.name.clone(), Pool { config, available });
+        }
+    }
+
+    /// The group table.
+    pub fn groups(&self) -> &Groups {
+        &self.groups
+    }
+
+    /// The dry run: what `admit` would do, changing nothing.
+    pub fn plan(
+        &self,
+        id: &InstanceId,
+        spec: &Spec,
+        policy: Policy,
+        now: u64,
+    ) -> Result<Plan, PlanError> {
+        planner::plan(self, id, spec, policy, now)
+    }
+
+    /// Plans and, when admitted, reserves `spec` for `id` and marks the
+    /// victims evicting, in one step. A refusal changes nothing. Starting
+    /// an instance that is already resident with the same workload counts
+    /// as a use and reserves nothing more.
+    pub fn admit(
+        &mut self,
+        id: &InstanceId,
+        spec: Arc<Spec>,
+        policy: Policy,
+        now: u64,
+    ) -> Result<Admission, AdmitError> {
+        match planner::plan(self, id, &spec, policy, now)? {
+            Plan::Refuse(refusal) => Err(AdmitError::Refused(refusal)),
+            Plan::Existing => {
+                self.touch(id.as_str(), now, 0);
+                Ok(Admission {
+                    created: false,
+                    evict: Vec::new(),
+                    wait_for: Vec::new(),
+                })
+            }
+            Plan::Admit { evict, wait_for } => {
+                for victim in &evict {
+                    if let Some(r) = self.residents.get_mut(victim) {
+                        r.evicting = true;
+                    }
+                }
+                self.next_seq += 1;
+                let resident = Resident {
+                    id: id.clone(),
+                    spec,
+                    seq: self.next_seq,
+                    last_used: now,
+                    hold_until: 0,
+                    measured: BTreeMap::new(),
+                    evicting: false,
+                };
+                self.residents.insert(id.clone(), resident);
+                Ok(Admission {
+                    created: true,
+                    evict,
+                    wait_for,
+                })
+            }
+        }
+    }
+
+    /// Releases what `id` held. `None` when it held nothing.
+    pub fn release(&mut self, id: &str) -> Option<Resident> {
+        self.residents.remove(id)
+    }
+
+    /// Marks a use of `id` at `now`, and with `hold_ms > 0` protects it from
+    /// eviction until `now + hold_ms` (a hold never shortens). False when
+    /// `id` is not resident.
+    pub fn touch(&mut self, id: &str, now: u64, hold_ms: u64) -> bool {
+        let Some(r) = self.residents.get_mut(id) else {
+            return false;
+        };
+        r.last_used = r.last_used.max(now);
+        r.hold_until = r.hold_until.max(now.saturating_add(hold_ms));
+        true
+    }
+
+    /// Records what `id` measurably holds in `pool`.
+    pub fn set_measured(&mut self, id: &str, pool: &PoolName, bytes: u64) -> bool {
+        let Some(r) = self.residents.get_mut(id) else {
+            return false;
+        };
+        r.measured.insert(pool.clone(), bytes);
+        true
+    }
+
+    /// Records a live pool's probe reading (`None`: no trustworthy reading).
+    pub fn set_available(&mut self, pool: &str, available: Option<u64>) -> bool {
+        match self.pools.get_mut(pool) {
+            Some(p) => {
+                p.available = available;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// One resident.
+    pub fn resident(&self, id: &str) -> Option<&Resident> {
+        self.residents.get(id)
+    }
+
+    /// Every resident, in id order.
+    pub fn residents(&self) -> impl Iterator<Item = &Resident> {
+        self.residents.values()
+    }
+
+    /// Declared bytes held in `pool` by every entry.
+    pub fn used(&self, pool: &str) -> u64 {
+        self.residents
+            .values()
+            .map(|r| r.footprint(pool))
+            .fold(0, u64::saturating_add)
+    }
+
+    /// The budget `pool` admits against now: the configured one, tightened
+    /// by the live ceiling. `None` when unbounded or unknown.
+    pub fn effective_budget(&self, pool: &str) -> Option<u64> {
+        let p = self.pools.get(pool)?;
+        planner::PoolFigures::of(self, p).effective()
+    }
+
+    /// Figures of every pool, in name order.
+    pub fn pools(&self) -> Vec<PoolStatus> {
+        self.pools.values().map(|p| self.pool_status(p)).collect()
+    }
+
+    fn pool_status(&self, p: &Pool) -> PoolStatus {
+        let name = &p.config.name;
+        let effective = planner::PoolFigures::of(self, p).effective();
+        let used = self.used(name.as_str());
+        PoolStatus {
+            name: name.clone(),
+            budget: p.config.budget,
+            effective,
+            used,
+            free: effective.map(|e| e.saturating_sub(used)),
+            holders: self.holders(name.as_str()),
+        }
+    }
+
+    /// Residents with bytes in `pool`, in id order.
+    pub fn holders(&self, pool: &str) -> Vec<Holder> {
+        self.residents
+            .values()
+            .filter(|r| r.footprint(pool) > 0)
+            .map(|r| Holder {
+                instance_id: r.id.clone(),
+                role: r.spec.role.clone(),
+                bytes: r.footprint(pool),
+            })
+            .collect()
+    }
+}
