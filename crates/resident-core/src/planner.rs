@@ -171,8 +171,7 @@ pub fn plan(
     }
 
     let target_group = state.groups.of(spec.workload.as_str());
-    let mut reasons = Vec::new();
-    let mut conflicting = Vec::new();
+    let mut conflicts = Vec::new();
     let mut wait_for = Vec::new();
     for r in state.residents.values() {
         let Some(reason) = conflict(state, spec, target_group, r) else {
@@ -181,26 +180,31 @@ pub fn plan(
         if r.evicting {
             wait_for.push(r.id.clone());
         } else {
-            reasons.push(reason);
-            conflicting.push(r);
+            conflicts.push((r, reason));
         }
     }
-    for (pool, figures, need) in &pools {
-        memory_reasons(state, spec, pool, figures, *need, &mut reasons);
-    }
-    let Some(refusal) = Refusal::new(reasons) else {
+    let short = pools
+        .iter()
+        .any(|(_, figures, need)| figures.excess(*need) > 0);
+    if conflicts.is_empty() && !short {
         return Ok(Plan::Admit {
             evict: Vec::new(),
             wait_for,
         });
-    };
-    if policy == Policy::Refuse {
-        return Ok(Plan::Refuse(refusal));
     }
-    match victims(state, spec, now, &conflicting, &pools) {
-        Some(evict) => Ok(Plan::Admit { evict, wait_for }),
-        None => Ok(Plan::Refuse(refusal)),
+    if policy == Policy::Evict {
+        let conflicting: Vec<&Resident> = conflicts.iter().map(|(r, _)| *r).collect();
+        if let Some(evict) = victims(state, spec, now, &conflicting, &pools) {
+            return Ok(Plan::Admit { evict, wait_for });
+        }
     }
+    // Refused: only now is it worth building every reason, with holders.
+    let mut reasons: Vec<Reason> = conflicts.into_iter().map(|(_, reason)| reason).collect();
+    for (pool, figures, need) in &pools {
+        memory_reasons(state, spec, pool, figures, *need, &mut reasons);
+    }
+    let refusal = Refusal::new(reasons).expect("a conflict or a short pool gives a reason");
+    Ok(Plan::Refuse(refusal))
 }
 
 /// The co-residency rule, if any, that keeps `spec` from sitting beside `r`.
@@ -263,19 +267,19 @@ fn memory_reasons(
             holders: state.holders(name),
         });
     }
-    if let (Some(live), Some(ceiling)) = (figures.live, figures.ceiling()) {
-        if over(ceiling) {
-            let pending = figures.used - live.touched;
-            out.push(Reason::HostMemory {
-                role: spec.role.clone(),
-                pool: pool.config.name.clone(),
-                need,
-                available: live.available,
-                reserve: live.reserve,
-                pending: u64::try_from(pending).unwrap_or(u64::MAX),
-                holders: state.holders(name),
-            });
-        }
+    if let (Some(live), Some(ceiling)) = (figures.live, figures.ceiling())
+        && over(ceiling)
+    {
+        let pending = figures.used - live.touched;
+        out.push(Reason::HostMemory {
+            role: spec.role.clone(),
+            pool: pool.config.name.clone(),
+            need,
+            available: live.available,
+            reserve: live.reserve,
+            pending: u64::try_from(pending).unwrap_or(u64::MAX),
+            holders: state.holders(name),
+        });
     }
 }
 

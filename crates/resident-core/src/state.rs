@@ -265,6 +265,11 @@ impl NodeState {
         }
     }
 
+    /// A live pool's last probe reading.
+    pub fn available(&self, pool: &str) -> Option<u64> {
+        self.pools.get(pool).and_then(|p| p.available)
+    }
+
     /// One resident.
     pub fn resident(&self, id: &str) -> Option<&Resident> {
         self.residents.get(id)

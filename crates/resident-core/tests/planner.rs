@@ -56,14 +56,64 @@ fn one_pool(budget: u64, ceiling: Option<u64>, residents: &[(&str, u64)]) -> Nod
 fn reference_budget_and_live_ceiling_cases() {
     // (budget, ceiling, residents LRU first, target, under evict, under refuse)
     #[rustfmt::skip]
-    let rows: &[(u64, Option<u64>, &[(&str, u64)], (&str, u64), &str, &str)] = &[
-        (24, None,     &[("a", 6), ("b", 5)],   ("c", 4),   "admit []",  "admit []"),
-        (12, None,     &[("a", 5), ("b", 5)],   ("c", 5),   "admit [a]", "refuse OVER_BUDGET"),
-        (8,  None,     &[("a", 4), ("b", 4)],   ("big", 10), "refuse OVER_BUDGET", "refuse OVER_BUDGET"),
-        (12, None,     &[("pin", 4), ("a", 5)], ("c", 5),   "admit [a]", "refuse OVER_BUDGET"),
-        (24, Some(10), &[("a", 6), ("b", 5)],   ("c", 4),   "admit [a]", "refuse HOST_MEMORY"),
-        (12, Some(48), &[("a", 5), ("b", 5)],   ("c", 5),   "admit [a]", "refuse OVER_BUDGET"),
-        (24, Some(1),  &[("a", 6), ("b", 5)],   ("c", 4),   "refuse HOST_MEMORY", "refuse HOST_MEMORY"),
+    type Row<'a> = (u64, Option<u64>, &'a [(&'a str, u64)], (&'a str, u64), &'a str, &'a str);
+    let rows: &[Row] = &[
+        (
+            24,
+            None,
+            &[("a", 6), ("b", 5)],
+            ("c", 4),
+            "admit []",
+            "admit []",
+        ),
+        (
+            12,
+            None,
+            &[("a", 5), ("b", 5)],
+            ("c", 5),
+            "admit [a]",
+            "refuse OVER_BUDGET",
+        ),
+        (
+            8,
+            None,
+            &[("a", 4), ("b", 4)],
+            ("big", 10),
+            "refuse OVER_BUDGET",
+            "refuse OVER_BUDGET",
+        ),
+        (
+            12,
+            None,
+            &[("pin", 4), ("a", 5)],
+            ("c", 5),
+            "admit [a]",
+            "refuse OVER_BUDGET",
+        ),
+        (
+            24,
+            Some(10),
+            &[("a", 6), ("b", 5)],
+            ("c", 4),
+            "admit [a]",
+            "refuse HOST_MEMORY",
+        ),
+        (
+            12,
+            Some(48),
+            &[("a", 5), ("b", 5)],
+            ("c", 5),
+            "admit [a]",
+            "refuse OVER_BUDGET",
+        ),
+        (
+            24,
+            Some(1),
+            &[("a", 6), ("b", 5)],
+            ("c", 4),
+            "refuse HOST_MEMORY",
+            "refuse HOST_MEMORY",
+        ),
     ];
     for (budget, ceiling, residents, (target, gb), evict, refuse) in rows {
         let n = one_pool(*budget, *ceiling, residents);

@@ -1,0 +1,284 @@
+//! Property tests of the ledger and planner over random operation
+//! sequences, budgets, specs and policies.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use proptest::prelude::*;
+use resident_core::{
+    AdmitError, Demand, GB, GroupPolicy, NodeState, Plan, Policy, Reason, Resident, Spec,
+};
+use support::*;
+
+const POOLS: [&str; 3] = ["p0", "p1", "p2"];
+const WORKLOADS: usize = 6;
+
+#[derive(Debug, Clone)]
+enum Op {
+    Start {
+        id: u8,
+        workload: usize,
+        evict: bool,
+    },
+    Release {
+        id: u8,
+    },
+    Touch {
+        id: u8,
+        hold: u64,
+    },
+    Measure {
+        id: u8,
+        pool: usize,
+        gb: u64,
+    },
+    Reading {
+        pool: usize,
+        gb: Option<u64>,
+    },
+    Tick {
+        ms: u64,
+    },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0u8..10, 0..WORKLOADS, any::<bool>()).prop_map(|(id, workload, evict)| Op::Start { id, workload, evict }),
+        2 => (0u8..10).prop_map(|id| Op::Release { id }),
+        1 => (0u8..10, 0u64..50).prop_map(|(id, hold)| Op::Touch { id, hold }),
+        1 => (0u8..10, 0..3usize, 0u64..10).prop_map(|(id, pool, gb)| Op::Measure { id, pool, gb }),
+        1 => (0..3usize, proptest::option::of(0u64..30)).prop_map(|(pool, gb)| Op::Reading { pool, gb }),
+        1 => (1u64..20).prop_map(|ms| Op::Tick { ms }),
+    ]
+}
+
+fn policy() -> impl Strategy<Value = GroupPolicy> {
+    (any::<bool>(), any::<bool>(), any::<bool>()).prop_map(|(swap, exclusive, persistent)| {
+        GroupPolicy {
+            swap,
+            exclusive,
+            persistent,
+        }
+    })
+}
+
+#[derive(Debug, Clone)]
+struct World {
+    pools: Vec<(Option<u64>, bool, u64)>,
+    groups: Vec<(Vec<usize>, GroupPolicy)>,
+    specs: Vec<Spec>,
+}
+
+fn world() -> impl Strategy<Value = World> {
+    let pools =
+        proptest::collection::vec((proptest::option::of(0u64..20), any::<bool>(), 0u64..3), 3);
+    let memberships = proptest::collection::vec(proptest::option::of(0usize..3), WORKLOADS);
+    let policies = proptest::collection::vec(policy(), 3);
+    let demands = proptest::collection::vec(
+        (
+            proptest::collection::vec(0u64..8, 3),
+            -1i32..3,
+            proptest::collection::vec(0..WORKLOADS, 0..2),
+        ),
+        WORKLOADS,
+    );
+    (pools, memberships, policies, demands).prop_map(|(pools, members, policies, demands)| {
+        let groups = policies
+            .into_iter()
+            .enumerate()
+            .map(|(g, p)| {
+                (
+                    (0..WORKLOADS).filter(|w| members[*w] == Some(g)).collect(),
+                    p,
+                )
+            })
+            .collect();
+        let specs = demands
+            .into_iter()
+            .enumerate()
+            .map(|(w, (gbs, priority, excludes))| {
+                let mut s = spec(&format!("w{w}"), &[]);
+                for (p, gb) in gbs.into_iter().enumerate() {
+                    // Odd byte counts so that "exactly fits" edges come up.
+                    s.demand.insert(
+                        pool(POOLS[p]),
+                        Demand {
+                            weights: gb * GB,
+                            kv: gb * 7,
+                        },
+                    );
+                }
+                s.priority = priority;
+                s.excludes = excludes.iter().map(|x| format!("role:w{x}")).collect();
+                s
+            })
+            .collect();
+        World {
+            pools,
+            groups,
+            specs,
+        }
+    })
+}
+
+fn build(w: &World) -> NodeState {
+    let pools = w
+        .pools
+        .iter()
+        .zip(POOLS)
+        .map(|((budget, live, reserve), name)| match live {
+            true => live_pool(name, *budget, *reserve),
+            false => static_pool(name, *budget),
+        })
+        .collect();
+    let groups = w
+        .groups
+        .iter()
+        .enumerate()
+        .map(|(g, (members, p))| {
+            let names: Vec<String> = members.iter().map(|m| format!("w{m}")).collect();
+            let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+            group(&format!("g{g}"), &refs, *p)
+        })
+        .collect();
+    node(pools, groups)
+}
+
+fn snapshot(n: &NodeState) -> Vec<Resident> {
+    n.residents().cloned().collect()
+}
+
+fn permitted(n: &NodeState, target: &Spec, now: u64, r: &Resident) -> bool {
+    !r.evicting
+        && !r.held(now)
+        && r.spec.priority <= target.priority
+        && !n.groups().is_persistent(r.spec.workload.as_str())
+}
+
+/// The oracle for "could fit after every permitted eviction": release every
+/// permitted resident, returning what it touched to the probe's reading,
+/// then ask whether a plain refuse-plan admits.
+fn fits_after_all_evictions(n: &NodeState, target: &Spec, now: u64) -> bool {
+    let mut m = n.clone();
+    let mut returned: BTreeMap<&str, u64> = BTreeMap::new();
+    for r in n.residents().filter(|r| permitted(n, target, now, r)) {
+        for p in POOLS {
+            let touched = r.measured.get(p).copied().unwrap_or(0).min(r.footprint(p));
+            *returned.entry(p).or_default() += touched;
+        }
+        m.release(r.id.as_str());
+    }
+    for p in POOLS {
+        if let Some(avail) = n.available(p) {
+            m.set_available(p, Some(avail + returned.get(p).copied().unwrap_or(0)));
+        }
+    }
+    matches!(
+        m.plan(&id("t"), target, Policy::Refuse, now),
+        Ok(Plan::Admit { .. })
+    )
+}
+
+/// Checks the victims of an evict-plan: permitted, conflicts first, then
+/// least-recently-used, each helping a pool that was still short.
+fn check_victims(n: &NodeState, target: &Spec, now: u64, evict: &[resident_core::InstanceId]) {
+    let mut excess: BTreeMap<&str, i128> = BTreeMap::new();
+    for p in POOLS {
+        let need = target.footprint(p);
+        if let (Some(eff), true) = (n.effective_budget(p), need > 0) {
+            excess.insert(
+                p,
+                i128::from(n.used(p)) + i128::from(need) - i128::from(eff),
+            );
+        }
+    }
+    let conflicting: Vec<_> = match n.plan(&id("t"), target, Policy::Refuse, now) {
+        Ok(Plan::Refuse(r)) => r
+            .reasons()
+            .iter()
+            .filter_map(|x| match x {
+                Reason::Excluded { with_instance, .. }
+                | Reason::GroupConflict { with_instance, .. } => Some(with_instance.clone()),
+                _ => None,
+            })
+            .collect(),
+        _ => Vec::new(),
+    };
+    assert!(
+        evict.starts_with(&conflicting),
+        "every conflicting resident goes, first"
+    );
+    let mut last_lru: Option<(u64, u64)> = None;
+    for v in evict {
+        let r = n.resident(v.as_str()).expect("victims are residents");
+        assert!(permitted(n, target, now, r), "victim {v} is not permitted");
+        if !conflicting.contains(v) {
+            let key = (r.last_used, r.seq);
+            assert!(last_lru.is_none_or(|l| l < key), "victims out of LRU order");
+            last_lru = Some(key);
+            let helps = excess.iter().any(|(p, e)| *e > 0 && r.footprint(p) > 0);
+            assert!(helps, "victim {v} helps no short pool");
+        }
+        for (p, e) in excess.iter_mut() {
+            *e -= i128::from(r.footprint(p));
+        }
+    }
+    assert!(
+        excess.values().all(|e| *e <= 0),
+        "victims leave a pool short: {excess:?}"
+    );
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, failure_persistence: None, ..ProptestConfig::default() })]
+
+    #[test]
+    fn the_ledger_keeps_its_promises(w in world(), ops in proptest::collection::vec(op(), 1..60)) {
+        let mut n = build(&w);
+        let mut now = 0u64;
+        for op in ops {
+            match op {
+                Op::Start { id: i, workload, evict } => {
+                    let target = Arc::new(w.specs[workload].clone());
+                    let policy = if evict { Policy::Evict } else { Policy::Refuse };
+                    let iid = id(&format!("i{i}"));
+                    let before = snapshot(&n);
+                    let planned = n.plan(&iid, &target, policy, now);
+                    let could_fit = fits_after_all_evictions(&n, &target, now);
+                    let pre = n.clone();
+                    match n.admit(&iid, target.clone(), policy, now) {
+                        Err(AdmitError::Refused(_)) => {
+                            prop_assert_eq!(snapshot(&n), before, "a refusal changes nothing");
+                            prop_assert!(matches!(planned, Ok(Plan::Refuse(_))));
+                            if evict {
+                                prop_assert!(!could_fit, "refused although evicting every permitted candidate fits");
+                            }
+                        }
+                        Err(AdmitError::Invalid(_)) => prop_assert_eq!(snapshot(&n), before),
+                        Ok(a) if a.created => {
+                            prop_assert!(could_fit || !evict, "admitted what cannot fit");
+                            if !evict { prop_assert!(a.evict.is_empty()); }
+                            check_victims(&pre, &target, now, &a.evict);
+                            // A reading may shrink under residents; an admission
+                                // never takes a pool it draws on past its budget.
+                            for p in POOLS.iter().filter(|p| target.footprint(p) > 0) {
+                                let committed: u64 = n.residents().filter(|r| !r.evicting).map(|r| r.footprint(p)).sum();
+                                if let Some(eff) = n.effective_budget(p) {
+                                    prop_assert!(committed <= eff, "pool {} holds {} of {}", p, committed, eff);
+                                }
+                            }
+                        }
+                        Ok(_) => prop_assert!(matches!(planned, Ok(Plan::Existing))),
+                    }
+                }
+                Op::Release { id: i } => { n.release(&format!("i{i}")); }
+                Op::Touch { id: i, hold } => { n.touch(&format!("i{i}"), now, hold); }
+                Op::Measure { id: i, pool: p, gb } => { n.set_measured(&format!("i{i}"), &pool(POOLS[p]), gb * GB); }
+                Op::Reading { pool: p, gb } => { n.set_available(POOLS[p], gb.map(|g| g * GB)); }
+                Op::Tick { ms } => now += ms,
+            }
+        }
+    }
+}
