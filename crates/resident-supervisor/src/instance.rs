@@ -1,0 +1,274 @@
+//! One task per instance drives its lifecycle: spawn, readiness, run, stop
+//! or exit, restart with backoff. It is the only writer of the instance's
+//! status, so its transitions are published in order.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use tokio::process::Child;
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::time::{Instant, sleep, timeout};
+
+use crate::logs::{LogRing, Stream};
+use crate::spawn::{self, Ports, signal_group};
+use crate::spec::{LaunchSpec, Macros};
+use crate::status::{Exit, State, Status};
+use crate::{readiness, spawn::command};
+
+/// Leftovers of a group get this long to disappear after SIGKILL.
+const LEFTOVER_BOUND: Duration = Duration::from_secs(2);
+
+/// A request to stop, answered once the instance is terminal.
+#[derive(Debug)]
+pub(crate) struct StopRequest {
+    pub(crate) grace: Duration,
+    pub(crate) done: oneshot::Sender<()>,
+}
+
+/// What the supervisor and the actor share about one instance.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(crate) status: watch::Sender<Status>,
+    pub(crate) events: mpsc::UnboundedSender<Status>,
+    pub(crate) logs: Arc<LogRing>,
+    /// The running group's id, 0 when none (read by the memory sampler).
+    pub(crate) pgid: AtomicI32,
+}
+
+impl Shared {
+    /// Moves to `state` for `reason`, applies `edit`, and publishes.
+    pub(crate) fn transition(&self, state: State, reason: String, edit: impl FnOnce(&mut Status)) {
+        let mut snapshot = None;
+        self.status.send_modify(|s| {
+            s.state = state;
+            s.reason = reason;
+            edit(s);
+            snapshot = Some(s.clone());
+        });
+        if let Some(s) = snapshot {
+            tracing::debug!(instance_id = %s.instance, state = %s.state, reason = %s.reason, "transition");
+            let _ = self.events.send(s);
+        }
+    }
+}
+
+/// How a run of the process ended.
+enum End {
+    NotReady,
+    Exited(Exit),
+    Stop(Option<StopRequest>),
+}
+
+pub(crate) struct Actor {
+    pub(crate) spec: LaunchSpec,
+    pub(crate) port: u16,
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) stops: mpsc::Receiver<StopRequest>,
+    pub(crate) ports: Arc<Ports>,
+}
+
+impl Actor {
+    pub(crate) async fn run(mut self) {
+        self.lifecycle().await;
+        self.shared.pgid.store(0, Ordering::Relaxed);
+        self.ports.release(self.port);
+    }
+
+    async fn lifecycle(&mut self) {
+        let mut consecutive = 0u32;
+        loop {
+            let Some((mut child, pgid)) = self.spawn().await else {
+                return;
+            };
+            let started = Instant::now();
+            let end = match self.until_ready(&mut child).await {
+                Ok(()) => {
+                    self.shared.transition(State::Ready, "ready".into(), |_| {});
+                    tokio::select! {
+                        req = self.stops.recv() => End::Stop(req),
+                        status = child.wait() => End::Exited(exit_of(status)),
+                    }
+                }
+                Err(end) => end,
+            };
+            let exit = match end {
+                End::Stop(req) => {
+                    let grace = req.as_ref().map_or(self.spec.stop_grace, |r| r.grace);
+                    let exit = self.terminate(&mut child, pgid, grace).await;
+                    self.finish(State::Exited, format!("stopped ({exit})"), Some(exit));
+                    return reply(req);
+                }
+                End::NotReady => {
+                    let exit = self.terminate(&mut child, pgid, self.spec.stop_grace).await;
+                    let limit = self.spec.readiness_timeout;
+                    self.finish(
+                        State::Failed,
+                        format!("not ready within {limit:?}"),
+                        Some(exit),
+                    );
+                    return;
+                }
+                End::Exited(exit) => exit,
+            };
+            clear_leftovers(pgid).await;
+            self.shared.pgid.store(0, Ordering::Relaxed);
+            let policy = self.spec.restart;
+            if started.elapsed() >= policy.stable_after {
+                consecutive = 0;
+            }
+            if !policy.wants_restart(exit.success()) {
+                let state = if exit.success() {
+                    State::Exited
+                } else {
+                    State::Failed
+                };
+                return self.finish(state, exit.to_string(), Some(exit));
+            }
+            if consecutive >= policy.max_restarts {
+                let reason = format!("gave up after {consecutive} restarts: {exit}");
+                return self.finish(State::Failed, reason, Some(exit));
+            }
+            let delay = policy.delay(consecutive);
+            consecutive += 1;
+            let reason = format!(
+                "{exit}; restart {consecutive} of {} in {delay:?}",
+                policy.max_restarts
+            );
+            self.shared.transition(State::Backoff, reason, |s| {
+                s.restarts += 1;
+                s.exit = Some(exit);
+                s.pid = None;
+            });
+            tokio::select! {
+                _ = sleep(delay) => {}
+                req = self.stops.recv() => {
+                    self.finish(State::Exited, "stopped during backoff".into(), Some(exit));
+                    return reply(req);
+                }
+            }
+        }
+    }
+
+    /// Spawns the process and publishes STARTING; FAILED when it cannot.
+    async fn spawn(&mut self) -> Option<(Child, i32)> {
+        let spec = &self.spec;
+        let macros = Macros {
+            port: self.port,
+            instance: &spec.instance,
+            workload: &spec.workload,
+            role: &spec.role,
+        };
+        let program = spec.argv.first().cloned().unwrap_or_default();
+        let spawned = match command(spec, &macros) {
+            Ok(cmd) => spawn::spawn(cmd).await,
+            Err(e) => Err(e),
+        };
+        let mut child = match spawned {
+            Ok(child) => child,
+            Err(e) => {
+                self.finish(
+                    State::Failed,
+                    format!("cannot start {program:?}: {e}"),
+                    None,
+                );
+                return None;
+            }
+        };
+        // A spawned child that has not been waited for always has an id.
+        let pid = child.id().unwrap_or_default();
+        let pgid = pid as i32;
+        self.shared.pgid.store(pgid, Ordering::Relaxed);
+        if let Some(out) = child.stdout.take() {
+            tokio::spawn(self.shared.logs.clone().capture(Stream::Stdout, out));
+        }
+        if let Some(err) = child.stderr.take() {
+            tokio::spawn(self.shared.logs.clone().capture(Stream::Stderr, err));
+        }
+        self.shared
+            .transition(State::Starting, format!("spawned pid {pid}"), |s| {
+                s.pid = Some(pid);
+            });
+        Some((child, pgid))
+    }
+
+    /// Ok once ready; otherwise how the run ended first.
+    async fn until_ready(&mut self, child: &mut Child) -> Result<(), End> {
+        let deadline = Instant::now() + self.spec.readiness_timeout;
+        tokio::select! {
+            req = self.stops.recv() => Err(End::Stop(req)),
+            status = child.wait() => Err(End::Exited(exit_of(status))),
+            ready = readiness::wait_ready(&self.spec.readiness, self.port, deadline) => {
+                if ready { Ok(()) } else { Err(End::NotReady) }
+            }
+        }
+    }
+
+    /// SIGTERM (and SIGCONT, so a stopped process can act on it) to the
+    /// group, `grace`, then SIGKILL; returns once the group is gone.
+    async fn terminate(&mut self, child: &mut Child, pgid: i32, grace: Duration) -> Exit {
+        let reason = format!("stopping: SIGTERM, SIGKILL after {grace:?}");
+        self.shared.transition(State::Stopping, reason, |_| {});
+        let _ = signal_group(pgid, Signal::SIGTERM);
+        let _ = signal_group(pgid, Signal::SIGCONT);
+        let exit = match timeout(grace, child.wait()).await {
+            Ok(status) => exit_of(status),
+            Err(_) => {
+                tracing::info!(instance_id = %self.spec.instance, pid = pgid, "grace over, killing the group");
+                let _ = signal_group(pgid, Signal::SIGKILL);
+                exit_of(child.wait().await)
+            }
+        };
+        clear_leftovers(pgid).await;
+        exit
+    }
+
+    fn finish(&self, state: State, reason: String, exit: Option<Exit>) {
+        self.shared.pgid.store(0, Ordering::Relaxed);
+        self.shared.transition(state, reason, |s| {
+            s.pid = None;
+            s.measured_bytes = 0;
+            if exit.is_some() {
+                s.exit = exit;
+            }
+        });
+    }
+}
+
+fn reply(req: Option<StopRequest>) {
+    if let Some(req) = req {
+        let _ = req.done.send(());
+    }
+}
+
+fn exit_of(status: std::io::Result<std::process::ExitStatus>) -> Exit {
+    status.map(Exit::from).unwrap_or(Exit::Code(-1))
+}
+
+/// Kills whatever is left of group `pgid` (helpers the leader forked) and
+/// waits, bounded, until no member exists. Signal 0 probes the group
+/// without a scan of `/proc`.
+pub(crate) async fn clear_leftovers(pgid: i32) {
+    if pgid <= 1 {
+        return;
+    }
+    let _ = signal_group(pgid, Signal::SIGKILL);
+    let deadline = Instant::now() + LEFTOVER_BOUND;
+    let mut pause = Duration::from_millis(1);
+    while group_exists(pgid) && Instant::now() < deadline {
+        sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_millis(50));
+    }
+}
+
+fn group_exists(pgid: i32) -> bool {
+    use nix::unistd::Pid;
+    // Zombies still count as members until their new parent reaps them;
+    // only live members matter, so fall back to /proc when signal 0 says
+    // the group exists.
+    match nix::sys::signal::killpg(Pid::from_raw(pgid), None) {
+        Err(_) => false,
+        Ok(()) => !crate::procfs::group_members(pgid).is_empty(),
+    }
+}

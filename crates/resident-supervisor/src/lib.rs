@@ -1,0 +1,25 @@
+//! The process supervisor of residentd: runs each instance as a child
+//! process in its own process group, probes readiness, restarts with
+//! backoff, captures logs into a bounded ring, samples the group's resident
+//! memory, and stops the whole group (SIGTERM, grace, SIGKILL).
+//!
+//! Architecture invariant: the supervisor knows nothing of budgets or
+//! placement; it runs what it is told and reports every transition. Child
+//! exits are reaped by tokio's child handles only (no `waitpid(-1)` loop),
+//! and every child is forked from one long-lived thread so that its
+//! parent-death signal fires only when the agent dies.
+
+pub mod cgroup;
+mod instance;
+mod logs;
+pub mod procfs;
+mod readiness;
+mod spawn;
+mod spec;
+mod status;
+mod supervisor;
+
+pub use logs::{LogLimits, LogLine, LogRing, Stream};
+pub use spec::{LaunchSpec, MACROS, Macros, Readiness, RestartMode, RestartPolicy};
+pub use status::{Exit, State, Status};
+pub use supervisor::{Supervisor, SupervisorConfig, SupervisorError};

@@ -1,0 +1,218 @@
+//! Per-instance log capture: stdout and stderr read by line into a bounded
+//! ring (for `tail`) and broadcast to followers. Over-long lines are split,
+//! invalid UTF-8 is replaced, and a child that floods its pipes costs the
+//! agent no more memory than the ring's bound.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+
+use tokio::io::{AsyncRead, AsyncReadExt};
+use tokio::sync::broadcast;
+
+/// Which pipe a line came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stream {
+    /// Standard output.
+    Stdout,
+    /// Standard error.
+    Stderr,
+}
+
+/// One captured line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LogLine {
+    /// Position in this instance's log, from 1, across restarts.
+    pub seq: u64,
+    /// The pipe.
+    pub stream: Stream,
+    /// The text, without its newline.
+    pub line: String,
+}
+
+/// Bounds of one ring.
+#[derive(Debug, Clone, Copy)]
+pub struct LogLimits {
+    /// Lines kept for `tail`.
+    pub lines: usize,
+    /// Bytes of text kept for `tail`.
+    pub bytes: usize,
+    /// Longer lines are split at this many bytes.
+    pub max_line: usize,
+    /// Lines a follower may fall behind before it is told it lagged.
+    pub follow_buffer: usize,
+}
+
+impl Default for LogLimits {
+    fn default() -> Self {
+        Self {
+            lines: 2_000,
+            bytes: 1 << 20,
+            max_line: 16 << 10,
+            follow_buffer: 1_024,
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Ring {
+    lines: VecDeque<LogLine>,
+    bytes: usize,
+    next_seq: u64,
+}
+
+/// The log of one instance.
+#[derive(Debug)]
+pub struct LogRing {
+    limits: LogLimits,
+    ring: Mutex<Ring>,
+    followers: broadcast::Sender<LogLine>,
+}
+
+impl LogRing {
+    /// An empty ring.
+    pub fn new(limits: LogLimits) -> Arc<Self> {
+        let (followers, _) = broadcast::channel(limits.follow_buffer.max(1));
+        Arc::new(Self {
+            limits,
+            ring: Mutex::new(Ring::default()),
+            followers,
+        })
+    }
+
+    fn push(&self, stream: Stream, line: String) {
+        let mut ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());
+        ring.next_seq += 1;
+        let entry = LogLine {
+            seq: ring.next_seq,
+            stream,
+            line,
+        };
+        ring.bytes += entry.line.len();
+        ring.lines.push_back(entry.clone());
+        while ring.lines.len() > self.limits.lines || ring.bytes > self.limits.bytes {
+            match ring.lines.pop_front() {
+                Some(old) => ring.bytes -= old.line.len(),
+                None => break,
+            }
+        }
+        // Sent under the lock so followers see lines in seq order.
+        let _ = self.followers.send(entry);
+    }
+
+    /// The last `n` lines, oldest first.
+    pub fn tail(&self, n: usize) -> Vec<LogLine> {
+        let ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());
+        let skip = ring.lines.len().saturating_sub(n);
+        ring.lines.iter().skip(skip).cloned().collect()
+    }
+
+    /// The last `n` lines and a subscription to every later line, with no
+    /// gap and no repeat between the two.
+    pub fn tail_and_follow(&self, n: usize) -> (Vec<LogLine>, broadcast::Receiver<LogLine>) {
+        let ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());
+        let rx = self.followers.subscribe();
+        let skip = ring.lines.len().saturating_sub(n);
+        (ring.lines.iter().skip(skip).cloned().collect(), rx)
+    }
+
+    /// Bytes of text held now (at most `limits.bytes`).
+    pub fn held_bytes(&self) -> usize {
+        self.ring.lock().unwrap_or_else(|e| e.into_inner()).bytes
+    }
+
+    /// Reads `pipe` to its end, line by line, into the ring.
+    pub async fn capture(self: Arc<Self>, stream: Stream, mut pipe: impl AsyncRead + Unpin) {
+        let max = self.limits.max_line.max(1);
+        let mut chunk = vec![0u8; 64 << 10];
+        let mut pending: Vec<u8> = Vec::with_capacity(max);
+        loop {
+            let n = match pipe.read(&mut chunk).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            let mut rest = &chunk[..n];
+            while !rest.is_empty() {
+                let room = max - pending.len();
+                let window = &rest[..rest.len().min(room)];
+                match window.iter().position(|b| *b == b'\n') {
+                    Some(i) => {
+                        pending.extend_from_slice(&window[..i]);
+                        self.emit(stream, &mut pending);
+                        rest = &rest[i + 1..];
+                    }
+                    None => {
+                        pending.extend_from_slice(window);
+                        rest = &rest[window.len()..];
+                        if pending.len() == max {
+                            self.emit(stream, &mut pending);
+                        }
+                    }
+                }
+            }
+        }
+        if !pending.is_empty() {
+            self.emit(stream, &mut pending);
+        }
+    }
+
+    fn emit(&self, stream: Stream, pending: &mut Vec<u8>) {
+        if pending.last() == Some(&b'\r') {
+            pending.pop();
+        }
+        let line = String::from_utf8_lossy(pending).into_owned();
+        pending.clear();
+        self.push(stream, line);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ring(lines: usize, bytes: usize, max_line: usize) -> Arc<LogRing> {
+        LogRing::new(LogLimits {
+            lines,
+            bytes,
+            max_line,
+            follow_buffer: 16,
+        })
+    }
+
+    async fn feed(r: &Arc<LogRing>, input: &[u8]) {
+        r.clone().capture(Stream::Stdout, input).await;
+    }
+
+    fn texts(lines: Vec<LogLine>) -> Vec<String> {
+        lines.into_iter().map(|l| l.line).collect()
+    }
+
+    #[tokio::test]
+    async fn splits_lines_long_lines_and_replaces_bad_utf8() {
+        let r = ring(100, 1 << 20, 4);
+        feed(&r, b"ab\ncdefgh\r\n\xffz\nlast").await;
+        assert_eq!(texts(r.tail(10)), ["ab", "cdef", "gh", "\u{fffd}z", "last"]);
+    }
+
+    #[tokio::test]
+    async fn keeps_the_last_lines_within_both_bounds() {
+        let r = ring(3, 1 << 20, 64);
+        feed(&r, b"1\n2\n3\n4\n5\n").await;
+        assert_eq!(texts(r.tail(10)), ["3", "4", "5"]);
+        assert_eq!(texts(r.tail(2)), ["4", "5"]);
+        let r = ring(100, 6, 64);
+        feed(&r, b"aaa\nbbb\nccc\n").await;
+        assert_eq!(texts(r.tail(10)), ["bbb", "ccc"]);
+        assert!(r.held_bytes() <= 6);
+    }
+
+    #[tokio::test]
+    async fn followers_continue_where_the_tail_ends() {
+        let r = ring(100, 1 << 20, 64);
+        feed(&r, b"old\n").await;
+        let (tail, mut rx) = r.tail_and_follow(5);
+        feed(&r, b"new\n").await;
+        assert_eq!(texts(tail), ["old"]);
+        let next = rx.recv().await.expect("a followed line");
+        assert_eq!((next.seq, next.line.as_str()), (2, "new"));
+    }
+}

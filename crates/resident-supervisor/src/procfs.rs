@@ -1,0 +1,110 @@
+//! Reading `/proc`: which processes belong to a process group, and how many
+//! resident bytes a group holds. One scan answers for every group at once.
+
+use std::collections::HashMap;
+use std::fs;
+
+/// One process as `/proc/PID/stat` shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProcStat {
+    /// Process id.
+    pub pid: i32,
+    /// Process group.
+    pub pgrp: i32,
+    /// Single-letter state (`R`, `S`, `Z`, ...).
+    pub state: char,
+    /// Resident set, in pages.
+    pub rss_pages: u64,
+    /// Start time after boot, in clock ticks (guards against pid reuse).
+    pub start_ticks: u64,
+}
+
+/// Parses the text of `/proc/PID/stat`. The command name may contain
+/// spaces and parentheses, so fields are counted after the last `)`.
+pub fn parse_stat(pid: i32, text: &str) -> Option<ProcStat> {
+    let rest = &text[text.rfind(')')? + 1..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // After ')': state(0) ppid(1) pgrp(2) ... starttime(19) vsize(20) rss(21)
+    Some(ProcStat {
+        pid,
+        state: fields.first()?.chars().next()?,
+        pgrp: fields.get(2)?.parse().ok()?,
+        start_ticks: fields.get(19)?.parse().ok()?,
+        rss_pages: fields.get(21)?.parse().ok()?,
+    })
+}
+
+/// One process, if it exists.
+pub fn stat(pid: i32) -> Option<ProcStat> {
+    let text = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    parse_stat(pid, &text)
+}
+
+/// Every live (not zombie) process on the machine.
+pub fn scan() -> Vec<ProcStat> {
+    let Ok(dir) = fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.filter_map(|entry| {
+        let pid: i32 = entry.ok()?.file_name().to_str()?.parse().ok()?;
+        stat(pid)
+    })
+    .filter(|s| s.state != 'Z' && s.state != 'X')
+    .collect()
+}
+
+/// Live members of process group `pgid`.
+pub fn group_members(pgid: i32) -> Vec<i32> {
+    scan()
+        .into_iter()
+        .filter(|s| s.pgrp == pgid)
+        .map(|s| s.pid)
+        .collect()
+}
+
+/// Bytes of a page.
+pub fn page_size() -> u64 {
+    nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
+        .ok()
+        .flatten()
+        .and_then(|v| u64::try_from(v).ok())
+        .unwrap_or(4096)
+}
+
+/// Resident bytes per process group, summed over each group's members, for
+/// the groups asked about. Shared pages count once per process.
+pub fn group_rss(pgids: &[i32]) -> HashMap<i32, u64> {
+    let page = page_size();
+    let mut sums: HashMap<i32, u64> = pgids.iter().map(|p| (*p, 0)).collect();
+    for s in scan() {
+        if let Some(sum) = sums.get_mut(&s.pgrp) {
+            *sum = sum.saturating_add(s.rss_pages.saturating_mul(page));
+        }
+    }
+    sums
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_stat_with_awkward_command_names() {
+        let text = "4242 (a) b (c)) S 1 4242 4242 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 5555 1000000 250 18446744073709551615";
+        let s = parse_stat(4242, text).expect("parses");
+        assert_eq!(
+            (s.state, s.pgrp, s.start_ticks, s.rss_pages),
+            ('S', 4242, 5555, 250)
+        );
+        assert!(parse_stat(1, "garbage").is_none());
+    }
+
+    #[test]
+    fn finds_itself() {
+        let me = std::process::id() as i32;
+        let s = stat(me).expect("own stat");
+        assert!(s.rss_pages > 0);
+        assert!(group_members(s.pgrp).contains(&me));
+        assert!(group_rss(&[s.pgrp])[&s.pgrp] >= s.rss_pages * page_size());
+    }
+}

@@ -1,0 +1,98 @@
+//! Readiness probes: a TCP connect, or an HTTP `GET` whose status line says
+//! 200. A 503 (still loading) or any other answer means "not yet".
+
+use std::net::Ipv4Addr;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::time::{Instant, sleep, timeout};
+
+use crate::spec::Readiness;
+
+/// Each probe attempt gives up after this long.
+const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// One probe attempt.
+async fn probe_once(readiness: &Readiness, port: u16) -> bool {
+    let connect = TcpStream::connect((Ipv4Addr::LOCALHOST, port));
+    let Ok(Ok(mut stream)) = timeout(ATTEMPT_TIMEOUT, connect).await else {
+        return false;
+    };
+    let path = match readiness {
+        Readiness::None | Readiness::Tcp => return true,
+        Readiness::Http { path } => path,
+    };
+    let request =
+        format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n");
+    let exchange = async {
+        stream.write_all(request.as_bytes()).await?;
+        let mut head = [0u8; 32];
+        let mut filled = 0;
+        // The status code sits within the first 12 bytes: "HTTP/1.1 200".
+        while filled < 12 {
+            let n = stream.read(&mut head[filled..]).await?;
+            if n == 0 {
+                break;
+            }
+            filled += n;
+        }
+        Ok::<_, std::io::Error>(head[..filled].to_vec())
+    };
+    match timeout(ATTEMPT_TIMEOUT, exchange).await {
+        Ok(Ok(head)) => status_is_ok(&head),
+        _ => false,
+    }
+}
+
+fn status_is_ok(head: &[u8]) -> bool {
+    let text = String::from_utf8_lossy(head);
+    let mut parts = text.split_whitespace();
+    matches!((parts.next(), parts.next()), (Some(v), Some("200")) if v.starts_with("HTTP/"))
+}
+
+/// Probes until ready (true) or `deadline` (false). The interval starts at
+/// 20 ms and grows to 250 ms, so a fast server is seen at once and a slow
+/// one is not hammered.
+pub async fn wait_ready(readiness: &Readiness, port: u16, deadline: Instant) -> bool {
+    if *readiness == Readiness::None {
+        return true;
+    }
+    let mut interval = Duration::from_millis(20);
+    loop {
+        if probe_once(readiness, port).await {
+            return true;
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return false;
+        }
+        sleep(interval.min(deadline - now)).await;
+        interval = (interval * 2).min(Duration::from_millis(250));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_the_status_line() {
+        assert!(status_is_ok(b"HTTP/1.1 200 OK\r\n"));
+        assert!(status_is_ok(b"HTTP/1.0 200"));
+        assert!(!status_is_ok(b"HTTP/1.1 503 Service Unavailable"));
+        assert!(!status_is_ok(b"HTTP/1.1 2000"));
+        assert!(!status_is_ok(b"SSH-2.0-OpenSSH"));
+        assert!(!status_is_ok(b""));
+    }
+
+    #[tokio::test]
+    async fn a_closed_port_is_not_ready_by_the_deadline() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("a free port");
+        let deadline = Instant::now() + Duration::from_millis(100);
+        assert!(!wait_ready(&Readiness::Tcp, port, deadline).await);
+    }
+}

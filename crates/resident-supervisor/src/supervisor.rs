@@ -1,0 +1,299 @@
+//! The supervisor: the table of instances, their actors, the memory
+//! sampler, and the calls the daemon makes (start, stop, status, logs,
+//! shutdown).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::task::JoinSet;
+
+use crate::instance::{Actor, Shared, StopRequest};
+use crate::logs::{LogLimits, LogRing};
+use crate::spawn::Ports;
+use crate::spec::LaunchSpec;
+use crate::status::{State, Status};
+
+/// Settings that apply to every instance.
+#[derive(Debug, Clone, Copy)]
+pub struct SupervisorConfig {
+    /// How often the resident bytes of every group are sampled.
+    pub sample_every: Duration,
+    /// Bounds of each instance's log ring.
+    pub logs: LogLimits,
+}
+
+impl Default for SupervisorConfig {
+    fn default() -> Self {
+        Self {
+            sample_every: Duration::from_secs(2),
+            logs: LogLimits::default(),
+        }
+    }
+}
+
+/// Why a supervisor call did nothing.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SupervisorError {
+    /// Start of an instance that is still live.
+    #[error("instance '{0}' is already running")]
+    AlreadyRunning(String),
+    /// No such instance.
+    #[error("no instance '{0}'")]
+    NotFound(String),
+    /// No port could be assigned.
+    #[error("cannot assign a port to instance '{instance}': {message}")]
+    NoPort {
+        /// The instance.
+        instance: String,
+        /// What the system said.
+        message: String,
+    },
+    /// The agent is shutting down.
+    #[error("the supervisor is shutting down")]
+    ShuttingDown,
+}
+
+#[derive(Debug)]
+struct Entry {
+    shared: Arc<Shared>,
+    stops: mpsc::Sender<StopRequest>,
+    grace: Duration,
+}
+
+#[derive(Debug)]
+struct Inner {
+    config: SupervisorConfig,
+    instances: Mutex<HashMap<String, Entry>>,
+    ports: Arc<Ports>,
+    events: mpsc::UnboundedSender<Status>,
+    closing: std::sync::atomic::AtomicBool,
+}
+
+/// Runs instances as child processes. Cheap to clone; all clones share one
+/// table. Every transition of every instance is sent, in order per
+/// instance, on the events channel given to `new`.
+#[derive(Debug, Clone)]
+pub struct Supervisor {
+    inner: Arc<Inner>,
+}
+
+impl Supervisor {
+    /// A supervisor publishing transitions on `events`. Must be called
+    /// within a tokio runtime (it starts the memory sampler).
+    pub fn new(config: SupervisorConfig, events: mpsc::UnboundedSender<Status>) -> Self {
+        crate::cgroup::report_once();
+        let inner = Arc::new(Inner {
+            config,
+            instances: Mutex::new(HashMap::new()),
+            ports: Arc::new(Ports::default()),
+            events,
+            closing: std::sync::atomic::AtomicBool::new(false),
+        });
+        tokio::spawn(sample_memory(Arc::downgrade(&inner), config.sample_every));
+        Self { inner }
+    }
+
+    fn table(&self) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
+        self.inner
+            .instances
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Starts an instance and answers once it is spawned (STARTING) or has
+    /// failed to spawn (FAILED). An ended instance of the same id is
+    /// replaced (its log continues).
+    pub async fn start(&self, spec: LaunchSpec) -> Result<Status, SupervisorError> {
+        if self.inner.closing.load(Ordering::Acquire) {
+            return Err(SupervisorError::ShuttingDown);
+        }
+        let id = spec.instance.clone();
+        let mut status_rx = {
+            let mut table = self.table();
+            let old_logs = match table.get(&id) {
+                Some(e) if !e.shared.status.borrow().state.is_terminal() => {
+                    return Err(SupervisorError::AlreadyRunning(id));
+                }
+                Some(e) => Some(e.shared.logs.clone()),
+                None => None,
+            };
+            let port = self
+                .inner
+                .ports
+                .take()
+                .map_err(|e| SupervisorError::NoPort {
+                    instance: id.clone(),
+                    message: e.to_string(),
+                })?;
+            let status = Status {
+                instance: id.clone(),
+                workload: spec.workload.clone(),
+                role: spec.role.clone(),
+                state: State::Pending,
+                pid: None,
+                port,
+                restarts: 0,
+                exit: None,
+                measured_bytes: 0,
+                reason: "accepted".into(),
+            };
+            let (status_tx, status_rx) = watch::channel(status.clone());
+            let shared = Arc::new(Shared {
+                status: status_tx,
+                events: self.inner.events.clone(),
+                logs: old_logs.unwrap_or_else(|| LogRing::new(self.inner.config.logs)),
+                pgid: AtomicI32::new(0),
+            });
+            let _ = self.inner.events.send(status);
+            let (stops_tx, stops_rx) = mpsc::channel(4);
+            let grace = spec.stop_grace;
+            let actor = Actor {
+                spec,
+                port,
+                shared: shared.clone(),
+                stops: stops_rx,
+                ports: self.inner.ports.clone(),
+            };
+            table.insert(
+                id.clone(),
+                Entry {
+                    shared,
+                    stops: stops_tx,
+                    grace,
+                },
+            );
+            tokio::spawn(actor.run());
+            status_rx
+        };
+        let settled = status_rx.wait_for(|s| s.state != State::Pending).await;
+        Ok(settled
+            .map(|s| s.clone())
+            .unwrap_or_else(|_| status_rx.borrow().clone()))
+    }
+
+    /// Stops an instance (SIGTERM, `grace` or its own stop grace, SIGKILL)
+    /// and answers once its process group is gone. Stopping an ended
+    /// instance answers its status at once.
+    pub async fn stop(&self, id: &str, grace: Option<Duration>) -> Result<Status, SupervisorError> {
+        let (stops, mut status_rx, own_grace) = {
+            let table = self.table();
+            let e = table
+                .get(id)
+                .ok_or_else(|| SupervisorError::NotFound(id.to_string()))?;
+            (e.stops.clone(), e.shared.status.subscribe(), e.grace)
+        };
+        let (done, answered) = oneshot::channel();
+        let request = StopRequest {
+            grace: grace.unwrap_or(own_grace),
+            done,
+        };
+        // A send fails only when the actor has ended; then it is terminal.
+        if stops.send(request).await.is_ok() {
+            let _ = answered.await;
+        }
+        let ended = status_rx.wait_for(|s| s.state.is_terminal()).await;
+        Ok(ended
+            .map(|s| s.clone())
+            .unwrap_or_else(|_| status_rx.borrow().clone()))
+    }
+
+    /// The status of one instance.
+    pub fn status(&self, id: &str) -> Option<Status> {
+        self.table()
+            .get(id)
+            .map(|e| e.shared.status.borrow().clone())
+    }
+
+    /// A receiver that sees every later status of `id`.
+    pub fn subscribe(&self, id: &str) -> Option<watch::Receiver<Status>> {
+        self.table().get(id).map(|e| e.shared.status.subscribe())
+    }
+
+    /// Waits until `id`'s status satisfies `pred` (or the instance is gone).
+    pub async fn wait_for(&self, id: &str, pred: impl FnMut(&Status) -> bool) -> Option<Status> {
+        let mut rx = self.subscribe(id)?;
+        rx.wait_for(pred).await.ok().map(|s| s.clone())
+    }
+
+    /// Every instance's status, in id order.
+    pub fn list(&self) -> Vec<Status> {
+        let mut all: Vec<Status> = self
+            .table()
+            .values()
+            .map(|e| e.shared.status.borrow().clone())
+            .collect();
+        all.sort_by(|a, b| a.instance.cmp(&b.instance));
+        all
+    }
+
+    /// The log of one instance.
+    pub fn logs(&self, id: &str) -> Option<Arc<LogRing>> {
+        self.table().get(id).map(|e| e.shared.logs.clone())
+    }
+
+    /// Drops an ended instance from the table. False when it is live or
+    /// unknown.
+    pub fn forget(&self, id: &str) -> bool {
+        let mut table = self.table();
+        let ended = table
+            .get(id)
+            .is_some_and(|e| e.shared.status.borrow().state.is_terminal());
+        if ended {
+            table.remove(id);
+        }
+        ended
+    }
+
+    /// Refuses new starts and stops every live instance in parallel, each
+    /// with its own grace; answers when all are gone.
+    pub async fn shutdown(&self) {
+        self.inner.closing.store(true, Ordering::Release);
+        let ids: Vec<String> = self.table().keys().cloned().collect();
+        let mut stops = JoinSet::new();
+        for id in ids {
+            let me = self.clone();
+            stops.spawn(async move { me.stop(&id, None).await });
+        }
+        while stops.join_next().await.is_some() {}
+    }
+}
+
+/// Samples the resident bytes of every running group, with one scan of
+/// `/proc` per period, until the supervisor is dropped.
+async fn sample_memory(inner: Weak<Inner>, every: Duration) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(inner) = inner.upgrade() else {
+            return;
+        };
+        let groups: Vec<(i32, Arc<Shared>)> = {
+            let table = inner.instances.lock().unwrap_or_else(|e| e.into_inner());
+            table
+                .values()
+                .map(|e| (e.shared.pgid.load(Ordering::Relaxed), e.shared.clone()))
+                .filter(|(pgid, _)| *pgid > 1)
+                .collect()
+        };
+        drop(inner);
+        if groups.is_empty() {
+            continue;
+        }
+        let pgids: Vec<i32> = groups.iter().map(|(p, _)| *p).collect();
+        let Ok(sums) = tokio::task::spawn_blocking(move || crate::procfs::group_rss(&pgids)).await
+        else {
+            continue;
+        };
+        for (pgid, shared) in groups {
+            let bytes = sums.get(&pgid).copied().unwrap_or(0);
+            // The group may have ended during the scan; keep 0 then.
+            if shared.pgid.load(Ordering::Relaxed) == pgid {
+                shared.status.send_modify(|s| s.measured_bytes = bytes);
+            }
+        }
+    }
+}

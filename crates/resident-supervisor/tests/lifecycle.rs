@@ -1,0 +1,270 @@
+//! Spawn, readiness, stop, exit reporting and containment, with real
+//! child processes and real signals.
+
+mod support;
+
+use std::time::Duration;
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use resident_supervisor::{Exit, Readiness, State, procfs};
+use support::*;
+use tokio::time::Instant;
+
+#[tokio::test]
+async fn http_readiness_waits_through_503_until_200() {
+    let mut h = Harness::new();
+    let mut spec = child("web", &["http=/health,400"]);
+    spec.env.insert("PORT".into(), "${PORT}".into());
+    spec.readiness = Readiness::Http {
+        path: "/health".into(),
+    };
+    spec.readiness_timeout = Duration::from_secs(20);
+    let started = Instant::now();
+    let status = h.sup.start(spec).await.expect("starts");
+    assert_eq!(status.state, State::Starting);
+    h.until("web", State::Ready).await;
+    // The child answers 503 for its first 400 ms: ready cannot come sooner.
+    assert!(started.elapsed() >= Duration::from_millis(400));
+    assert_eq!(
+        h.states("web"),
+        [State::Pending, State::Starting, State::Ready]
+    );
+    let stopped = h.sup.stop("web", None).await.expect("stops");
+    assert_eq!(stopped.state, State::Exited);
+}
+
+#[tokio::test]
+async fn never_ready_is_killed_after_the_timeout_and_fails() {
+    let mut h = Harness::new();
+    let mut spec = child("slow", &["http=/health,3600000"]);
+    spec.env.insert("PORT".into(), "${PORT}".into());
+    spec.readiness = Readiness::Http {
+        path: "/health".into(),
+    };
+    spec.readiness_timeout = Duration::from_millis(300);
+    let pid = h.sup.start(spec).await.expect("starts").pid.expect("a pid") as i32;
+    let failed = h.until("slow", State::Failed).await;
+    assert_eq!(failed.reason, "not ready within 300ms");
+    assert!(!alive(pid), "the never-ready child was stopped");
+    assert!(h.states("slow").contains(&State::Stopping));
+}
+
+#[tokio::test]
+async fn tcp_readiness_and_an_exit_during_readiness_fails_at_once() {
+    let mut h = Harness::new();
+    let mut spec = child("early-exit", &["sleep=50", "exit=4"]);
+    spec.readiness = Readiness::Tcp;
+    spec.readiness_timeout = Duration::from_secs(3600);
+    h.sup.start(spec).await.expect("starts");
+    let failed = h.until("early-exit", State::Failed).await;
+    assert_eq!(failed.exit, Some(Exit::Code(4)));
+
+    let mut spec = child("tcp", &["http=/x,0"]);
+    spec.env.insert("PORT".into(), "${PORT}".into());
+    spec.readiness = Readiness::Tcp;
+    h.sup.start(spec).await.expect("starts");
+    h.until("tcp", State::Ready).await;
+    h.sup.stop("tcp", None).await.expect("stops");
+}
+
+#[tokio::test]
+async fn ignoring_sigterm_gets_sigkill_after_the_grace() {
+    let h = Harness::new();
+    h.sup
+        .start(child(
+            "stubborn",
+            &["ignore-term", "print=ignoring", "forever"],
+        ))
+        .await
+        .expect("starts");
+    let logs = h.sup.logs("stubborn").expect("a log");
+    assert!(
+        eventually(PATIENCE, || async { !logs.tail(1).is_empty() }).await,
+        "the child set up its handler"
+    );
+    let grace = Duration::from_millis(300);
+    let asked = Instant::now();
+    let stopped = h.sup.stop("stubborn", Some(grace)).await.expect("stops");
+    let took = asked.elapsed();
+    assert_eq!(stopped.exit, Some(Exit::Signal(9)));
+    assert!(took >= grace, "SIGKILL came before the grace: {took:?}");
+    assert!(took < grace + Duration::from_secs(2), "stop took {took:?}");
+    assert_eq!(stopped.reason, "stopped (killed by SIGKILL (9))");
+}
+
+#[tokio::test]
+async fn stop_leaves_no_process_of_the_group() {
+    let h = Harness::new();
+    let status = h
+        .sup
+        .start(child("forker", &["grandchild", "forever"]))
+        .await
+        .expect("starts");
+    let pgid = status.pid.expect("a pid") as i32;
+    let logs = h.sup.logs("forker").expect("a log");
+    let mut grandchild = None;
+    let found = eventually(PATIENCE, || {
+        grandchild = logs
+            .tail(10)
+            .iter()
+            .find_map(|l| l.line.strip_prefix("grandchild=")?.parse::<i32>().ok());
+        std::future::ready(grandchild.is_some())
+    })
+    .await;
+    assert!(found, "the child reported its grandchild");
+    let grandchild = grandchild.expect("found above");
+    assert_eq!(
+        procfs::stat(grandchild).map(|s| s.pgrp),
+        Some(pgid),
+        "same group"
+    );
+    h.sup.stop("forker", None).await.expect("stops");
+    assert!(
+        procfs::group_members(pgid).is_empty(),
+        "members left: {:?}",
+        procfs::group_members(pgid)
+    );
+    assert!(!alive(grandchild));
+}
+
+#[tokio::test]
+async fn a_leader_that_exits_takes_its_helpers_with_it() {
+    let mut h = Harness::new();
+    let status = h
+        .sup
+        .start(child("leaver", &["grandchild", "sleep=100", "exit=0"]))
+        .await
+        .expect("starts");
+    let pgid = status.pid.expect("a pid") as i32;
+    let exited = h.until("leaver", State::Exited).await;
+    assert_eq!(exited.exit, Some(Exit::Code(0)));
+    assert!(procfs::group_members(pgid).is_empty());
+}
+
+#[tokio::test]
+async fn exit_codes_and_signals_are_reported_exactly() {
+    let mut h = Harness::new();
+    h.sup
+        .start(child("seven", &["exit=7"]))
+        .await
+        .expect("starts");
+    let failed = h.until("seven", State::Failed).await;
+    assert_eq!(
+        (failed.exit, failed.reason.as_str()),
+        (Some(Exit::Code(7)), "exited with code 7")
+    );
+
+    h.sup
+        .start(child("zero", &["exit=0"]))
+        .await
+        .expect("starts");
+    let exited = h.until("zero", State::Exited).await;
+    assert_eq!(exited.exit, Some(Exit::Code(0)));
+
+    let pid = h
+        .sup
+        .start(child("victim", &["forever"]))
+        .await
+        .expect("starts")
+        .pid
+        .expect("pid");
+    kill(Pid::from_raw(pid as i32), Signal::SIGSEGV).expect("signal the child");
+    let failed = h.until("victim", State::Failed).await;
+    assert_eq!(failed.exit, Some(Exit::Signal(11)));
+    assert_eq!(failed.reason, "killed by SIGSEGV (11)");
+    assert_eq!(failed.exit.map(Exit::code), Some(139));
+}
+
+#[tokio::test]
+async fn a_program_that_cannot_start_fails_with_the_reason() {
+    let h = Harness::new();
+    let mut spec = child("missing", &[]);
+    spec.argv = vec!["/nonexistent/llama-server".into()];
+    let status = h.sup.start(spec).await.expect("the start is accepted");
+    assert_eq!(status.state, State::Failed);
+    assert!(
+        status
+            .reason
+            .starts_with("cannot start \"/nonexistent/llama-server\""),
+        "{}",
+        status.reason
+    );
+}
+
+#[tokio::test]
+async fn environment_is_cleared_and_macros_expand() {
+    let mut h = Harness::new();
+    let mut spec = child(
+        "envy",
+        &[
+            "env=PATH",
+            "env=CARGO",
+            "env=WHO",
+            "print=${INSTANCE}/${WORKLOAD}/${ROLE}",
+            "exit=0",
+        ],
+    );
+    spec.workload = "coder".into();
+    spec.role = "writer".into();
+    spec.env.insert("WHO".into(), "${INSTANCE}:${PORT}".into());
+    let port = h.sup.start(spec).await.expect("starts").port;
+    h.until("envy", State::Exited).await;
+    let logs = h.sup.logs("envy").expect("a log");
+    let lines: Vec<String> = logs.tail(10).into_iter().map(|l| l.line).collect();
+    assert!(lines[0].starts_with("PATH="), "PATH is kept: {lines:?}");
+    // cargo sets CARGO for the test; the cleared environment drops it.
+    assert_eq!(lines[1], "CARGO unset");
+    assert_eq!(lines[2], format!("WHO=envy:{port}"));
+    assert_eq!(lines[3], "envy/coder/writer");
+}
+
+#[tokio::test]
+async fn starting_a_live_instance_twice_is_refused() {
+    let h = Harness::new();
+    h.sup
+        .start(child("once", &["forever"]))
+        .await
+        .expect("starts");
+    let again = h.sup.start(child("once", &["forever"])).await;
+    assert!(matches!(
+        again,
+        Err(resident_supervisor::SupervisorError::AlreadyRunning(_))
+    ));
+    h.sup
+        .stop("once", Some(Duration::from_secs(1)))
+        .await
+        .expect("stops");
+    // Ended: it may start again, and its log continues.
+    h.sup
+        .start(child("once", &["print=second", "forever"]))
+        .await
+        .expect("restarts");
+    h.sup.stop("once", None).await.expect("stops");
+}
+
+#[tokio::test]
+async fn shutdown_stops_every_child_in_parallel() {
+    let h = Harness::new();
+    let grace = Duration::from_millis(500);
+    let mut pids = Vec::new();
+    for i in 0..4 {
+        let mut spec = child(&format!("s{i}"), &["ignore-term", "print=up", "forever"]);
+        spec.stop_grace = grace;
+        pids.push(h.sup.start(spec).await.expect("starts").pid.expect("pid") as i32);
+    }
+    for i in 0..4 {
+        let logs = h.sup.logs(&format!("s{i}")).expect("a log");
+        assert!(eventually(PATIENCE, || async { !logs.tail(1).is_empty() }).await);
+    }
+    let asked = Instant::now();
+    h.sup.shutdown().await;
+    let took = asked.elapsed();
+    assert!(pids.iter().all(|p| !alive(*p)));
+    // One grace, not four: they were stopped side by side.
+    assert!(took >= grace && took < grace * 3, "shutdown took {took:?}");
+    assert!(
+        h.sup.start(child("late", &["forever"])).await.is_err(),
+        "no start after shutdown"
+    );
+}

@@ -1,0 +1,105 @@
+//! Shared helpers for the supervisor's integration tests: a supervisor
+//! with an event log, the test child, and waiting with a bound.
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::time::Duration;
+
+use resident_supervisor::{
+    LaunchSpec, RestartMode, RestartPolicy, State, Status, Supervisor, SupervisorConfig,
+};
+use tokio::sync::mpsc;
+use tokio::time::{Instant, timeout};
+
+pub const TESTCHILD: &str = env!("CARGO_BIN_EXE_resident-testchild");
+
+/// Patience for anything that should happen "at once".
+pub const PATIENCE: Duration = Duration::from_secs(10);
+
+pub struct Harness {
+    pub sup: Supervisor,
+    pub events: mpsc::UnboundedReceiver<Status>,
+    pub seen: Vec<(Instant, Status)>,
+}
+
+impl Harness {
+    pub fn new() -> Self {
+        Self::with(SupervisorConfig::default())
+    }
+
+    pub fn with(config: SupervisorConfig) -> Self {
+        let (tx, events) = mpsc::unbounded_channel();
+        Self {
+            sup: Supervisor::new(config, tx),
+            events,
+            seen: Vec::new(),
+        }
+    }
+
+    /// Waits (bounded) for an event of `id` in `state`; returns it.
+    pub async fn until(&mut self, id: &str, state: State) -> Status {
+        let wait = async {
+            while let Some(s) = self.events.recv().await {
+                self.seen.push((Instant::now(), s.clone()));
+                if s.instance == id && s.state == state {
+                    return s;
+                }
+            }
+            panic!("event channel closed before {id} reached {state}");
+        };
+        match timeout(PATIENCE, wait).await {
+            Ok(s) => s,
+            Err(_) => panic!(
+                "{id} did not reach {state} within {PATIENCE:?}; saw {:?}",
+                self.states(id)
+            ),
+        }
+    }
+
+    /// The states `id` went through so far, in order.
+    pub fn states(&self, id: &str) -> Vec<State> {
+        self.seen
+            .iter()
+            .filter(|(_, s)| s.instance == id)
+            .map(|(_, s)| s.state)
+            .collect()
+    }
+}
+
+/// A spec running the test child with `steps`, never restarted.
+pub fn child(id: &str, steps: &[&str]) -> LaunchSpec {
+    let mut argv = vec![TESTCHILD.to_string()];
+    argv.extend(steps.iter().map(|s| s.to_string()));
+    let mut spec = LaunchSpec::new(id, argv);
+    spec.restart = RestartPolicy {
+        mode: RestartMode::Never,
+        ..RestartPolicy::default()
+    };
+    spec.stop_grace = Duration::from_secs(5);
+    spec
+}
+
+/// Polls `check` until it holds or `bound` passes; returns whether it held.
+pub async fn eventually<F, Fut>(bound: Duration, mut check: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + bound;
+    let mut pause = Duration::from_millis(2);
+    loop {
+        if check().await {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_millis(50));
+    }
+}
+
+/// Whether a live (not zombie) process `pid` exists.
+pub fn alive(pid: i32) -> bool {
+    resident_supervisor::procfs::stat(pid).is_some_and(|s| s.state != 'Z' && s.state != 'X')
+}
