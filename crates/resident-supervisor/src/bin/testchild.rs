@@ -123,9 +123,10 @@ fn flood(value: &str) {
         written += line.len() + 9;
         // Pace to the rate: ahead of schedule, sleep a little.
         let due = Duration::from_secs_f64(written as f64 / rate as f64);
-        if due > started.elapsed() {
+        let ahead = due.saturating_sub(started.elapsed());
+        if !ahead.is_zero() {
             let _ = out.flush();
-            std::thread::sleep(due - started.elapsed());
+            std::thread::sleep(ahead);
         }
     }
     let _ = writeln!(out, "flood done {n}");

@@ -19,7 +19,10 @@ pub const PATIENCE: Duration = Duration::from_secs(10);
 pub struct Harness {
     pub sup: Supervisor,
     pub events: mpsc::UnboundedReceiver<Status>,
+    /// Every event received, with when it arrived.
     pub seen: Vec<(Instant, Status)>,
+    /// Per instance, where in `seen` the next `until` starts looking.
+    cursors: std::collections::HashMap<String, usize>,
 }
 
 impl Harness {
@@ -29,19 +32,29 @@ impl Harness {
 
     pub fn with(config: SupervisorConfig) -> Self {
         let (tx, events) = mpsc::unbounded_channel();
+        let cursors = Default::default();
         Self {
             sup: Supervisor::new(config, tx),
             events,
             seen: Vec::new(),
+            cursors,
         }
     }
 
-    /// Waits (bounded) for an event of `id` in `state`; returns it.
+    /// Waits (bounded) for the next event of `id` in `state` after the one
+    /// the last `until` for `id` returned; returns it.
     pub async fn until(&mut self, id: &str, state: State) -> Status {
+        let from = self.cursors.get(id).copied().unwrap_or(0);
+        let wanted = |s: &Status| s.instance == id && s.state == state;
+        if let Some(i) = self.seen[from..].iter().position(|(_, s)| wanted(s)) {
+            self.cursors.insert(id.to_string(), from + i + 1);
+            return self.seen[from + i].1.clone();
+        }
         let wait = async {
             while let Some(s) = self.events.recv().await {
                 self.seen.push((Instant::now(), s.clone()));
-                if s.instance == id && s.state == state {
+                if wanted(&s) {
+                    self.cursors.insert(id.to_string(), self.seen.len());
                     return s;
                 }
             }
@@ -51,6 +64,33 @@ impl Harness {
             Ok(s) => s,
             Err(_) => panic!(
                 "{id} did not reach {state} within {PATIENCE:?}; saw {:?}",
+                self.states(id)
+            ),
+        }
+    }
+
+    /// Waits for the first of several states: a test that expects EXITED
+    /// sees the reason at once when it ends FAILED instead.
+    pub async fn until_any(&mut self, id: &str, states: &[State]) -> Status {
+        let wait = async {
+            loop {
+                if let Some((_, s)) = self
+                    .seen
+                    .iter()
+                    .find(|(_, s)| s.instance == id && states.contains(&s.state))
+                {
+                    return s.clone();
+                }
+                match self.events.recv().await {
+                    Some(s) => self.seen.push((Instant::now(), s)),
+                    None => panic!("event channel closed before {id} reached {states:?}"),
+                }
+            }
+        };
+        match timeout(PATIENCE, wait).await {
+            Ok(s) => s,
+            Err(_) => panic!(
+                "{id} did not reach {states:?} within {PATIENCE:?}; saw {:?}",
                 self.states(id)
             ),
         }
