@@ -1,1 +1,134 @@
-fn main() {}
+//! Start 100 trivial children until all are running, then stop them all
+//! (children that exit on SIGTERM), through the supervisor and through a
+//! plain loop of tokio spawn / kill + wait (the floor), alternating in one
+//! run. Prints medians and the ratios.
+//!
+//! A third column runs the floor loop with a no-op `pre_exec`, which makes
+//! std fork instead of posix_spawn (vfork): the supervisor needs a
+//! `pre_exec` for the parent-death signal, so that column shows how much
+//! of the gap is the fork itself.
+//!
+//! Run: `cargo bench -p resident-supervisor --bench spawn` (`-- --test`
+//! runs one round, as CI's smoke does).
+
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use resident_supervisor::{LaunchSpec, State, Supervisor, SupervisorConfig};
+use tokio::process::Command;
+
+const CHILDREN: usize = 100;
+const PROGRAM: &str = "/bin/sleep";
+
+async fn floor_round(fork: bool) -> (Duration, Duration) {
+    use std::os::unix::process::CommandExt as _;
+    let t0 = Instant::now();
+    let mut children = Vec::with_capacity(CHILDREN);
+    for _ in 0..CHILDREN {
+        let mut cmd = std::process::Command::new(PROGRAM);
+        cmd.arg("3600").process_group(0);
+        if fork {
+            // SAFETY: the closure does nothing.
+            unsafe { cmd.pre_exec(|| Ok(())) };
+        }
+        children.push(Command::from(cmd).spawn().expect("spawn"));
+    }
+    let started = t0.elapsed();
+    let t1 = Instant::now();
+    for c in &children {
+        let pid = c.id().expect("running") as i32;
+        kill(Pid::from_raw(pid), Signal::SIGTERM).expect("signal");
+    }
+    for c in &mut children {
+        c.wait().await.expect("wait");
+    }
+    (started, t1.elapsed())
+}
+
+async fn supervisor_round(sup: &Supervisor, round: usize) -> (Duration, Duration) {
+    let ids: Vec<String> = (0..CHILDREN).map(|i| format!("r{round}-{i}")).collect();
+    let t0 = Instant::now();
+    let starts = ids.iter().map(|id| {
+        let mut spec = LaunchSpec::new(id.clone(), vec![PROGRAM.into(), "3600".into()]);
+        spec.stop_grace = Duration::from_secs(10);
+        let sup = sup.clone();
+        tokio::spawn(async move {
+            sup.start(spec).await.expect("start");
+        })
+    });
+    for s in starts.collect::<Vec<_>>() {
+        s.await.expect("join");
+    }
+    for id in &ids {
+        sup.wait_for(id, |s| s.state == State::Ready)
+            .await
+            .expect("ready");
+    }
+    let started = t0.elapsed();
+    let t1 = Instant::now();
+    let stops = ids.iter().map(|id| {
+        let (sup, id) = (sup.clone(), id.clone());
+        tokio::spawn(async move { sup.stop(&id, None).await.expect("stop") })
+    });
+    for s in stops.collect::<Vec<_>>() {
+        let st = s.await.expect("join");
+        assert_eq!(st.state, State::Exited);
+    }
+    let stopped = t1.elapsed();
+    for id in &ids {
+        sup.forget(id);
+    }
+    (started, stopped)
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+fn main() {
+    let smoke = std::env::args().any(|a| a == "--test");
+    let rounds = if smoke { 1 } else { 15 };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(async {
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(async move { while rx.recv().await.is_some() {} });
+        let sup = Supervisor::new(SupervisorConfig::default(), tx);
+        let (mut fs, mut ft, mut ss, mut st) = (vec![], vec![], vec![], vec![]);
+        let (mut ks, mut kt) = (vec![], vec![]);
+        for round in 0..rounds {
+            let (a, b) = floor_round(false).await;
+            fs.push(a);
+            ft.push(b);
+            let (a, b) = floor_round(true).await;
+            ks.push(a);
+            kt.push(b);
+            let (a, b) = supervisor_round(&sup, round).await;
+            ss.push(a);
+            st.push(b);
+        }
+        let (fs, ft, ss, st) = (median(fs), median(ft), median(ss), median(st));
+        let (ks, kt) = (median(ks), median(kt));
+        let ratio = |a: Duration, b: Duration| a.as_secs_f64() / b.as_secs_f64();
+        println!("{CHILDREN} children of {PROGRAM}, median of {rounds} rounds, side by side");
+        let head = ("", "supervisor", "floor", "ratio", "floor+fork", "ratio");
+        println!(
+            "{:<26}{:>12}{:>12}{:>8}{:>12}{:>8}",
+            head.0, head.1, head.2, head.3, head.4, head.5
+        );
+        for (name, ours, floor, forked) in [
+            ("start until all running", ss, fs, ks),
+            ("stop all until all gone", st, ft, kt),
+        ] {
+            println!(
+                "{name:<26}{ours:>12.2?}{floor:>12.2?}{:>8.2}{forked:>12.2?}{:>8.2}",
+                ratio(ours, floor),
+                ratio(ours, forked)
+            );
+        }
+    });
+}
