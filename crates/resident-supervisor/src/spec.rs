@@ -104,6 +104,10 @@ pub struct LaunchSpec {
     pub restart: RestartPolicy,
     /// SIGTERM to SIGKILL.
     pub stop_grace: Duration,
+    /// An opaque tag the caller chooses (an incarnation number), echoed in
+    /// every status, so that a late event of an earlier run of the same id
+    /// can be told apart.
+    pub generation: u64,
 }
 
 impl LaunchSpec {
@@ -124,6 +128,7 @@ impl LaunchSpec {
             readiness_timeout: Duration::from_secs(120),
             restart: RestartPolicy::default(),
             stop_grace: Duration::from_secs(10),
+            generation: 0,
         }
     }
 }

@@ -124,4 +124,6 @@ pub struct Status {
     pub measured_bytes: u64,
     /// Why it is in this state, for people.
     pub reason: String,
+    /// The `generation` of the spec this run was started from.
+    pub generation: u64,
 }

@@ -139,6 +139,7 @@ impl Supervisor {
                 exit: None,
                 measured_bytes: 0,
                 reason: "accepted".into(),
+                generation: spec.generation,
             };
             let (status_tx, status_rx) = watch::channel(status.clone());
             let shared = Arc::new(Shared {

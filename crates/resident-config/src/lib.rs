@@ -1,0 +1,168 @@
+//! residentd's configuration: the TOML of the design brief, parsed and
+//! validated into core specs and supervisor launch templates. Every error
+//! names the file, the line and the key.
+
+mod duration;
+mod error;
+mod raw;
+mod validate;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use resident_core::{Groups, Policy, PoolConfig, Spec};
+use resident_supervisor::{LaunchSpec, Readiness, RestartPolicy};
+
+pub use duration::parse_duration;
+pub use error::ConfigError;
+
+/// Where the API listens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Listen {
+    /// A Unix socket at this path.
+    Unix(PathBuf),
+    /// TCP on this address.
+    Tcp(SocketAddr),
+}
+
+/// The `[node]` table.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    /// The node's name, reported by `Node`.
+    pub name: String,
+    /// Where the API listens.
+    pub listen: Listen,
+    /// TCP without TLS was asked for explicitly.
+    pub insecure: bool,
+    /// Where the journal lives.
+    pub state_dir: PathBuf,
+    /// What a Start with POLICY_UNSPECIFIED does when it does not fit.
+    pub on_full: Policy,
+    /// The user children run as unless their workload says otherwise.
+    pub run_as: Option<User>,
+    /// The Prometheus endpoint, if any.
+    pub metrics_listen: Option<SocketAddr>,
+    /// How often memory is sampled.
+    pub sample_every: Duration,
+}
+
+/// A user children run as, resolved when the config loads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct User {
+    /// As written.
+    pub name: String,
+    /// Its uid.
+    pub uid: u32,
+    /// Its primary gid.
+    pub gid: u32,
+}
+
+/// A `[[pool]]`.
+#[derive(Debug, Clone)]
+pub struct PoolDef {
+    /// What the planner needs.
+    pub pool: PoolConfig,
+    /// Bound to host memory.
+    pub host: bool,
+    /// Bound to a device probe (`nvml:0`).
+    pub device: Option<String>,
+}
+
+/// A `[[workload]]`: the placement spec and the launch template.
+#[derive(Debug, Clone)]
+pub struct Workload {
+    /// What the planner needs.
+    pub spec: Arc<Spec>,
+    /// Command line, macros unexpanded.
+    pub argv: Vec<String>,
+    /// Environment, macros unexpanded.
+    pub env: BTreeMap<String, String>,
+    /// Agent variables passed through besides PATH, HOME and LANG.
+    pub pass_env: Vec<String>,
+    /// Working directory.
+    pub cwd: Option<PathBuf>,
+    /// Readiness probe.
+    pub readiness: Readiness,
+    /// Readiness timeout.
+    pub readiness_timeout: Duration,
+    /// Restart policy.
+    pub restart: RestartPolicy,
+    /// SIGTERM to SIGKILL.
+    pub stop_grace: Duration,
+    /// Unused for this long: stopped. `None`: never.
+    pub idle_ttl: Option<Duration>,
+    /// Run as this user (overrides `[node] run_as`).
+    pub run_as: Option<User>,
+}
+
+impl Workload {
+    /// The supervisor's spec for instance `instance` of this workload.
+    pub fn launch(
+        &self,
+        instance: &str,
+        generation: u64,
+        default_user: Option<&User>,
+    ) -> LaunchSpec {
+        let user = self
+            .run_as
+            .as_ref()
+            .or(default_user)
+            .map(|u| (u.uid, u.gid));
+        LaunchSpec {
+            instance: instance.to_string(),
+            workload: self.spec.workload.to_string(),
+            role: self.spec.role.to_string(),
+            argv: self.argv.clone(),
+            env: self.env.clone(),
+            pass_env: self.pass_env.clone(),
+            cwd: self.cwd.clone(),
+            user,
+            readiness: self.readiness.clone(),
+            readiness_timeout: self.readiness_timeout,
+            restart: self.restart,
+            stop_grace: self.stop_grace,
+            generation,
+        }
+    }
+}
+
+/// A validated configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// The file it came from.
+    pub source: PathBuf,
+    /// `[node]`.
+    pub node: NodeConfig,
+    /// `[[pool]]`, in file order.
+    pub pools: Vec<PoolDef>,
+    /// `[[group]]`.
+    pub groups: Groups,
+    /// `[[workload]]` by name.
+    pub workloads: BTreeMap<String, Arc<Workload>>,
+}
+
+impl Config {
+    /// The planner's pool configs.
+    pub fn pool_configs(&self) -> Vec<PoolConfig> {
+        self.pools.iter().map(|p| p.pool.clone()).collect()
+    }
+}
+
+/// Reads and validates the file at `path`.
+pub fn load(path: &Path) -> Result<Config, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+        file: path.to_path_buf(),
+        line: None,
+        key: String::new(),
+        message: format!("cannot read: {e}"),
+    })?;
+    parse(path, &text)
+}
+
+/// Validates `text`, reporting errors against `file`.
+pub fn parse(file: &Path, text: &str) -> Result<Config, ConfigError> {
+    validate::validate(file, text)
+}
