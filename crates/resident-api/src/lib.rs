@@ -1,4 +1,14 @@
-//! The resident.v1 gRPC contract.
+//! The resident.v1 gRPC contract: the generated types and service, the
+//! conversions from core and supervisor types, and the one place where
+//! errors become gRPC statuses.
+//!
+//! Architecture invariant: this crate decides nothing. It translates.
+
+mod convert;
+mod error;
+
+pub use convert::{instance, placement, pool_status, refusal};
+pub use error::ApiError;
 
 /// Generated types and service traits of `resident.v1`.
 #[allow(missing_docs, clippy::all, missing_debug_implementations)]
@@ -9,3 +19,9 @@ pub mod pb {
     pub const FILE_DESCRIPTOR_SET: &[u8] =
         tonic::include_file_descriptor_set!("resident_v1_descriptor");
 }
+
+/// The fully qualified service name, as health checks and reflection name it.
+pub const SERVICE_NAME: &str = "resident.v1.NodeAgent";
+
+/// The `google.rpc.ErrorInfo` domain of every refusal.
+pub const ERROR_DOMAIN: &str = "resident.v1";

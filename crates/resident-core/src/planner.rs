@@ -135,15 +135,16 @@ impl PoolFigures {
     }
 }
 
-/// Plans the start of `spec` as instance `id`.
+/// Plans the start of `spec` as instance `id` (`None`: a new instance,
+/// for a placement query).
 pub fn plan(
     state: &NodeState,
-    id: &InstanceId,
+    id: Option<&InstanceId>,
     spec: &Spec,
     policy: Policy,
     now: u64,
 ) -> Result<Plan, PlanError> {
-    if let Some(r) = state.residents.get(id) {
+    if let Some((id, r)) = id.and_then(|id| Some((id, state.residents.get(id)?))) {
         if r.spec.workload != spec.workload {
             let existing = r.spec.workload.clone();
             return Err(PlanError::AlreadyExists {

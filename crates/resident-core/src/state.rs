@@ -178,7 +178,13 @@ impl NodeState {
         policy: Policy,
         now: u64,
     ) -> Result<Plan, PlanError> {
-        planner::plan(self, id, spec, policy, now)
+        planner::plan(self, Some(id), spec, policy, now)
+    }
+
+    /// The placement query: what starting a new instance of `spec` would
+    /// do, changing nothing.
+    pub fn place(&self, spec: &Spec, policy: Policy, now: u64) -> Result<Plan, PlanError> {
+        planner::plan(self, None, spec, policy, now)
     }
 
     /// Plans and, when admitted, reserves `spec` for `id` and marks the
@@ -192,7 +198,7 @@ impl NodeState {
         policy: Policy,
         now: u64,
     ) -> Result<Admission, AdmitError> {
-        match planner::plan(self, id, &spec, policy, now)? {
+        match planner::plan(self, Some(id), &spec, policy, now)? {
             Plan::Refuse(refusal) => Err(AdmitError::Refused(refusal)),
             Plan::Existing => {
                 self.touch(id.as_str(), now, 0);

@@ -1,0 +1,175 @@
+//! Core and supervisor types into their resident.v1 messages.
+
+use resident_core::{GroupRule, Holder, Plan, PoolStatus, Reason, Spec};
+use resident_supervisor::{Exit, State, Status};
+
+use crate::pb;
+
+fn holders(hs: &[Holder]) -> Vec<pb::Holder> {
+    hs.iter()
+        .map(|h| pb::Holder {
+            instance_id: h.instance_id.to_string(),
+            role: h.role.to_string(),
+            bytes: h.bytes,
+        })
+        .collect()
+}
+
+/// One refusal reason, with its operator text.
+pub fn refusal(reason: &Reason) -> pb::Refusal {
+    use pb::refusal::Reason as R;
+    let detail = match reason {
+        Reason::OverBudget {
+            role,
+            pool,
+            need,
+            free,
+            budget,
+            holders: hs,
+        } => R::OverBudget(pb::OverBudget {
+            role: role.to_string(),
+            pool: pool.to_string(),
+            need_bytes: *need,
+            free_bytes: *free,
+            budget_bytes: *budget,
+            holders: holders(hs),
+        }),
+        Reason::Excluded {
+            role,
+            with,
+            with_instance,
+            declared_by,
+        } => R::Excluded(pb::Excluded {
+            role: role.to_string(),
+            with: with.to_string(),
+            declared_by: declared_by.to_string(),
+            with_instance_id: with_instance.to_string(),
+        }),
+        Reason::GroupConflict {
+            role,
+            with,
+            with_instance,
+            group,
+            rule,
+        } => R::GroupConflict(pb::GroupConflict {
+            role: role.to_string(),
+            with: with.to_string(),
+            group: group.to_string(),
+            rule: match rule {
+                GroupRule::Swap => "swap",
+                GroupRule::Exclusive => "exclusive",
+            }
+            .into(),
+            with_instance_id: with_instance.to_string(),
+        }),
+        Reason::HostMemory {
+            role,
+            pool,
+            need,
+            available,
+            reserve,
+            pending,
+            holders: hs,
+        } => R::HostMemory(pb::HostMemory {
+            pool: pool.to_string(),
+            need_bytes: *need,
+            available_bytes: *available,
+            reserve_bytes: *reserve,
+            pending_bytes: *pending,
+            role: role.to_string(),
+            holders: holders(hs),
+        }),
+    };
+    pb::Refusal {
+        message: reason.to_string(),
+        reason: Some(detail),
+    }
+}
+
+/// A pool's figures.
+pub fn pool_status(p: &PoolStatus, available: Option<u64>) -> pb::PoolStatus {
+    pb::PoolStatus {
+        name: p.name.to_string(),
+        budget_bytes: p.budget,
+        effective_budget_bytes: p.effective,
+        used_bytes: p.used,
+        free_bytes: p.free,
+        available_bytes: available,
+    }
+}
+
+/// A plan as a `Placement`, with the pools as they are.
+pub fn placement(plan: &Plan, pools: Vec<pb::PoolStatus>) -> pb::Placement {
+    let ids = |v: &[resident_core::InstanceId]| v.iter().map(ToString::to_string).collect();
+    match plan {
+        Plan::Existing => pb::Placement {
+            admitted: true,
+            pools,
+            ..Default::default()
+        },
+        Plan::Admit { evict, wait_for } => pb::Placement {
+            admitted: true,
+            evict: ids(evict),
+            wait_for: ids(wait_for),
+            pools,
+            ..Default::default()
+        },
+        Plan::Refuse(r) => pb::Placement {
+            admitted: false,
+            refusals: r.reasons().iter().map(refusal).collect(),
+            pools,
+            ..Default::default()
+        },
+    }
+}
+
+fn state(s: State) -> pb::State {
+    match s {
+        State::Pending => pb::State::Pending,
+        State::Starting => pb::State::Starting,
+        State::Ready => pb::State::Ready,
+        State::Backoff => pb::State::Backoff,
+        State::Stopping => pb::State::Stopping,
+        State::Exited => pb::State::Exited,
+        State::Failed => pb::State::Failed,
+    }
+}
+
+/// An instance: its declared demand from `spec`, and what the supervisor
+/// reports (`None`: admitted, not handed to the supervisor yet: PENDING).
+pub fn instance(id: &str, spec: &Spec, status: Option<&Status>) -> pb::Instance {
+    let demand = spec
+        .demand
+        .iter()
+        .map(|(pool, d)| pb::PoolDemand {
+            pool: pool.to_string(),
+            weights_bytes: d.weights,
+            kv_budget_bytes: d.kv,
+        })
+        .collect();
+    let mut out = pb::Instance {
+        instance_id: id.to_string(),
+        workload: spec.workload.to_string(),
+        role: spec.role.to_string(),
+        state: pb::State::Pending as i32,
+        demand,
+        message: "admitted; waiting for its turn to be spawned".into(),
+        ..Default::default()
+    };
+    if let Some(s) = status {
+        out.state = state(s.state) as i32;
+        out.pid = s.pid.unwrap_or(0);
+        out.port = u32::from(s.port);
+        out.restarts = s.restarts;
+        out.measured_bytes = s.measured_bytes;
+        out.message = s.reason.clone();
+        if let Some(exit) = s.exit {
+            out.exit_code = exit.code();
+            out.exit_signal = match exit {
+                Exit::Signal(sig) => sig,
+                Exit::Code(_) => 0,
+            };
+        }
+    }
+    out
+}

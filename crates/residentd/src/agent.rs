@@ -1,0 +1,518 @@
+//! The agent: the ledger (one lock, so plan-and-reserve is atomic), the
+//! supervisor, the event log and the probes, joined. Every RPC of the
+//! service is one method here; the service only translates.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use resident_api::{ApiError, pb};
+use resident_config::{Config, Workload};
+use resident_core::{AdmitError, InstanceId, NodeState, Plan, PlanError, Policy};
+use resident_probe::MemoryProbe;
+use resident_supervisor::{State, Status, Supervisor, SupervisorConfig};
+use tokio::sync::mpsc;
+
+use crate::events::EventLog;
+
+/// How an instance came to be and which run of it is current.
+#[derive(Debug, Clone)]
+struct Record {
+    workload: Arc<Workload>,
+    /// Bumped at every admission of this id; tags the supervisor's run.
+    generation: u64,
+    /// A Stop arrived before the instance was spawned.
+    cancelled: bool,
+}
+
+#[derive(Debug)]
+struct Books {
+    ledger: NodeState,
+    records: BTreeMap<String, Record>,
+}
+
+/// The result of a Start.
+#[derive(Debug)]
+pub struct Started {
+    /// The instance now.
+    pub instance: pb::Instance,
+    /// False for an idempotent repeat.
+    pub created: bool,
+    /// Who was stopped to make room.
+    pub evicted: Vec<String>,
+}
+
+/// The node agent.
+#[derive(Debug)]
+pub struct Agent {
+    config: RwLock<Arc<Config>>,
+    books: Mutex<Books>,
+    sup: Supervisor,
+    events: EventLog,
+    host: Arc<dyn MemoryProbe>,
+    epoch: Instant,
+    generation: AtomicU64,
+    closing: AtomicBool,
+}
+
+impl Agent {
+    /// An agent for `config`, reading host memory from `host`. Starts the
+    /// tasks that follow the supervisor and the probes; must run inside a
+    /// tokio runtime.
+    pub fn new(config: Config, host: Arc<dyn MemoryProbe>) -> Arc<Self> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let sup_config = SupervisorConfig {
+            sample_every: config.node.sample_every,
+            ..SupervisorConfig::default()
+        };
+        let ledger = NodeState::new(config.pool_configs(), config.groups.clone());
+        let agent = Arc::new(Self {
+            config: RwLock::new(Arc::new(config)),
+            books: Mutex::new(Books {
+                ledger,
+                records: BTreeMap::new(),
+            }),
+            sup: Supervisor::new(sup_config, tx),
+            events: EventLog::new(4096, 1024),
+            host,
+            epoch: Instant::now(),
+            generation: AtomicU64::new(0),
+            closing: AtomicBool::new(false),
+        });
+        agent.refresh_probes();
+        tokio::spawn(follow_supervisor(Arc::downgrade(&agent), rx));
+        tokio::spawn(tick(Arc::downgrade(&agent)));
+        agent
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> Arc<Config> {
+        self.config
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    fn books(&self) -> std::sync::MutexGuard<'_, Books> {
+        self.books.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// The event log.
+    pub fn events(&self) -> &EventLog {
+        &self.events
+    }
+
+    /// The supervisor.
+    pub fn supervisor(&self) -> &Supervisor {
+        &self.sup
+    }
+
+    fn workload(&self, name: &str) -> Result<Arc<Workload>, ApiError> {
+        if name.is_empty() {
+            return Err(ApiError::invalid(
+                "workload",
+                "must name a workload of the roster",
+            ));
+        }
+        self.config()
+            .workloads
+            .get(name)
+            .cloned()
+            .ok_or_else(|| ApiError::NotFound(format!("no workload '{name}' in the roster")))
+    }
+
+    /// Reads the live probes into the ledger: host memory for host-bound
+    /// pools, and each instance's measured bytes.
+    pub fn refresh_probes(&self) {
+        let config = self.config();
+        let host_pools: Vec<_> = config.pools.iter().filter(|p| p.host).collect();
+        if host_pools.is_empty() {
+            return;
+        }
+        let available = self.host.available();
+        let measured: Vec<(String, u64)> = self
+            .sup
+            .list()
+            .into_iter()
+            .map(|s| (s.instance, s.measured_bytes))
+            .collect();
+        let mut books = self.books();
+        for p in &host_pools {
+            books.ledger.set_available(p.pool.name.as_str(), available);
+        }
+        for (id, bytes) in measured {
+            // An instance's resident bytes count against the first
+            // host-bound pool it declares memory in.
+            let pool = books.ledger.resident(&id).and_then(|r| {
+                r.spec
+                    .demand
+                    .keys()
+                    .find(|k| host_pools.iter().any(|p| p.pool.name == **k))
+                    .cloned()
+            });
+            if let Some(pool) = pool {
+                books.ledger.set_measured(&id, &pool, bytes);
+            }
+        }
+    }
+
+    fn view(&self, id: &str, record: &Record) -> pb::Instance {
+        let status = self
+            .sup
+            .status(id)
+            .filter(|s| s.generation == record.generation);
+        let mut out = resident_api::instance(id, &record.workload.spec, status.as_ref());
+        if status.is_none() && record.cancelled {
+            out.state = pb::State::Exited as i32;
+            out.message = "stopped before it was spawned".into();
+        }
+        out
+    }
+
+    /// One instance.
+    pub fn get(&self, id: &str) -> Result<pb::Instance, ApiError> {
+        let record = self.books().records.get(id).cloned();
+        match record {
+            Some(r) => Ok(self.view(id, &r)),
+            None => Err(ApiError::NotFound(format!("no instance '{id}'"))),
+        }
+    }
+
+    /// Every instance, in id order.
+    pub fn list(&self) -> Vec<pb::Instance> {
+        let records: Vec<(String, Record)> = self
+            .books()
+            .records
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        records.iter().map(|(id, r)| self.view(id, r)).collect()
+    }
+
+    /// The pools as they are.
+    pub fn pools(&self) -> Vec<pb::PoolStatus> {
+        let books = self.books();
+        books
+            .ledger
+            .pools()
+            .iter()
+            .map(|p| resident_api::pool_status(p, books.ledger.available(p.name.as_str())))
+            .collect()
+    }
+
+    /// The placement query: what a Start would do, changing nothing.
+    pub fn place(&self, workload: &str, policy: Option<Policy>) -> Result<pb::Placement, ApiError> {
+        let w = self.workload(workload)?;
+        let policy = policy.unwrap_or(self.config().node.on_full);
+        self.refresh_probes();
+        let plan = self.books().ledger.place(&w.spec, policy, self.now_ms());
+        let plan = plan.map_err(plan_error)?;
+        Ok(resident_api::placement(&plan, self.pools()))
+    }
+
+    /// Starts an instance of `workload`: plan and reserve atomically, stop
+    /// the victims, spawn, and (with `wait_ready`) wait for READY.
+    pub async fn start(
+        self: &Arc<Self>,
+        workload: &str,
+        id: Option<InstanceId>,
+        policy: Option<Policy>,
+        wait_ready: bool,
+    ) -> Result<Started, ApiError> {
+        if self.closing.load(Ordering::Acquire) {
+            return Err(ApiError::Unavailable("the agent is shutting down".into()));
+        }
+        let w = self.workload(workload)?;
+        let config = self.config();
+        let id = match id {
+            Some(id) => id,
+            None => generated_id(&w, self.generation.load(Ordering::Relaxed) + 1),
+        };
+        let policy = policy.unwrap_or(config.node.on_full);
+        self.refresh_probes();
+        let (admission, generation) = {
+            let mut books = self.books();
+            if let Some(r) = books.records.get(id.as_str())
+                && r.workload.spec.workload != w.spec.workload
+            {
+                let msg = format!(
+                    "instance '{id}' already exists with workload '{}'",
+                    r.workload.spec.workload
+                );
+                return Err(ApiError::AlreadyExists(msg));
+            }
+            match books
+                .ledger
+                .admit(&id, w.spec.clone(), policy, self.now_ms())
+            {
+                Err(AdmitError::Refused(refusal)) => {
+                    drop(books);
+                    return Err(self.refused(workload, refusal, policy));
+                }
+                Err(AdmitError::Invalid(e)) => return Err(plan_error(e)),
+                Ok(a) if !a.created => {
+                    let record = books.records.get(id.as_str()).cloned();
+                    drop(books);
+                    let instance = match record {
+                        Some(r) => self.view(id.as_str(), &r),
+                        None => resident_api::instance(id.as_str(), &w.spec, None),
+                    };
+                    return Ok(Started {
+                        instance,
+                        created: false,
+                        evicted: Vec::new(),
+                    });
+                }
+                Ok(a) => {
+                    let generation = self.generation.fetch_add(1, Ordering::Relaxed) + 1;
+                    let record = Record {
+                        workload: w.clone(),
+                        generation,
+                        cancelled: false,
+                    };
+                    books.records.insert(id.to_string(), record);
+                    (a, generation)
+                }
+            }
+        };
+        let evicted: Vec<String> = admission.evict.iter().map(ToString::to_string).collect();
+        if !evicted.is_empty() {
+            tracing::info!(instance_id = %id, victims = ?evicted, "evicting to make room");
+        }
+        // Victims are stopped side by side; each keeps its memory in the
+        // ledger until its process group has exited.
+        let mut stops = tokio::task::JoinSet::new();
+        for victim in evicted.clone() {
+            let me = self.clone();
+            stops.spawn(async move { me.stop(&victim, None).await });
+        }
+        while let Some(result) = stops.join_next().await {
+            if let Ok(Err(e)) = result {
+                tracing::warn!(instance_id = %id, error = %e, "a victim could not be stopped");
+            }
+        }
+        for other in &admission.wait_for {
+            self.sup
+                .wait_for(other.as_str(), |s| s.state.is_terminal())
+                .await;
+        }
+        self.spawn(id.as_str(), &w, generation, wait_ready)
+            .await
+            .map(|instance| Started {
+                instance,
+                created: true,
+                evicted,
+            })
+    }
+
+    async fn spawn(
+        &self,
+        id: &str,
+        w: &Workload,
+        generation: u64,
+        wait_ready: bool,
+    ) -> Result<pb::Instance, ApiError> {
+        let cancelled = self
+            .books()
+            .records
+            .get(id)
+            .is_none_or(|r| r.generation != generation || r.cancelled);
+        if cancelled {
+            self.release(id, generation);
+            return Err(ApiError::Aborted(format!(
+                "instance '{id}' was stopped before it was spawned"
+            )));
+        }
+        let config = self.config();
+        let spec = w.launch(id, generation, config.node.run_as.as_ref());
+        match self.sup.start(spec).await {
+            Ok(status) if status.state == State::Failed => {
+                self.release(id, generation);
+                return Err(ApiError::Internal(format!(
+                    "instance '{id}': {}",
+                    status.reason
+                )));
+            }
+            Ok(_) => {}
+            Err(e) => {
+                self.release(id, generation);
+                return Err(ApiError::Unavailable(e.to_string()));
+            }
+        }
+        if wait_ready {
+            let settled = self
+                .sup
+                .wait_for(id, |s| s.state == State::Ready || s.state.is_terminal())
+                .await;
+            if let Some(s) = settled.filter(|s| s.state.is_terminal()) {
+                return Err(ApiError::FailedPrecondition(format!(
+                    "instance '{id}' did not become ready: {}",
+                    s.reason
+                )));
+            }
+        }
+        self.get(id)
+    }
+
+    fn refused(&self, workload: &str, refusal: resident_core::Refusal, policy: Policy) -> ApiError {
+        tracing::info!(workload, ?policy, reason = %refusal.first(), "start refused");
+        let placement = resident_api::placement(&Plan::Refuse(refusal.clone()), self.pools());
+        self.events.publish(pb::Event {
+            kind: pb::EventKind::Refused as i32,
+            refusal: Some(resident_api::refusal(refusal.first())),
+            workload: workload.to_string(),
+            ..Default::default()
+        });
+        ApiError::Refused {
+            refusal,
+            placement: Box::new(placement),
+        }
+    }
+
+    /// Releases `id`'s reservation if `generation` is still its current run.
+    fn release(&self, id: &str, generation: u64) {
+        let mut books = self.books();
+        if books
+            .records
+            .get(id)
+            .is_some_and(|r| r.generation == generation)
+        {
+            books.ledger.release(id);
+        }
+    }
+
+    /// Stops an instance and answers once its group has exited and its
+    /// memory is released.
+    pub async fn stop(&self, id: &str, grace: Option<Duration>) -> Result<pb::Instance, ApiError> {
+        let generation = {
+            let mut books = self.books();
+            let Some(record) = books.records.get_mut(id) else {
+                return Err(ApiError::NotFound(format!("no instance '{id}'")));
+            };
+            record.cancelled = true;
+            record.generation
+        };
+        let known = self
+            .sup
+            .status(id)
+            .is_some_and(|s| s.generation == generation);
+        if known && let Err(e) = self.sup.stop(id, grace).await {
+            tracing::warn!(instance_id = id, error = %e, "stop");
+        }
+        self.release(id, generation);
+        self.get(id)
+    }
+
+    /// Marks a use of `id` and, with `hold_ms`, protects it from eviction.
+    pub fn touch(&self, id: &str, hold_ms: u64) -> Result<pb::Instance, ApiError> {
+        let touched = self.books().ledger.touch(id, self.now_ms(), hold_ms);
+        if !touched {
+            self.get(id)?;
+            return Err(ApiError::FailedPrecondition(format!(
+                "instance '{id}' is not resident"
+            )));
+        }
+        self.get(id)
+    }
+
+    /// Refuses new starts and stops every instance gracefully.
+    pub async fn shutdown(&self) {
+        self.closing.store(true, Ordering::Release);
+        self.sup.shutdown().await;
+        let ids: Vec<String> = self.books().records.keys().cloned().collect();
+        let mut books = self.books();
+        for id in ids {
+            books.ledger.release(&id);
+        }
+    }
+
+    /// Stops instances unused for longer than their workload's idle TTL.
+    async fn expire_idle(self: &Arc<Self>) {
+        let now = self.now_ms();
+        let expired: Vec<String> = {
+            let books = self.books();
+            books
+                .ledger
+                .residents()
+                .filter(|r| !r.evicting && !r.held(now))
+                .filter(|r| {
+                    let ttl = books
+                        .records
+                        .get(r.id.as_str())
+                        .and_then(|rec| rec.workload.idle_ttl);
+                    ttl.is_some_and(|ttl| now.saturating_sub(r.last_used) >= ttl.as_millis() as u64)
+                })
+                .map(|r| r.id.to_string())
+                .collect()
+        };
+        for id in expired {
+            tracing::info!(instance_id = %id, "idle TTL reached, stopping");
+            let me = self.clone();
+            tokio::spawn(async move { me.stop(&id, None).await });
+        }
+    }
+
+    fn on_transition(&self, status: Status) {
+        let record = self.books().records.get(&status.instance).cloned();
+        let Some(record) = record.filter(|r| r.generation == status.generation) else {
+            return;
+        };
+        if status.state.is_terminal() {
+            self.release(&status.instance, status.generation);
+        }
+        let instance =
+            resident_api::instance(&status.instance, &record.workload.spec, Some(&status));
+        self.events.publish(pb::Event {
+            instance: Some(instance),
+            kind: pb::EventKind::Transition as i32,
+            ..Default::default()
+        });
+    }
+}
+
+fn generated_id(w: &Workload, n: u64) -> InstanceId {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let name = format!("{}-{n}-{nanos:x}", w.spec.workload);
+    // A workload name (64 chars max) plus digits stays a valid id.
+    InstanceId::new(name)
+        .unwrap_or_else(|_| InstanceId::new(format!("instance-{n}")).expect("a valid id"))
+}
+
+fn plan_error(e: PlanError) -> ApiError {
+    match e {
+        PlanError::AlreadyExists { .. } => ApiError::AlreadyExists(e.to_string()),
+        PlanError::Evicting { .. } => ApiError::Unavailable(e.to_string()),
+        PlanError::UnknownPool { .. } => ApiError::FailedPrecondition(e.to_string()),
+    }
+}
+
+/// Applies every supervisor transition to the books and the event log.
+async fn follow_supervisor(agent: std::sync::Weak<Agent>, mut rx: mpsc::UnboundedReceiver<Status>) {
+    while let Some(status) = rx.recv().await {
+        let Some(agent) = agent.upgrade() else {
+            return;
+        };
+        agent.on_transition(status);
+    }
+}
+
+/// Periodic work: probe readings and idle expiry.
+async fn tick(agent: std::sync::Weak<Agent>) {
+    let mut interval = tokio::time::interval(Duration::from_secs(1));
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        interval.tick().await;
+        let Some(agent) = agent.upgrade() else {
+            return;
+        };
+        agent.refresh_probes();
+        agent.expire_idle().await;
+    }
+}

@@ -1,0 +1,147 @@
+//! The event log behind `Watch`: every transition and refusal gets the next
+//! revision; a bounded history lets a client resume, and a broadcast feeds
+//! live watchers. Revision order equals delivery order, because both are
+//! decided under one lock.
+
+use std::collections::VecDeque;
+use std::sync::Mutex;
+
+use resident_api::pb;
+use tokio::sync::broadcast;
+
+/// How a watch can begin.
+#[derive(Debug)]
+pub enum Resume {
+    /// The events to send first, then everything from the receiver.
+    From(Vec<pb::Event>, broadcast::Receiver<pb::Event>),
+    /// The revision asked for is older than the history kept; re-list.
+    TooOld {
+        /// The oldest revision that can still be resumed after.
+        oldest: u64,
+    },
+}
+
+#[derive(Debug)]
+struct Inner {
+    revision: u64,
+    history: VecDeque<pb::Event>,
+}
+
+/// The log.
+#[derive(Debug)]
+pub struct EventLog {
+    inner: Mutex<Inner>,
+    live: broadcast::Sender<pb::Event>,
+    keep: usize,
+}
+
+impl EventLog {
+    /// A log keeping `keep` events for resumption and buffering `buffer`
+    /// events per live watcher.
+    pub fn new(keep: usize, buffer: usize) -> Self {
+        let (live, _) = broadcast::channel(buffer.max(1));
+        Self {
+            inner: Mutex::new(Inner {
+                revision: 0,
+                history: VecDeque::new(),
+            }),
+            live,
+            keep: keep.max(1),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Publishes `event` with the next revision; returns the revision.
+    pub fn publish(&self, mut event: pb::Event) -> u64 {
+        let mut inner = self.lock();
+        inner.revision += 1;
+        event.revision = inner.revision;
+        if inner.history.len() == self.keep {
+            inner.history.pop_front();
+        }
+        inner.history.push_back(event.clone());
+        let _ = self.live.send(event);
+        inner.revision
+    }
+
+    /// The latest revision.
+    pub fn revision(&self) -> u64 {
+        self.lock().revision
+    }
+
+    /// Begins a watch. `since == 0`: one SNAPSHOT event per instance from
+    /// `snapshot` (at the current revision), then every later event.
+    /// `since > 0`: the kept events after `since`, then every later one.
+    pub fn resume(&self, since: u64, snapshot: impl FnOnce() -> Vec<pb::Instance>) -> Resume {
+        let inner = self.lock();
+        let rx = self.live.subscribe();
+        if since == 0 {
+            let events = snapshot()
+                .into_iter()
+                .map(|i| pb::Event {
+                    revision: inner.revision,
+                    instance: Some(i),
+                    kind: pb::EventKind::Snapshot as i32,
+                    ..Default::default()
+                })
+                .collect();
+            return Resume::From(events, rx);
+        }
+        let oldest = inner
+            .history
+            .front()
+            .map_or(inner.revision, |e| e.revision.saturating_sub(1));
+        if since < oldest || since > inner.revision {
+            return Resume::TooOld { oldest };
+        }
+        let events = inner
+            .history
+            .iter()
+            .filter(|e| e.revision > since)
+            .cloned()
+            .collect();
+        Resume::From(events, rx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(workload: &str) -> pb::Event {
+        pb::Event {
+            workload: workload.into(),
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn resumes_without_gap_or_repeat_and_refuses_what_it_forgot() {
+        let log = EventLog::new(3, 16);
+        for w in ["a", "b", "c", "d"] {
+            log.publish(event(w));
+        }
+        // History holds revisions 2..=4: resuming after 1 works, after 0 is
+        // a snapshot, before 1 is gone.
+        let Resume::From(events, mut rx) = log.resume(2, Vec::new) else {
+            panic!("revision 2 is kept");
+        };
+        let revs: Vec<u64> = events.iter().map(|e| e.revision).collect();
+        assert_eq!(revs, [3, 4]);
+        log.publish(event("e"));
+        assert_eq!(rx.recv().await.expect("live").revision, 5);
+        assert!(matches!(log.resume(1, Vec::new), Resume::From(..)));
+        let log = EventLog::new(2, 16);
+        for w in ["a", "b", "c", "d"] {
+            log.publish(event(w));
+        }
+        assert!(matches!(
+            log.resume(1, Vec::new),
+            Resume::TooOld { oldest: 2 }
+        ));
+        assert!(matches!(log.resume(9, Vec::new), Resume::TooOld { .. }));
+    }
+}

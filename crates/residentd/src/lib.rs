@@ -1,0 +1,14 @@
+//! residentd, the node agent: joins the placement core, the supervisor and
+//! the probes behind the `resident.v1.NodeAgent` gRPC service.
+//!
+//! Architecture invariant: all admission goes through `Agent::start`, which
+//! plans and reserves under the one ledger lock; nothing else reserves.
+
+pub mod agent;
+pub mod events;
+pub mod server;
+pub mod service;
+
+/// The example configuration `residentd` runs when given no `--config`:
+/// a small real demo workload that works on any laptop with Python 3.
+pub const DEFAULT_CONFIG: &str = include_str!("../../../examples/laptop.toml");

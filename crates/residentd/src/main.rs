@@ -1,0 +1,118 @@
+//! `residentd`: the node agent's binary. Thin: arguments, logging, config,
+//! then the server until a shutdown signal.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::Parser;
+use residentd::agent::Agent;
+
+/// Exit status for a configuration error (sysexits' EX_CONFIG), so systemd
+/// does not restart into the same error.
+const EX_CONFIG: u8 = 78;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "residentd",
+    version,
+    about = "Keeps inference servers resident within the node's memory"
+)]
+struct Args {
+    /// The configuration file. Without it, the embedded laptop example runs
+    /// (socket under $XDG_RUNTIME_DIR or /tmp).
+    #[arg(long, short)]
+    config: Option<PathBuf>,
+    /// Validate a configuration file and exit (0: valid, 78: not).
+    #[arg(long, value_name = "FILE")]
+    check_config: Option<PathBuf>,
+    /// Log as JSON lines instead of human-readable text.
+    #[arg(long)]
+    log_json: bool,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    init_logging(args.log_json);
+    if let Some(path) = &args.check_config {
+        return match resident_config::load(path) {
+            Ok(c) => {
+                println!(
+                    "{}: valid ({} pools, {} workloads)",
+                    path.display(),
+                    c.pools.len(),
+                    c.workloads.len()
+                );
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("residentd: {e}");
+                ExitCode::from(EX_CONFIG)
+            }
+        };
+    }
+    let config = match &args.config {
+        Some(path) => resident_config::load(path),
+        None => default_config(),
+    };
+    let config = match config {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("residentd: {e}");
+            return ExitCode::from(EX_CONFIG);
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("residentd: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        let host = Arc::new(resident_probe::HostMemory::new());
+        let agent = Agent::new(config, host);
+        residentd::server::serve(agent).await
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("residentd: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The embedded example, with its socket and state under a per-user
+/// runtime directory.
+fn default_config() -> Result<resident_config::Config, resident_config::ConfigError> {
+    let dir = std::env::var_os("XDG_RUNTIME_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            std::env::temp_dir().join(format!("residentd-{}", nix::unistd::getuid()))
+        })
+        .join("residentd");
+    let text = residentd::DEFAULT_CONFIG.replace("@RUNTIME_DIR@", &dir.display().to_string());
+    let config = resident_config::parse(std::path::Path::new("<embedded laptop example>"), &text)?;
+    eprintln!(
+        "residentd: running the embedded laptop example; socket {}",
+        dir.join("residentd.sock").display()
+    );
+    Ok(config)
+}
+
+fn init_logging(json: bool) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if json {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}

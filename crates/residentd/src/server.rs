@@ -1,0 +1,139 @@
+//! Serving the API: the Unix socket (or TCP), grpc.health.v1, server
+//! reflection, and the orderly shutdown on SIGTERM/SIGINT.
+
+use std::os::unix::fs::PermissionsExt as _;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context as _, bail};
+use resident_api::pb::node_agent_server::NodeAgentServer;
+use resident_config::Listen;
+use tokio::net::UnixListener;
+use tokio::signal::unix::{SignalKind, signal};
+use tokio_stream::wrappers::UnixListenerStream;
+use tonic::transport::Server;
+use tonic_health::ServingStatus;
+
+use crate::agent::Agent;
+use crate::service::Service;
+
+/// Largest request or response message, in bytes.
+const MAX_MESSAGE: usize = 4 << 20;
+
+/// Binds the Unix socket at `path`: creates the directory, removes a stale
+/// socket left by a dead agent, refuses to steal a live one, and sets the
+/// mode to 0660.
+pub fn bind_unix(path: &Path) -> anyhow::Result<UnixListener> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    if path.exists() {
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            bail!("{} is in use by a running agent", path.display());
+        }
+        std::fs::remove_file(path)
+            .with_context(|| format!("removing stale socket {}", path.display()))?;
+        tracing::info!(socket = %path.display(), "removed a stale socket");
+    }
+    let listener =
+        UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
+        .with_context(|| format!("setting the mode of {}", path.display()))?;
+    Ok(listener)
+}
+
+/// Serves until SIGTERM or SIGINT, then drains: health NOT_SERVING, new
+/// starts refused, every child stopped, and returns.
+pub async fn serve(agent: Arc<Agent>) -> anyhow::Result<()> {
+    let config = agent.config();
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health.set_serving::<NodeAgentServer<Service>>().await;
+    health.set_service_status("", ServingStatus::Serving).await;
+    let reflection_v1 = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(resident_api::pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()?;
+    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(resident_api::pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1alpha()?;
+    let service = NodeAgentServer::new(Service::new(agent.clone()))
+        .max_decoding_message_size(MAX_MESSAGE)
+        .max_encoding_message_size(MAX_MESSAGE);
+    let router = Server::builder()
+        .add_service(health_service)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
+        .add_service(service);
+
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let drained = {
+        let agent = agent.clone();
+        let health = health.clone();
+        async move {
+            wait_for_signal().await;
+            tracing::info!("shutting down: refusing new starts, stopping every instance");
+            let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
+            health.set_not_serving::<NodeAgentServer<Service>>().await;
+            health
+                .set_service_status("", ServingStatus::NotServing)
+                .await;
+            agent.shutdown().await;
+            let _ = stop_tx.send(());
+        }
+    };
+    tokio::spawn(drained);
+    let shutdown = async {
+        let _ = stop_rx.await;
+    };
+    start_watchdog();
+    match &config.node.listen {
+        Listen::Unix(path) => {
+            let listener = bind_unix(path)?;
+            tracing::info!(socket = %path.display(), node = %config.node.name, "serving");
+            let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
+            router
+                .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown)
+                .await?;
+            let _ = std::fs::remove_file(path);
+        }
+        Listen::Tcp(addr) => {
+            tracing::warn!(%addr, "serving plaintext TCP (insecure = true)");
+            let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
+            router.serve_with_shutdown(*addr, shutdown).await?;
+        }
+    }
+    tracing::info!("stopped");
+    Ok(())
+}
+
+async fn wait_for_signal() {
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        tracing::error!("cannot watch SIGTERM/SIGINT; stop the agent with SIGKILL");
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+}
+
+/// Pets systemd's watchdog at half its interval, when it is enabled.
+fn start_watchdog() {
+    let mut usec = 0;
+    if !sd_notify::watchdog_enabled(false, &mut usec) || usec == 0 {
+        return;
+    }
+    let every = Duration::from_micros(usec / 2);
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        loop {
+            tick.tick().await;
+            let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Watchdog]);
+        }
+    });
+}

@@ -1,0 +1,278 @@
+//! The `resident.v1.NodeAgent` service: request validation and translation
+//! to and from the agent. No decision is made here.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use resident_api::{ApiError, pb};
+use resident_core::{InstanceId, Policy};
+use tokio::sync::broadcast::error::RecvError;
+use tokio::sync::mpsc;
+use tokio_stream::Stream;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+use tracing::Instrument as _;
+
+use crate::agent::Agent;
+use crate::events::Resume;
+
+/// Longest accepted workload name or instance id in a request.
+const MAX_ID: usize = 128;
+/// Most log lines one `Logs` call may ask for.
+const MAX_TAIL: u32 = 100_000;
+
+/// The gRPC face of the agent.
+#[derive(Debug, Clone)]
+pub struct Service {
+    agent: Arc<Agent>,
+}
+
+impl Service {
+    /// A service over `agent`.
+    pub fn new(agent: Arc<Agent>) -> Self {
+        Self { agent }
+    }
+}
+
+type Streamed<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
+
+fn policy(field: &str, value: i32) -> Result<Option<Policy>, ApiError> {
+    match pb::Policy::try_from(value) {
+        Ok(pb::Policy::Unspecified) => Ok(None),
+        Ok(pb::Policy::Refuse) => Ok(Some(Policy::Refuse)),
+        Ok(pb::Policy::Evict) => Ok(Some(Policy::Evict)),
+        Err(_) => Err(ApiError::invalid(field, format!("{value} is not a Policy"))),
+    }
+}
+
+fn workload_name(field: &str, value: &str) -> Result<(), ApiError> {
+    if value.is_empty() {
+        return Err(ApiError::invalid(
+            field,
+            "must name a workload of the roster",
+        ));
+    }
+    if value.len() > MAX_ID {
+        return Err(ApiError::invalid(
+            field,
+            format!("longer than {MAX_ID} bytes"),
+        ));
+    }
+    Ok(())
+}
+
+/// A required instance id, validated.
+fn instance_id(field: &str, value: &str) -> Result<InstanceId, ApiError> {
+    InstanceId::new(value).map_err(|e| ApiError::invalid(field, e.to_string()))
+}
+
+#[tonic::async_trait]
+impl pb::node_agent_server::NodeAgent for Service {
+    async fn start(
+        &self,
+        req: Request<pb::StartRequest>,
+    ) -> Result<Response<pb::StartResponse>, Status> {
+        let r = req.into_inner();
+        let mut bad = Vec::new();
+        if let Err(ApiError::InvalidArgument(v)) = workload_name("workload", &r.workload) {
+            bad.extend(v);
+        }
+        let id = if r.instance_id.is_empty() {
+            None
+        } else {
+            match instance_id("instance_id", &r.instance_id) {
+                Ok(id) => Some(id),
+                Err(ApiError::InvalidArgument(v)) => {
+                    bad.extend(v);
+                    None
+                }
+                Err(e) => return Err(e.into()),
+            }
+        };
+        let on_full = match policy("on_full", r.on_full) {
+            Ok(p) => p,
+            Err(ApiError::InvalidArgument(v)) => {
+                bad.extend(v);
+                None
+            }
+            Err(e) => return Err(e.into()),
+        };
+        if !bad.is_empty() {
+            return Err(ApiError::InvalidArgument(bad).into());
+        }
+        let span =
+            tracing::info_span!("start", workload = %r.workload, instance_id = %r.instance_id);
+        let started = self
+            .agent
+            .start(&r.workload, id, on_full, r.wait_ready)
+            .instrument(span)
+            .await?;
+        Ok(Response::new(pb::StartResponse {
+            instance: Some(started.instance),
+            created: started.created,
+            evicted: started.evicted,
+        }))
+    }
+
+    async fn stop(
+        &self,
+        req: Request<pb::StopRequest>,
+    ) -> Result<Response<pb::StopResponse>, Status> {
+        let r = req.into_inner();
+        let id = instance_id("instance_id", &r.instance_id)?;
+        let grace = (r.grace_ms > 0).then(|| Duration::from_millis(r.grace_ms));
+        let span = tracing::info_span!("stop", instance_id = %id);
+        let instance = self.agent.stop(id.as_str(), grace).instrument(span).await?;
+        Ok(Response::new(pb::StopResponse {
+            instance: Some(instance),
+        }))
+    }
+
+    async fn get(&self, req: Request<pb::GetRequest>) -> Result<Response<pb::Instance>, Status> {
+        let id = instance_id("instance_id", &req.get_ref().instance_id)?;
+        Ok(Response::new(self.agent.get(id.as_str())?))
+    }
+
+    async fn list(
+        &self,
+        _req: Request<pb::ListRequest>,
+    ) -> Result<Response<pb::ListResponse>, Status> {
+        Ok(Response::new(pb::ListResponse {
+            instances: self.agent.list(),
+        }))
+    }
+
+    async fn place(
+        &self,
+        req: Request<pb::PlaceRequest>,
+    ) -> Result<Response<pb::Placement>, Status> {
+        let r = req.into_inner();
+        workload_name("workload", &r.workload)?;
+        let on_full = policy("on_full", r.on_full)?;
+        Ok(Response::new(self.agent.place(&r.workload, on_full)?))
+    }
+
+    async fn touch(
+        &self,
+        req: Request<pb::TouchRequest>,
+    ) -> Result<Response<pb::Instance>, Status> {
+        let r = req.into_inner();
+        let id = instance_id("instance_id", &r.instance_id)?;
+        Ok(Response::new(self.agent.touch(id.as_str(), r.hold_ms)?))
+    }
+
+    type WatchStream = Streamed<pb::Event>;
+
+    async fn watch(
+        &self,
+        req: Request<pb::WatchRequest>,
+    ) -> Result<Response<Self::WatchStream>, Status> {
+        let since = req.get_ref().since_revision;
+        let agent = self.agent.clone();
+        let (first, mut live) = match self.agent.events().resume(since, || agent.list()) {
+            Resume::From(first, live) => (first, live),
+            Resume::TooOld { oldest } => {
+                return Err(Status::out_of_range(format!(
+                    "revision {since} is not in the kept history (oldest resumable: {oldest}); list again and watch from 0"
+                )));
+            }
+        };
+        let (tx, rx) = mpsc::channel(256);
+        tokio::spawn(async move {
+            let mut last = first.last().map_or(since, |e| e.revision);
+            for e in first {
+                if tx.send(Ok(e)).await.is_err() {
+                    return;
+                }
+            }
+            loop {
+                match live.recv().await {
+                    Ok(e) if e.revision <= last => continue,
+                    Ok(e) => {
+                        last = e.revision;
+                        if tx.send(Ok(e)).await.is_err() {
+                            return;
+                        }
+                    }
+                    Err(RecvError::Lagged(_)) => {
+                        let msg =
+                            format!("watcher fell behind; resume with since_revision = {last}");
+                        let _ = tx.send(Err(Status::resource_exhausted(msg))).await;
+                        return;
+                    }
+                    Err(RecvError::Closed) => return,
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    type LogsStream = Streamed<pb::LogLine>;
+
+    async fn logs(
+        &self,
+        req: Request<pb::LogsRequest>,
+    ) -> Result<Response<Self::LogsStream>, Status> {
+        let r = req.into_inner();
+        let id = instance_id("instance_id", &r.instance_id)?;
+        if r.tail > MAX_TAIL {
+            return Err(ApiError::invalid("tail", format!("at most {MAX_TAIL} lines")).into());
+        }
+        self.agent.get(id.as_str())?;
+        let Some(ring) = self.agent.supervisor().logs(id.as_str()) else {
+            return Ok(Response::new(Box::pin(tokio_stream::empty())));
+        };
+        let (tail, mut live) = ring.tail_and_follow(r.tail as usize);
+        let to_pb = move |l: resident_supervisor::LogLine, id: &str| pb::LogLine {
+            line: l.line,
+            stream: match l.stream {
+                resident_supervisor::Stream::Stdout => pb::LogStream::Stdout as i32,
+                resident_supervisor::Stream::Stderr => pb::LogStream::Stderr as i32,
+            },
+            seq: l.seq,
+            instance_id: id.to_string(),
+        };
+        let (tx, rx) = mpsc::channel(256);
+        let follow = r.follow;
+        tokio::spawn(async move {
+            let id = id.to_string();
+            for l in tail {
+                if tx.send(Ok(to_pb(l, &id))).await.is_err() {
+                    return;
+                }
+            }
+            if !follow {
+                return;
+            }
+            loop {
+                match live.recv().await {
+                    Ok(l) => {
+                        if tx.send(Ok(to_pb(l, &id))).await.is_err() {
+                            return;
+                        }
+                    }
+                    Err(RecvError::Lagged(n)) => {
+                        let msg = format!("log follower fell behind by {n} lines");
+                        let _ = tx.send(Err(Status::resource_exhausted(msg))).await;
+                        return;
+                    }
+                    Err(RecvError::Closed) => return,
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn node(
+        &self,
+        _req: Request<pb::NodeRequest>,
+    ) -> Result<Response<pb::NodeStatus>, Status> {
+        Ok(Response::new(pb::NodeStatus {
+            node: self.agent.config().node.name.clone(),
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            pools: self.agent.pools(),
+            instances: self.agent.list(),
+        }))
+    }
+}
