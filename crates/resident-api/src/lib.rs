@@ -4,8 +4,11 @@
 //!
 //! Architecture invariant: this crate decides nothing. It translates.
 
+mod client;
 mod convert;
 mod error;
+
+pub use client::{channel_unix, connect_unix};
 
 pub use convert::{instance, placement, pool_status, refusal};
 pub use error::ApiError;

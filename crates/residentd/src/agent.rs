@@ -54,6 +54,8 @@ pub struct Agent {
     epoch: Instant,
     generation: AtomicU64,
     closing: AtomicBool,
+    /// Flips to true when shutdown begins; long streams end on it.
+    closed: tokio::sync::watch::Sender<bool>,
 }
 
 impl Agent {
@@ -79,6 +81,7 @@ impl Agent {
             epoch: Instant::now(),
             generation: AtomicU64::new(0),
             closing: AtomicBool::new(false),
+            closed: tokio::sync::watch::Sender::new(false),
         });
         agent.refresh_probes();
         tokio::spawn(follow_supervisor(Arc::downgrade(&agent), rx));
@@ -105,6 +108,14 @@ impl Agent {
     /// The event log.
     pub fn events(&self) -> &EventLog {
         &self.events
+    }
+
+    /// Resolves once shutdown has begun; Watch and Logs streams end then.
+    pub fn closing(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut rx = self.closed.subscribe();
+        async move {
+            let _ = rx.wait_for(|closed| *closed).await;
+        }
     }
 
     /// The supervisor.
@@ -423,6 +434,7 @@ impl Agent {
     /// Refuses new starts and stops every instance gracefully.
     pub async fn shutdown(&self) {
         self.closing.store(true, Ordering::Release);
+        self.closed.send_replace(true);
         self.sup.shutdown().await;
         let ids: Vec<String> = self.books().records.keys().cloned().collect();
         let mut books = self.books();

@@ -18,6 +18,9 @@ use tonic_health::ServingStatus;
 use crate::agent::Agent;
 use crate::service::Service;
 
+/// How long open connections may take to close once every child is gone.
+const DRAIN: Duration = Duration::from_secs(3);
+
 /// Largest request or response message, in bytes.
 const MAX_MESSAGE: usize = 4 << 20;
 
@@ -68,6 +71,7 @@ pub async fn serve(agent: Arc<Agent>) -> anyhow::Result<()> {
         .add_service(service);
 
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let (drained_tx, drained_rx) = tokio::sync::oneshot::channel::<()>();
     let drained = {
         let agent = agent.clone();
         let health = health.clone();
@@ -81,11 +85,19 @@ pub async fn serve(agent: Arc<Agent>) -> anyhow::Result<()> {
                 .await;
             agent.shutdown().await;
             let _ = stop_tx.send(());
+            // Connections get this long to finish after the children are
+            // gone; a client that never hangs up does not keep us alive.
+            tokio::time::sleep(DRAIN).await;
+            let _ = drained_tx.send(());
         }
     };
     tokio::spawn(drained);
     let shutdown = async {
         let _ = stop_rx.await;
+    };
+    let drain_bound = async {
+        let _ = drained_rx.await;
+        tracing::warn!("connections still open after {DRAIN:?}; exiting anyway");
     };
     start_watchdog();
     match &config.node.listen {
@@ -101,7 +113,10 @@ pub async fn serve(agent: Arc<Agent>) -> anyhow::Result<()> {
         Listen::Tcp(addr) => {
             tracing::warn!(%addr, "serving plaintext TCP (insecure = true)");
             let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
-            router.serve_with_shutdown(*addr, shutdown).await?;
+            tokio::select! {
+                result = router.serve_with_shutdown(*addr, shutdown) => result?,
+                () = drain_bound => {}
+            }
         }
     }
     tracing::info!("stopped");

@@ -179,7 +179,9 @@ impl pb::node_agent_server::NodeAgent for Service {
             }
         };
         let (tx, rx) = mpsc::channel(256);
+        let closing = self.agent.closing();
         tokio::spawn(async move {
+            tokio::pin!(closing);
             let mut last = first.last().map_or(since, |e| e.revision);
             for e in first {
                 if tx.send(Ok(e)).await.is_err() {
@@ -187,7 +189,15 @@ impl pb::node_agent_server::NodeAgent for Service {
                 }
             }
             loop {
-                match live.recv().await {
+                let next = tokio::select! {
+                    next = live.recv() => next,
+                    () = &mut closing => {
+                        let msg = format!("the agent is shutting down; resume with since_revision = {last}");
+                        let _ = tx.send(Err(Status::unavailable(msg))).await;
+                        return;
+                    }
+                };
+                match next {
                     Ok(e) if e.revision <= last => continue,
                     Ok(e) => {
                         last = e.revision;
@@ -235,7 +245,9 @@ impl pb::node_agent_server::NodeAgent for Service {
         };
         let (tx, rx) = mpsc::channel(256);
         let follow = r.follow;
+        let closing = self.agent.closing();
         tokio::spawn(async move {
+            tokio::pin!(closing);
             let id = id.to_string();
             for l in tail {
                 if tx.send(Ok(to_pb(l, &id))).await.is_err() {
@@ -246,7 +258,14 @@ impl pb::node_agent_server::NodeAgent for Service {
                 return;
             }
             loop {
-                match live.recv().await {
+                let next = tokio::select! {
+                    next = live.recv() => next,
+                    () = &mut closing => {
+                        let _ = tx.send(Err(Status::unavailable("the agent is shutting down"))).await;
+                        return;
+                    }
+                };
+                match next {
                     Ok(l) => {
                         if tx.send(Ok(to_pb(l, &id))).await.is_err() {
                             return;

@@ -1,0 +1,29 @@
+//! Connecting a generated client to an agent's Unix socket.
+
+use std::path::{Path, PathBuf};
+
+use hyper_util::rt::TokioIo;
+use tokio::net::UnixStream;
+use tonic::transport::{Channel, Endpoint, Uri};
+
+use crate::pb::node_agent_client::NodeAgentClient;
+
+/// A client of the agent listening on the Unix socket at `path`.
+pub async fn connect_unix(
+    path: impl AsRef<Path>,
+) -> Result<NodeAgentClient<Channel>, tonic::transport::Error> {
+    Ok(NodeAgentClient::new(
+        channel_unix(path.as_ref().to_path_buf()).await?,
+    ))
+}
+
+/// A channel over the Unix socket at `path` (the URI's authority is only a
+/// placeholder; every connection goes to the socket).
+pub async fn channel_unix(path: PathBuf) -> Result<Channel, tonic::transport::Error> {
+    Endpoint::from_static("http://localhost")
+        .connect_with_connector(tower::service_fn(move |_: Uri| {
+            let path = path.clone();
+            async move { Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(path).await?)) }
+        }))
+        .await
+}

@@ -1,0 +1,316 @@
+//! The agent over gRPC: the reference scenario, exclusions, idempotent
+//! starts, eviction, concurrency and bad input, against the real binary.
+
+mod support;
+
+use std::time::Duration;
+
+use resident_api::pb;
+use support::*;
+use tonic::Code;
+
+fn reference_config() -> String {
+    let mut c = String::from("[[pool]]\nname = \"unified\"\nbudget = \"96GB\"\n\n");
+    c += &sleeper("coder-daily", "unified", 55, "");
+    c += &sleeper("coder-small", "unified", 9, "");
+    c += &sleeper("planner", "unified", 55, "excludes = [\"role:swarm\"]");
+    c += &sleeper("swarm", "unified", 1, "");
+    c += &sleeper("reviewer", "unified", 1, "excludes = [\"coder-small\"]");
+    c
+}
+
+#[tokio::test]
+async fn the_reference_ledger_scenario_over_grpc() {
+    let mut d = Daemon::start(&reference_config()).await;
+    let c = &mut d.client;
+    let a = c
+        .start(start_req("coder-daily", "a"))
+        .await
+        .expect("55 GB fits")
+        .into_inner();
+    assert!(a.created);
+    c.start(start_req("coder-small", "b"))
+        .await
+        .expect("9 GB fits");
+    let refused = c
+        .start(start_req("planner", "c"))
+        .await
+        .expect_err("55 GB more does not fit");
+    assert_eq!(refused.code(), Code::ResourceExhausted);
+    assert_eq!(
+        refused.message(),
+        "unplaceable: 'planner' needs 55.0 GB but only 32.0 GB of the 96.0 GB 'unified' pool is free (held by coder-daily 55.0 GB, coder-small 9.0 GB)"
+    );
+    let (info, placement) = refusal_details(&refused);
+    assert_eq!(
+        (info.reason.as_str(), info.domain.as_str()),
+        ("OVER_BUDGET", "resident.v1")
+    );
+    assert_eq!(info.metadata["need_bytes"], "55000000000");
+    assert_eq!(info.metadata["free_bytes"], "32000000000");
+    assert!(!placement.admitted);
+    let Some(pb::refusal::Reason::OverBudget(over)) = &placement.refusals[0].reason else {
+        panic!("an over-budget reason: {placement:?}");
+    };
+    let holders: Vec<(&str, u64)> = over
+        .holders
+        .iter()
+        .map(|h| (h.instance_id.as_str(), h.bytes))
+        .collect();
+    assert_eq!(holders, [("a", 55_000_000_000), ("b", 9_000_000_000)]);
+    // The refusal changed nothing.
+    let node = c.node(pb::NodeRequest {}).await.expect("node").into_inner();
+    assert_eq!(node.pools[0].used_bytes, 64_000_000_000);
+    assert_eq!(node.instances.len(), 2);
+    // Stopping the first lets the planner in, on the very next call.
+    let stopped = c
+        .stop(pb::StopRequest {
+            instance_id: "a".into(),
+            grace_ms: 0,
+        })
+        .await
+        .expect("stop");
+    let stopped = stopped.into_inner().instance.expect("an instance");
+    assert_eq!(stopped.state, pb::State::Exited as i32);
+    assert!(!alive(a.instance.expect("instance").pid as i32));
+    c.start(start_req("planner", "c"))
+        .await
+        .expect("now it fits");
+}
+
+#[tokio::test]
+async fn exclusions_hold_both_ways_and_starts_are_idempotent() {
+    let mut d = Daemon::start(&reference_config()).await;
+    let c = &mut d.client;
+    c.start(start_req("planner", "p")).await.expect("fits");
+    let e = c
+        .start(start_req("swarm", "s"))
+        .await
+        .expect_err("planner excludes swarm");
+    assert_eq!(e.code(), Code::FailedPrecondition);
+    assert_eq!(
+        e.message(),
+        "unplaceable: 'swarm' cannot be resident beside 'planner' ('planner' excludes it)"
+    );
+    assert_eq!(refusal_details(&e).0.reason, "EXCLUDED");
+    c.start(start_req("coder-small", "cs")).await.expect("fits");
+    let e = c
+        .start(start_req("reviewer", "r"))
+        .await
+        .expect_err("reviewer excludes coder-small");
+    assert_eq!(
+        e.message(),
+        "unplaceable: 'reviewer' cannot be resident beside 'coder-small' ('reviewer' excludes it)"
+    );
+    // Idempotent: the same id and workload again is the same instance.
+    let again = c
+        .start(start_req("planner", "p"))
+        .await
+        .expect("idempotent")
+        .into_inner();
+    assert!(!again.created);
+    let node = c.node(pb::NodeRequest {}).await.expect("node").into_inner();
+    assert_eq!(node.pools[0].used_bytes, 64_000_000_000, "counted once");
+    // The same id with another workload is not.
+    let e = c
+        .start(start_req("coder-daily", "p"))
+        .await
+        .expect_err("id taken");
+    assert_eq!(e.code(), Code::AlreadyExists);
+}
+
+#[tokio::test]
+async fn evict_stops_the_least_recently_used_first_or_nothing() {
+    let mut d = Daemon::start(&reference_config()).await;
+    let c = &mut d.client;
+    let a = c
+        .start(start_req("coder-daily", "a"))
+        .await
+        .expect("fits")
+        .into_inner();
+    c.start(start_req("coder-small", "b")).await.expect("fits");
+    let a_pid = a.instance.expect("instance").pid as i32;
+    // b is used after a: a is the least recently used.
+    c.touch(pb::TouchRequest {
+        instance_id: "b".into(),
+        hold_ms: 0,
+    })
+    .await
+    .expect("touch");
+    // A target that cannot fit even after every eviction: nothing stops.
+    let mut huge = start_req("planner", "x");
+    huge.on_full = pb::Policy::Evict as i32;
+    // planner is 55 GB; with a 55 GB resident held, it cannot fit.
+    c.touch(pb::TouchRequest {
+        instance_id: "a".into(),
+        hold_ms: 60_000,
+    })
+    .await
+    .expect("hold");
+    let e = c
+        .start(huge.clone())
+        .await
+        .expect_err("a is held: no room even with eviction");
+    assert_eq!(e.code(), Code::ResourceExhausted);
+    assert!(
+        alive(a_pid),
+        "nothing was stopped for a start that could not fit"
+    );
+    let list = c.list(pb::ListRequest {}).await.expect("list").into_inner();
+    assert!(
+        list.instances
+            .iter()
+            .all(|i| i.state == pb::State::Ready as i32)
+    );
+    // Under no hold, a (55 GB) must go; b stays.
+    let mut d2 = Daemon::start(&reference_config()).await;
+    let c2 = &mut d2.client;
+    let a = c2
+        .start(start_req("coder-daily", "a"))
+        .await
+        .expect("fits")
+        .into_inner();
+    c2.start(start_req("coder-small", "b")).await.expect("fits");
+    let a_pid = a.instance.expect("instance").pid as i32;
+    let started = c2
+        .start(huge)
+        .await
+        .expect("fits after evicting a")
+        .into_inner();
+    assert_eq!(started.evicted, ["a"]);
+    assert!(!alive(a_pid), "the victim was stopped before the answer");
+    let a_now = c2
+        .get(pb::GetRequest {
+            instance_id: "a".into(),
+        })
+        .await
+        .expect("get")
+        .into_inner();
+    assert_eq!(a_now.state, pb::State::Exited as i32);
+    let node = c2
+        .node(pb::NodeRequest {})
+        .await
+        .expect("node")
+        .into_inner();
+    assert_eq!(node.pools[0].used_bytes, 64_000_000_000);
+}
+
+#[tokio::test]
+async fn concurrent_starts_never_over_commit() {
+    let mut config = String::from("[[pool]]\nname = \"unified\"\nbudget = \"10GB\"\n\n");
+    config += &sleeper("one", "unified", 1, "");
+    let d = Daemon::start(&config).await;
+    let starts = (0..64).map(|i| {
+        let mut c = d.client.clone();
+        tokio::spawn(async move { c.start(start_req("one", &format!("i{i}"))).await })
+    });
+    let mut admitted = 0;
+    for s in starts.collect::<Vec<_>>() {
+        match s.await.expect("joined") {
+            Ok(_) => admitted += 1,
+            Err(e) => assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}"),
+        }
+    }
+    assert_eq!(admitted, 10, "exactly K = 10 of 1 GB fit in 10 GB");
+    let mut c = d.client.clone();
+    let node = c.node(pb::NodeRequest {}).await.expect("node").into_inner();
+    assert_eq!(node.pools[0].used_bytes, 10_000_000_000);
+    let running = node.instances.iter().filter(|i| i.pid != 0).count();
+    assert_eq!(running, 10);
+}
+
+#[tokio::test]
+async fn bad_input_is_invalid_argument_with_field_violations_and_changes_nothing() {
+    use tonic_types::StatusExt as _;
+    let mut d = Daemon::start(&reference_config()).await;
+    let c = &mut d.client;
+    let cases = [
+        (start_req("", "ok"), "workload"),
+        (start_req("planner", "bad id"), "instance_id"),
+        (start_req("planner", &"x".repeat(129)), "instance_id"),
+        (
+            pb::StartRequest {
+                on_full: 9,
+                ..start_req("planner", "ok")
+            },
+            "on_full",
+        ),
+    ];
+    for (req, field) in cases {
+        let e = c.start(req).await.expect_err("invalid");
+        assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+        let details = e.get_error_details();
+        let bad = details.bad_request().expect("BadRequest details");
+        assert_eq!(bad.field_violations[0].field, field);
+    }
+    let e = c
+        .start(start_req("nope", "x"))
+        .await
+        .expect_err("unknown workload");
+    assert_eq!(e.code(), Code::NotFound);
+    let e = c
+        .get(pb::GetRequest {
+            instance_id: "ghost".into(),
+        })
+        .await
+        .expect_err("unknown instance");
+    assert_eq!(e.code(), Code::NotFound);
+    let e = c
+        .stop(pb::StopRequest {
+            instance_id: "".into(),
+            grace_ms: 0,
+        })
+        .await
+        .expect_err("empty id");
+    assert_eq!(e.code(), Code::InvalidArgument);
+    let e = c
+        .place(pb::PlaceRequest {
+            workload: "".into(),
+            on_full: 0,
+        })
+        .await
+        .expect_err("empty workload");
+    assert_eq!(e.code(), Code::InvalidArgument);
+    let list = c.list(pb::ListRequest {}).await.expect("list").into_inner();
+    assert!(list.instances.is_empty(), "nothing changed");
+    let node = c.node(pb::NodeRequest {}).await.expect("node").into_inner();
+    assert_eq!(node.pools[0].used_bytes, 0);
+}
+
+#[tokio::test]
+async fn place_is_the_same_plan_without_side_effects() {
+    let mut d = Daemon::start(&reference_config()).await;
+    let c = &mut d.client;
+    c.start(start_req("coder-daily", "a")).await.expect("fits");
+    c.start(start_req("coder-small", "b")).await.expect("fits");
+    let refuse = c
+        .place(pb::PlaceRequest {
+            workload: "planner".into(),
+            on_full: 0,
+        })
+        .await
+        .expect("place");
+    let refuse = refuse.into_inner();
+    assert!(!refuse.admitted);
+    assert!(
+        refuse.refusals[0]
+            .message
+            .contains("'planner' needs 55.0 GB")
+    );
+    let evict = pb::PlaceRequest {
+        workload: "planner".into(),
+        on_full: pb::Policy::Evict as i32,
+    };
+    let evict = c.place(evict).await.expect("place").into_inner();
+    assert!(evict.admitted);
+    assert_eq!(evict.evict, ["a"]);
+    assert_eq!(evict.pools[0].used_bytes, 64_000_000_000);
+    let list = c.list(pb::ListRequest {}).await.expect("list").into_inner();
+    assert!(
+        list.instances
+            .iter()
+            .all(|i| i.state == pb::State::Ready as i32),
+        "nothing was stopped"
+    );
+    let _ = Duration::ZERO;
+}
