@@ -1,0 +1,317 @@
+//! Instances over time through the real agent: crashes and restarts and
+//! what they hold, Watch and Logs streams, and what SIGTERM and kill -9 of
+//! the agent leave behind.
+
+mod support;
+
+use std::time::Duration;
+
+use resident_api::pb;
+use support::*;
+use tokio_stream::StreamExt as _;
+
+fn pool() -> String {
+    String::from("[[pool]]\nname = \"ram\"\nbudget = \"10GB\"\n\n")
+}
+
+/// A workload running `sh -c SCRIPT`, holding 4 GB, with `restart` lines.
+fn shell(name: &str, script: &str, restart: &str) -> String {
+    format!(
+        "[[workload]]\nname = \"{name}\"\ncommand = [\"/bin/sh\", \"-c\", \"{script}\"]\nstop_grace = \"2s\"\n[workload.memory.ram]\nweights = \"4GB\"\n[workload.restart]\n{restart}\n"
+    )
+}
+
+async fn used(
+    c: &mut resident_api::pb::node_agent_client::NodeAgentClient<tonic::transport::Channel>,
+) -> u64 {
+    c.node(pb::NodeRequest {})
+        .await
+        .expect("node")
+        .into_inner()
+        .pools[0]
+        .used_bytes
+}
+
+async fn wait_state(d: &mut Daemon, id: &str, state: pb::State) -> pb::Instance {
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        let i = d
+            .client
+            .get(pb::GetRequest {
+                instance_id: id.into(),
+            })
+            .await
+            .expect("get")
+            .into_inner();
+        if i.state == state as i32 {
+            return i;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{id} never reached {state:?}: {i:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test]
+async fn crashes_release_memory_restarts_keep_it_giving_up_releases_it() {
+    let mut config = pool();
+    config += &shell("crasher", "exit 3", "policy = \"never\"");
+    config += &shell(
+        "looper",
+        "sleep 0.3; exit 3",
+        "policy = \"on-failure\"\nmax_restarts = 2\nbackoff = \"200ms\"",
+    );
+    let mut d = Daemon::start(&config).await;
+    d.client
+        .start(start_req("crasher", "c"))
+        .await
+        .expect("starts");
+    let failed = wait_state(&mut d, "c", pb::State::Failed).await;
+    assert_eq!(failed.exit_code, 3);
+    assert_eq!(used(&mut d.client).await, 0, "a crash releases the memory");
+
+    d.client
+        .start(start_req("looper", "l"))
+        .await
+        .expect("starts");
+    let backoff = wait_state(&mut d, "l", pb::State::Backoff).await;
+    assert!(
+        backoff.message.contains("restart 1 of 2"),
+        "{}",
+        backoff.message
+    );
+    assert_eq!(
+        used(&mut d.client).await,
+        4_000_000_000,
+        "a restarting instance keeps its memory"
+    );
+    let gave_up = wait_state(&mut d, "l", pb::State::Failed).await;
+    assert_eq!(gave_up.restarts, 2);
+    assert!(
+        gave_up.message.starts_with("gave up after 2 restarts"),
+        "{}",
+        gave_up.message
+    );
+    assert_eq!(used(&mut d.client).await, 0, "giving up releases it");
+}
+
+#[tokio::test]
+async fn watch_sees_every_transition_in_order_and_resumes() {
+    let mut config = pool();
+    config += &sleeper("a", "ram", 6, "");
+    config += &sleeper("b", "ram", 6, "");
+    let mut d = Daemon::start(&config).await;
+    d.client.start(start_req("a", "a1")).await.expect("starts");
+    let mut stream = d
+        .client
+        .watch(pb::WatchRequest { since_revision: 0 })
+        .await
+        .expect("watch")
+        .into_inner();
+    let snapshot = stream.next().await.expect("an event").expect("ok");
+    assert_eq!(snapshot.kind, pb::EventKind::Snapshot as i32);
+    assert_eq!(
+        snapshot.instance.as_ref().map(|i| i.instance_id.as_str()),
+        Some("a1")
+    );
+    // Evict a1 for b1: a1 must be gone before b1 is spawned.
+    let mut req = start_req("b", "b1");
+    req.on_full = pb::Policy::Evict as i32;
+    d.client.start(req).await.expect("evicts a1");
+    let mut seen = Vec::new();
+    let mut last_revision = snapshot.revision;
+    while !seen
+        .iter()
+        .any(|(id, s): &(String, i32)| id == "b1" && *s == pb::State::Ready as i32)
+    {
+        let e = tokio::time::timeout(PATIENCE, stream.next())
+            .await
+            .expect("in time")
+            .expect("open")
+            .expect("ok");
+        assert!(e.revision > last_revision, "revisions only grow");
+        last_revision = e.revision;
+        let i = e.instance.expect("a transition carries its instance");
+        seen.push((i.instance_id, i.state));
+    }
+    let pos = |id: &str, st: pb::State| seen.iter().position(|(i, s)| i == id && *s == st as i32);
+    let a_exit = pos("a1", pb::State::Exited).expect("a1 exited");
+    let b_start = pos("b1", pb::State::Starting).expect("b1 started");
+    assert!(
+        a_exit < b_start,
+        "the victim exited before the target was spawned: {seen:?}"
+    );
+    assert!(pos("a1", pb::State::Stopping).expect("a1 stopping") < a_exit);
+    // A refusal is an event too.
+    d.client
+        .start(start_req("a", "a2"))
+        .await
+        .expect_err("no room beside b1");
+    let refused = tokio::time::timeout(PATIENCE, stream.next())
+        .await
+        .expect("in time")
+        .expect("open")
+        .expect("ok");
+    assert_eq!(refused.kind, pb::EventKind::Refused as i32);
+    assert_eq!(refused.workload, "a");
+    assert!(
+        refused
+            .refusal
+            .expect("the refusal")
+            .message
+            .starts_with("unplaceable: 'a' needs 6.0 GB")
+    );
+    // Resume from the middle: the same events after that revision.
+    let mut resumed = d
+        .client
+        .watch(pb::WatchRequest {
+            since_revision: snapshot.revision,
+        })
+        .await
+        .expect("resume")
+        .into_inner();
+    let first = resumed.next().await.expect("an event").expect("ok");
+    assert_eq!(first.revision, snapshot.revision + 1);
+    // A revision from the future is not in the history.
+    let err = d
+        .client
+        .watch(pb::WatchRequest {
+            since_revision: 1_000_000,
+        })
+        .await;
+    let err = match err {
+        Ok(s) => s
+            .into_inner()
+            .next()
+            .await
+            .expect("an answer")
+            .expect_err("out of range"),
+        Err(e) => e,
+    };
+    assert_eq!(err.code(), tonic::Code::OutOfRange);
+}
+
+#[tokio::test]
+async fn logs_tail_then_follow_a_live_child() {
+    let mut config = pool();
+    config += &shell(
+        "talker",
+        "echo one; echo two >&2; sleep 0.5; echo three; sleep 3600",
+        "policy = \"never\"",
+    );
+    let mut d = Daemon::start(&config).await;
+    d.client
+        .start(start_req("talker", "t"))
+        .await
+        .expect("starts");
+    let req = pb::LogsRequest {
+        instance_id: "t".into(),
+        tail: 10,
+        follow: true,
+    };
+    let mut stream = d.client.logs(req).await.expect("logs").into_inner();
+    // stdout and stderr are two pipes read side by side: their lines keep
+    // their order within a stream, not across streams.
+    let mut lines = Vec::new();
+    while lines.len() < 3 {
+        let l = tokio::time::timeout(PATIENCE, stream.next())
+            .await
+            .expect("in time")
+            .expect("open")
+            .expect("ok");
+        lines.push((l.line, l.stream, l.seq));
+    }
+    let find = |text: &str| lines.iter().find(|l| l.0 == text).cloned().expect(text);
+    assert_eq!(find("one").1, pb::LogStream::Stdout as i32);
+    assert_eq!(find("two").1, pb::LogStream::Stderr as i32);
+    assert_eq!(find("three").1, pb::LogStream::Stdout as i32);
+    assert!(find("one").2 < find("three").2, "in order within stdout");
+    assert!(
+        lines.windows(2).all(|w| w[0].2 < w[1].2),
+        "in seq order: {lines:?}"
+    );
+    // Ask again later: the tail has all three, the follower then waits.
+    let tail = pb::LogsRequest {
+        instance_id: "t".into(),
+        tail: 2,
+        follow: false,
+    };
+    let mut last_two = d.client.logs(tail).await.expect("logs").into_inner();
+    let mut got = Vec::new();
+    while let Some(l) = last_two.next().await {
+        got.push(l.expect("ok").seq);
+    }
+    assert_eq!(got, [2, 3], "the last two lines, in order");
+}
+
+#[tokio::test]
+async fn sigterm_stops_every_child_and_exits_zero() {
+    let mut config = pool();
+    config += &sleeper("a", "ram", 1, "");
+    config += &shell(
+        "stubborn",
+        "trap '' TERM; while true; do sleep 0.05; done",
+        "policy = \"never\"",
+    );
+    let mut d = Daemon::start(&config).await;
+    let a = d
+        .client
+        .start(start_req("a", "a"))
+        .await
+        .expect("starts")
+        .into_inner();
+    let s = d
+        .client
+        .start(start_req("stubborn", "s"))
+        .await
+        .expect("starts")
+        .into_inner();
+    let pids = [
+        a.instance.expect("a").pid as i32,
+        s.instance.expect("s").pid as i32,
+    ];
+    let status = d.terminate().await;
+    assert!(status.success(), "residentd exited with {status:?}");
+    for pid in pids {
+        assert!(!alive(pid), "child {pid} outlived the agent");
+        assert!(
+            resident_supervisor::procfs::group_members(pid).is_empty(),
+            "group {pid} left members"
+        );
+    }
+    assert!(!d.socket.exists(), "the socket is removed");
+}
+
+#[tokio::test]
+async fn kill_9_of_the_agent_leaves_no_child_behind() {
+    let mut config = pool();
+    config += &sleeper("a", "ram", 1, "");
+    config += &sleeper("b", "ram", 1, "");
+    let mut d = Daemon::start(&config).await;
+    let a = d
+        .client
+        .start(start_req("a", "a"))
+        .await
+        .expect("starts")
+        .into_inner();
+    let b = d
+        .client
+        .start(start_req("b", "b"))
+        .await
+        .expect("starts")
+        .into_inner();
+    let pids = [
+        a.instance.expect("a").pid as i32,
+        b.instance.expect("b").pid as i32,
+    ];
+    let mut agent = d.child.take().expect("running");
+    agent.kill().expect("kill -9");
+    agent.wait().expect("reaped");
+    let gone = eventually(Duration::from_secs(1), || pids.iter().all(|p| !alive(*p))).await;
+    assert!(
+        gone,
+        "children outlived a kill -9 of the agent by more than a second"
+    );
+}
