@@ -15,6 +15,7 @@ use resident_supervisor::{State, Status, Supervisor, SupervisorConfig};
 use tokio::sync::mpsc;
 
 use crate::events::EventLog;
+use crate::journal::{self, Journal};
 
 /// How an instance came to be and which run of it is current.
 #[derive(Debug, Clone)]
@@ -56,13 +57,17 @@ pub struct Agent {
     closing: AtomicBool,
     /// Flips to true when shutdown begins; long streams end on it.
     closed: tokio::sync::watch::Sender<bool>,
+    journal: Journal,
+    /// Wakes the journal writer; writes coalesce.
+    journal_dirty: tokio::sync::Notify,
 }
 
 impl Agent {
     /// An agent for `config`, reading host memory from `host`. Starts the
     /// tasks that follow the supervisor and the probes; must run inside a
     /// tokio runtime.
-    pub fn new(config: Config, host: Arc<dyn MemoryProbe>) -> Arc<Self> {
+    pub fn new(config: Config, host: Arc<dyn MemoryProbe>) -> std::io::Result<Arc<Self>> {
+        let journal = Journal::open(&config.node.state_dir)?;
         let (tx, rx) = mpsc::unbounded_channel();
         let sup_config = SupervisorConfig {
             sample_every: config.node.sample_every,
@@ -82,11 +87,95 @@ impl Agent {
             generation: AtomicU64::new(0),
             closing: AtomicBool::new(false),
             closed: tokio::sync::watch::Sender::new(false),
+            journal,
+            journal_dirty: tokio::sync::Notify::new(),
         });
         agent.refresh_probes();
         tokio::spawn(follow_supervisor(Arc::downgrade(&agent), rx));
         tokio::spawn(tick(Arc::downgrade(&agent)));
-        agent
+        tokio::spawn(write_journal(Arc::downgrade(&agent)));
+        Ok(agent)
+    }
+
+    /// After a restart: kills what the previous run left behind (recorded
+    /// process groups, checked against pid reuse), then starts the
+    /// journaled instances again in their original order. Instances that no
+    /// longer fit, or whose workload left the roster, are reported and
+    /// dropped.
+    pub async fn restore(self: &Arc<Self>) {
+        let entries = self.journal.read();
+        if entries.is_empty() {
+            return;
+        }
+        let killed: usize = entries.iter().map(journal::kill_leftovers).sum();
+        for e in entries.iter().filter(|e| e.pgid > 1) {
+            let gone = || resident_supervisor::procfs::group_members(e.pgid).is_empty();
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while !gone() && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+        tracing::info!(
+            instances = entries.len(),
+            killed,
+            "restoring journaled instances"
+        );
+        for e in entries {
+            let Ok(id) = InstanceId::new(e.instance.as_str()) else {
+                continue;
+            };
+            match self
+                .start(&e.workload, Some(id), Some(Policy::Refuse), false)
+                .await
+            {
+                Ok(_) => {
+                    tracing::info!(instance_id = %e.instance, workload = %e.workload, "restored")
+                }
+                Err(err) => tracing::warn!(
+                    instance_id = %e.instance, workload = %e.workload, error = %err,
+                    "a journaled instance could not be restored"
+                ),
+            }
+        }
+        self.persist();
+    }
+
+    /// Marks the journal out of date; the writer task rewrites it soon.
+    /// Once shutdown has begun the journal stays as shutdown wrote it.
+    fn persist(&self) {
+        if !self.closing.load(Ordering::Acquire) {
+            self.journal_dirty.notify_one();
+        }
+    }
+
+    /// What the journal should hold now: resident, not evicted instances in
+    /// admission order, with their running group.
+    fn journal_entries(&self) -> Vec<journal::Entry> {
+        let books = self.books();
+        let mut live: Vec<(&String, &Record)> = books
+            .records
+            .iter()
+            .filter(|(id, _)| books.ledger.resident(id).is_some_and(|r| !r.evicting))
+            .collect();
+        live.sort_by_key(|(_, r)| r.generation);
+        live.into_iter()
+            .map(|(id, r)| {
+                let pid = self
+                    .sup
+                    .status(id)
+                    .filter(|s| s.generation == r.generation)
+                    .and_then(|s| s.pid)
+                    .map_or(0, |p| p as i32);
+                let start_ticks =
+                    resident_supervisor::procfs::stat(pid).map_or(0, |s| s.start_ticks);
+                journal::Entry {
+                    instance: id.clone(),
+                    workload: r.workload.spec.workload.to_string(),
+                    pgid: pid,
+                    start_ticks,
+                }
+            })
+            .collect()
     }
 
     /// The configuration in force.
@@ -287,6 +376,7 @@ impl Agent {
                         cancelled: false,
                     };
                     books.records.insert(id.to_string(), record);
+                    self.persist();
                     (a, generation)
                 }
             }
@@ -342,7 +432,9 @@ impl Agent {
         let config = self.config();
         let spec = w.launch(id, generation, config.node.run_as.as_ref());
         match self.sup.start(spec).await {
-            Ok(status) if status.state == State::Failed => {
+            // Failed with no exit: the process never ran (spawn error). A
+            // process that ran and already exited is reported as it is.
+            Ok(status) if status.state == State::Failed && status.exit.is_none() => {
                 self.release(id, generation);
                 return Err(ApiError::Internal(format!(
                     "instance '{id}': {}",
@@ -416,6 +508,7 @@ impl Agent {
             tracing::warn!(instance_id = id, error = %e, "stop");
         }
         self.release(id, generation);
+        self.persist();
         self.get(id)
     }
 
@@ -432,7 +525,12 @@ impl Agent {
     }
 
     /// Refuses new starts and stops every instance gracefully.
+    /// The journal keeps what ran at shutdown, so the next start of the
+    /// agent (an upgrade, a restart) brings the same instances back.
     pub async fn shutdown(&self) {
+        if let Err(e) = self.journal.write(&self.journal_entries()) {
+            tracing::error!(error = %e, "cannot write the journal");
+        }
         self.closing.store(true, Ordering::Release);
         self.closed.send_replace(true);
         self.sup.shutdown().await;
@@ -477,6 +575,9 @@ impl Agent {
         if status.state.is_terminal() {
             self.release(&status.instance, status.generation);
         }
+        if matches!(status.state, State::Starting) || status.state.is_terminal() {
+            self.persist();
+        }
         let instance =
             resident_api::instance(&status.instance, &record.workload.spec, Some(&status));
         self.events.publish(pb::Event {
@@ -512,6 +613,32 @@ async fn follow_supervisor(agent: std::sync::Weak<Agent>, mut rx: mpsc::Unbounde
             return;
         };
         agent.on_transition(status);
+    }
+}
+
+/// Rewrites the journal whenever it is marked out of date; bursts of
+/// changes coalesce into one write.
+async fn write_journal(agent: std::sync::Weak<Agent>) {
+    loop {
+        let Some(strong) = agent.upgrade() else {
+            return;
+        };
+        let notified = async {
+            strong.journal_dirty.notified().await;
+        };
+        // Wake at least every second, to notice when the agent is gone.
+        let wait = tokio::time::timeout(Duration::from_secs(1), notified);
+        if wait.await.is_err() {
+            drop(strong);
+            continue;
+        }
+        if strong.closing.load(Ordering::Acquire) {
+            continue;
+        }
+        let entries = strong.journal_entries();
+        if let Err(e) = strong.journal.write(&entries) {
+            tracing::error!(error = %e, "cannot write the journal");
+        }
     }
 }
 

@@ -6,6 +6,7 @@
 
 pub mod agent;
 pub mod events;
+pub mod journal;
 pub mod server;
 pub mod service;
 

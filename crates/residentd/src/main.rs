@@ -74,7 +74,10 @@ fn main() -> ExitCode {
     };
     let result = runtime.block_on(async {
         let host = Arc::new(resident_probe::HostMemory::new());
-        let agent = Agent::new(config, host);
+        let state_dir = config.node.state_dir.clone();
+        let agent = Agent::new(config, host)
+            .map_err(|e| anyhow::anyhow!("state_dir {}: {e}", state_dir.display()))?;
+        agent.restore().await;
         residentd::server::serve(agent).await
     });
     match result {

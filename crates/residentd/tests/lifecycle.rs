@@ -282,6 +282,120 @@ async fn sigterm_stops_every_child_and_exits_zero() {
         );
     }
     assert!(!d.socket.exists(), "the socket is removed");
+    // What ran at shutdown comes back with the next start.
+    let dir = std::mem::replace(&mut d.dir, tempfile::tempdir().expect("tempdir"));
+    let mut d = Daemon::start_in(dir).await;
+    let list = d
+        .client
+        .list(pb::ListRequest {})
+        .await
+        .expect("list")
+        .into_inner();
+    let ids: Vec<&str> = list
+        .instances
+        .iter()
+        .map(|i| i.instance_id.as_str())
+        .collect();
+    assert_eq!(ids, ["a", "s"]);
+}
+
+#[tokio::test]
+async fn after_kill_9_the_next_start_clears_leftovers_and_restores_the_journal() {
+    let mut config = pool();
+    // The shell forks a helper into its group; only the shell gets the
+    // parent-death signal, so the helper is a leftover to clear.
+    config += &shell(
+        "forker",
+        "sleep 3600 & echo helper=$!; wait",
+        "policy = \"never\"",
+    );
+    config += &sleeper("a", "ram", 1, "");
+    let mut d = Daemon::start(&config).await;
+    d.client
+        .start(start_req("a", "first"))
+        .await
+        .expect("starts");
+    let f = d
+        .client
+        .start(start_req("forker", "second"))
+        .await
+        .expect("starts")
+        .into_inner();
+    let pgid = f.instance.expect("instance").pid as i32;
+    let logs = pb::LogsRequest {
+        instance_id: "second".into(),
+        tail: 1,
+        follow: true,
+    };
+    let line = d
+        .client
+        .logs(logs)
+        .await
+        .expect("logs")
+        .into_inner()
+        .next()
+        .await
+        .expect("a line")
+        .expect("ok");
+    let helper: i32 = line
+        .line
+        .strip_prefix("helper=")
+        .and_then(|p| p.parse().ok())
+        .expect(&line.line);
+    // Let the journal catch up with the spawn (it is written in the
+    // background), then crash the agent.
+    let journal = d.dir.path().join("state/instances.journal");
+    let journaled = eventually(PATIENCE, || {
+        std::fs::read_to_string(&journal)
+            .is_ok_and(|j| j.contains(&format!("second\tforker\t{pgid}\t")))
+    })
+    .await;
+    assert!(journaled, "the journal records the running group");
+    let mut agent = d.child.take().expect("running");
+    agent.kill().expect("kill -9");
+    agent.wait().expect("reaped");
+    assert!(
+        alive(helper),
+        "the helper survives its agent (this is what restore must clean)"
+    );
+    let dir = std::mem::replace(&mut d.dir, tempfile::tempdir().expect("tempdir"));
+    drop(d);
+    let mut d = Daemon::start_in(dir).await;
+    assert!(
+        !alive(helper),
+        "the leftover of the previous run was killed"
+    );
+    let list = d
+        .client
+        .list(pb::ListRequest {})
+        .await
+        .expect("list")
+        .into_inner();
+    let ids: Vec<&str> = list
+        .instances
+        .iter()
+        .map(|i| i.instance_id.as_str())
+        .collect();
+    assert_eq!(
+        ids,
+        ["first", "second"],
+        "both journaled instances are back"
+    );
+    assert!(
+        list.instances
+            .iter()
+            .all(|i| i.pid != 0 && i.pid as i32 != pgid)
+    );
+    let node = d
+        .client
+        .node(pb::NodeRequest {})
+        .await
+        .expect("node")
+        .into_inner();
+    assert_eq!(
+        node.pools[0].used_bytes, 5_000_000_000,
+        "each reserved once"
+    );
 }
 
 #[tokio::test]

@@ -37,7 +37,17 @@ impl Daemon {
         let dir = tempfile::tempdir().expect("a temporary directory");
         let config = dir.path().join("residentd.toml");
         std::fs::write(&config, config_text(dir.path(), rest)).expect("write the config");
-        let log = std::fs::File::create(dir.path().join("residentd.log")).expect("log file");
+        Self::start_in(dir).await
+    }
+
+    /// Starts residentd again on the config and state of `dir`.
+    pub async fn start_in(dir: tempfile::TempDir) -> Self {
+        let config = dir.path().join("residentd.toml");
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.path().join("residentd.log"))
+            .expect("log file");
         let child = Command::new(RESIDENTD)
             .arg("--config")
             .arg(&config)

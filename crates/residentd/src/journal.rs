@@ -1,0 +1,140 @@
+//! The journal of instances that should be running, under `state_dir`,
+//! replaced atomically (write, fsync, rename) at every change. After a
+//! restart the agent kills what its previous run left behind and starts the
+//! journaled instances again, in their original order.
+//!
+//! Format: one instance per line, tab-separated:
+//! `instance_id  workload  pgid  start_ticks` (pgid 0: not spawned yet).
+//! Ids and workload names are tokens without tabs or newlines.
+
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+
+use nix::sys::signal::Signal;
+use resident_supervisor::procfs;
+
+/// One journaled instance.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Entry {
+    /// The instance.
+    pub instance: String,
+    /// Its workload.
+    pub workload: String,
+    /// Its process group, 0 when none.
+    pub pgid: i32,
+    /// The group leader's start time, against pid reuse.
+    pub start_ticks: u64,
+}
+
+/// The journal file.
+#[derive(Debug)]
+pub struct Journal {
+    path: PathBuf,
+}
+
+impl Journal {
+    /// The journal in `state_dir` (created if missing).
+    pub fn open(state_dir: &Path) -> std::io::Result<Self> {
+        std::fs::create_dir_all(state_dir)?;
+        Ok(Self {
+            path: state_dir.join("instances.journal"),
+        })
+    }
+
+    /// The entries, in order. A missing file is an empty journal; a line
+    /// that does not parse is skipped with a warning.
+    pub fn read(&self) -> Vec<Entry> {
+        let Ok(text) = std::fs::read_to_string(&self.path) else {
+            return Vec::new();
+        };
+        text.lines()
+            .enumerate()
+            .filter(|(_, l)| !l.trim().is_empty())
+            .filter_map(|(n, line)| {
+                let parsed = parse(line);
+                if parsed.is_none() {
+                    tracing::warn!(journal = %self.path.display(), line = n + 1, "unreadable journal line skipped");
+                }
+                parsed
+            })
+            .collect()
+    }
+
+    /// Replaces the journal with `entries`, atomically.
+    pub fn write(&self, entries: &[Entry]) -> std::io::Result<()> {
+        let tmp = self.path.with_extension("journal.tmp");
+        let mut f = std::fs::File::create(&tmp)?;
+        for e in entries {
+            writeln!(
+                f,
+                "{}\t{}\t{}\t{}",
+                e.instance, e.workload, e.pgid, e.start_ticks
+            )?;
+        }
+        f.sync_all()?;
+        std::fs::rename(&tmp, &self.path)
+    }
+}
+
+fn parse(line: &str) -> Option<Entry> {
+    let mut fields = line.split('\t');
+    let entry = Entry {
+        instance: fields.next()?.to_string(),
+        workload: fields.next()?.to_string(),
+        pgid: fields.next()?.parse().ok()?,
+        start_ticks: fields.next()?.parse().ok()?,
+    };
+    fields.next().is_none().then_some(entry)
+}
+
+/// Kills what is left of `entry`'s process group from a previous run.
+/// Returns how many processes were signalled. The group is ours when its
+/// leader still runs with the recorded start time, or when the leader is
+/// gone but members remain (a live group id cannot be reused as a pid).
+pub fn kill_leftovers(entry: &Entry) -> usize {
+    if entry.pgid <= 1 {
+        return 0;
+    }
+    if let Some(leader) = procfs::stat(entry.pgid)
+        && leader.start_ticks != entry.start_ticks
+    {
+        return 0;
+    }
+    let members = procfs::group_members(entry.pgid);
+    if !members.is_empty() {
+        let pgid = nix::unistd::Pid::from_raw(entry.pgid);
+        let _ = nix::sys::signal::killpg(pgid, Signal::SIGKILL);
+    }
+    members.len()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn writes_and_reads_back_in_order() {
+        let dir = std::env::temp_dir().join(format!("journal-test-{}", std::process::id()));
+        let j = Journal::open(&dir).expect("open");
+        assert!(j.read().is_empty());
+        let entries = vec![
+            Entry {
+                instance: "b".into(),
+                workload: "w".into(),
+                pgid: 42,
+                start_ticks: 7,
+            },
+            Entry {
+                instance: "a".into(),
+                workload: "v".into(),
+                pgid: 0,
+                start_ticks: 0,
+            },
+        ];
+        j.write(&entries).expect("write");
+        assert_eq!(j.read(), entries);
+        assert_eq!(parse("a\tb\tnot-a-number\t0"), None);
+        assert_eq!(parse("a\tb\t1\t2\textra"), None);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
