@@ -512,6 +512,22 @@ impl Agent {
         self.get(id)
     }
 
+    /// Re-reads the configuration file: workloads, groups and pools change;
+    /// running instances are not touched. An invalid file changes nothing.
+    pub fn reload(&self) -> Result<(), resident_config::ConfigError> {
+        let old = self.config();
+        let new = resident_config::load(&old.source)?;
+        if new.node.listen != old.node.listen || new.node.state_dir != old.node.state_dir {
+            tracing::warn!("listen and state_dir changes take effect at the next restart");
+        }
+        self.books()
+            .ledger
+            .reconfigure(new.pool_configs(), new.groups.clone());
+        *self.config.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(new);
+        self.refresh_probes();
+        Ok(())
+    }
+
     /// Marks a use of `id` and, with `hold_ms`, protects it from eviction.
     pub fn touch(&self, id: &str, hold_ms: u64) -> Result<pb::Instance, ApiError> {
         let touched = self.books().ledger.touch(id, self.now_ms(), hold_ms);

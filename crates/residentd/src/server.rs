@@ -10,7 +10,7 @@ use anyhow::{Context as _, bail};
 use resident_api::pb::node_agent_server::NodeAgentServer;
 use resident_config::Listen;
 use tokio::net::UnixListener;
-use tokio::signal::unix::{SignalKind, signal};
+use tokio::signal::unix::{Signal, SignalKind, signal};
 use tokio_stream::wrappers::UnixListenerStream;
 use tonic::transport::Server;
 use tonic_health::ServingStatus;
@@ -70,13 +70,18 @@ pub async fn serve(agent: Arc<Agent>) -> anyhow::Result<()> {
         .add_service(reflection_v1alpha)
         .add_service(service);
 
+    // Signal handlers are installed before the socket exists, so a signal
+    // sent as soon as the agent answers is never met by the default action.
+    let term = signal(SignalKind::terminate()).context("watching SIGTERM")?;
+    let int = signal(SignalKind::interrupt()).context("watching SIGINT")?;
+    let hup = signal(SignalKind::hangup()).context("watching SIGHUP")?;
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let (drained_tx, drained_rx) = tokio::sync::oneshot::channel::<()>();
     let drained = {
         let agent = agent.clone();
         let health = health.clone();
         async move {
-            wait_for_signal().await;
+            wait_for_signal(term, int).await;
             tracing::info!("shutting down: refusing new starts, stopping every instance");
             let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
             health.set_not_serving::<NodeAgentServer<Service>>().await;
@@ -92,6 +97,7 @@ pub async fn serve(agent: Arc<Agent>) -> anyhow::Result<()> {
         }
     };
     tokio::spawn(drained);
+    tokio::spawn(reload_on_sighup(agent.clone(), hup));
     let shutdown = async {
         let _ = stop_rx.await;
     };
@@ -123,14 +129,21 @@ pub async fn serve(agent: Arc<Agent>) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn wait_for_signal() {
-    let (Ok(mut term), Ok(mut int)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) else {
-        tracing::error!("cannot watch SIGTERM/SIGINT; stop the agent with SIGKILL");
-        return std::future::pending().await;
-    };
+/// SIGHUP re-reads the configuration; a bad file is logged and ignored.
+async fn reload_on_sighup(agent: Arc<Agent>, mut hup: Signal) {
+    while hup.recv().await.is_some() {
+        match agent.reload() {
+            Ok(()) => {
+                tracing::info!(config = %agent.config().source.display(), "configuration reloaded")
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "configuration reload refused; the previous one stays in force")
+            }
+        }
+    }
+}
+
+async fn wait_for_signal(mut term: Signal, mut int: Signal) {
     tokio::select! {
         _ = term.recv() => {}
         _ = int.recv() => {}

@@ -429,3 +429,73 @@ async fn kill_9_of_the_agent_leaves_no_child_behind() {
         "children outlived a kill -9 of the agent by more than a second"
     );
 }
+
+#[tokio::test]
+async fn sighup_reloads_pools_without_touching_instances_and_refuses_a_bad_file() {
+    let config = pool() + &sleeper("a", "ram", 1, "");
+    let mut d = Daemon::start(&config).await;
+    let a = d
+        .client
+        .start(start_req("a", "a"))
+        .await
+        .expect("starts")
+        .into_inner();
+    let pid = a.instance.expect("instance").pid;
+    let path = d.dir.path().join("residentd.toml");
+    let grown =
+        config_text(d.dir.path(), &config).replace("budget = \"10GB\"", "budget = \"20GB\"");
+    std::fs::write(&path, grown).expect("rewrite the config");
+    let hup = |d: &Daemon| {
+        let pid = nix::unistd::Pid::from_raw(d.pid());
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGHUP).expect("SIGHUP");
+    };
+    hup(&d);
+    let budget = |n: pb::NodeStatus| n.pools[0].budget_bytes;
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    while budget(
+        d.client
+            .node(pb::NodeRequest {})
+            .await
+            .expect("node")
+            .into_inner(),
+    ) != Some(20_000_000_000)
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the reload did not take effect"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let a_now = d
+        .client
+        .get(pb::GetRequest {
+            instance_id: "a".into(),
+        })
+        .await
+        .expect("get")
+        .into_inner();
+    assert_eq!(
+        (a_now.pid, a_now.state),
+        (pid, pb::State::Ready as i32),
+        "the instance was not touched"
+    );
+    // A broken file: refused, logged, the previous config stays.
+    std::fs::write(&path, "[node\nname = ").expect("break the config");
+    hup(&d);
+    let refused = eventually(PATIENCE, || {
+        d.log().contains("configuration reload refused")
+    })
+    .await;
+    assert!(refused, "the bad reload is logged: {}", d.log());
+    assert!(
+        d.log().contains("residentd.toml:1"),
+        "the error names file and line"
+    );
+    let node = d
+        .client
+        .node(pb::NodeRequest {})
+        .await
+        .expect("node")
+        .into_inner();
+    assert_eq!(budget(node), Some(20_000_000_000));
+}
