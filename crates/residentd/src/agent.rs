@@ -17,6 +17,10 @@ use tokio::sync::mpsc;
 use crate::events::EventLog;
 use crate::journal::{self, Journal};
 
+/// How long a start waits for evicted victims' memory to show up as
+/// available again.
+const MEMORY_RECOVERY: Duration = Duration::from_secs(5);
+
 /// How an instance came to be and which run of it is current.
 #[derive(Debug, Clone)]
 struct Record {
@@ -385,6 +389,13 @@ impl Agent {
         if !evicted.is_empty() {
             tracing::info!(instance_id = %id, victims = ?evicted, "evicting to make room");
         }
+        // What the victims really hold in host memory, to see it come back.
+        let host_before = self.host.available();
+        let victims_rss: u64 = evicted
+            .iter()
+            .filter_map(|v| self.sup.status(v))
+            .map(|s| s.measured_bytes)
+            .sum();
         // Victims are stopped side by side; each keeps its memory in the
         // ledger until its process group has exited.
         let mut stops = tokio::task::JoinSet::new();
@@ -402,6 +413,12 @@ impl Agent {
                 .wait_for(other.as_str(), |s| s.state.is_terminal())
                 .await;
         }
+        if let Some(before) = host_before
+            && victims_rss > 0
+            && self.demands_host_memory(&w)
+        {
+            self.await_memory_back(before, victims_rss).await;
+        }
         self.spawn(id.as_str(), &w, generation, wait_ready)
             .await
             .map(|instance| Started {
@@ -409,6 +426,34 @@ impl Agent {
                 created: true,
                 evicted,
             })
+    }
+
+    fn demands_host_memory(&self, w: &Workload) -> bool {
+        let config = self.config();
+        w.spec
+            .demand
+            .keys()
+            .any(|k| config.pools.iter().any(|p| p.host && p.pool.name == *k))
+    }
+
+    /// Waits, bounded, until host memory shows at least 75% of what the
+    /// victims held as available again: the kernel frees a large process's
+    /// pages after it is reaped, and a new model should not start into
+    /// memory that is not back yet.
+    async fn await_memory_back(&self, before: u64, victims_rss: u64) {
+        let want = before.saturating_add(victims_rss / 4 * 3);
+        let deadline = Instant::now() + MEMORY_RECOVERY;
+        loop {
+            let now = self.host.available();
+            if now.is_none_or(|a| a >= want) {
+                return;
+            }
+            if Instant::now() >= deadline {
+                tracing::warn!(want, available = ?now, "victims' memory not back in time; starting anyway");
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     async fn spawn(

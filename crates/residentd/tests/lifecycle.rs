@@ -499,3 +499,60 @@ async fn sighup_reloads_pools_without_touching_instances_and_refuses_a_bad_file(
         .into_inner();
     assert_eq!(budget(node), Some(20_000_000_000));
 }
+
+#[tokio::test]
+async fn an_idle_instance_is_stopped_after_its_ttl_and_a_touched_one_is_not() {
+    let mut config = pool();
+    config += &sleeper("idle", "ram", 1, "idle_ttl = \"1s\"");
+    config += &sleeper("busy", "ram", 1, "idle_ttl = \"1s\"");
+    let mut d = Daemon::start(&config).await;
+    d.client
+        .start(start_req("idle", "idle"))
+        .await
+        .expect("starts");
+    d.client
+        .start(start_req("busy", "busy"))
+        .await
+        .expect("starts");
+    // Keep "busy" in use while "idle" expires.
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        d.client
+            .touch(pb::TouchRequest {
+                instance_id: "busy".into(),
+                hold_ms: 0,
+            })
+            .await
+            .expect("touch");
+        let idle = d
+            .client
+            .get(pb::GetRequest {
+                instance_id: "idle".into(),
+            })
+            .await
+            .expect("get")
+            .into_inner();
+        if idle.state == pb::State::Exited as i32 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the idle instance was never stopped"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let busy = d
+        .client
+        .get(pb::GetRequest {
+            instance_id: "busy".into(),
+        })
+        .await
+        .expect("get")
+        .into_inner();
+    assert_eq!(busy.state, pb::State::Ready as i32, "a used instance stays");
+    assert_eq!(
+        used(&mut d.client).await,
+        1_000_000_000,
+        "the idle one's memory is released"
+    );
+}
