@@ -47,6 +47,27 @@ pub struct NodeConfig {
     pub metrics_listen: Option<SocketAddr>,
     /// How often memory is sampled.
     pub sample_every: Duration,
+    /// TLS for a TCP listener: server identity and the CA that client
+    /// certificates must chain to.
+    pub tls: Option<TlsFiles>,
+}
+
+/// The PEM files of `[node.tls]`, read when the config loads.
+#[derive(Clone, PartialEq, Eq)]
+pub struct TlsFiles {
+    /// The server's certificate chain.
+    pub cert: Vec<u8>,
+    /// The server's private key.
+    pub key: Vec<u8>,
+    /// The CA whose certificates clients must present.
+    pub client_ca: Vec<u8>,
+}
+
+impl std::fmt::Debug for TlsFiles {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never print key material.
+        f.write_str("TlsFiles { .. }")
+    }
 }
 
 /// A user children run as, resolved when the config loads.

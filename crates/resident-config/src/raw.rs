@@ -40,6 +40,15 @@ pub struct Node {
     #[serde(default)]
     pub insecure: bool,
     pub sample_every: Option<Spanned<String>>,
+    pub tls: Option<Spanned<Tls>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Tls {
+    pub cert: Spanned<String>,
+    pub key: Spanned<String>,
+    pub client_ca: Spanned<String>,
 }
 
 #[derive(Debug, Deserialize)]

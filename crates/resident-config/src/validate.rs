@@ -16,7 +16,7 @@ use toml::Spanned;
 use crate::duration::parse_duration;
 use crate::error::Source;
 use crate::raw::{self, Quantity};
-use crate::{Config, ConfigError, Listen, NodeConfig, PoolDef, User, Workload};
+use crate::{Config, ConfigError, Listen, NodeConfig, PoolDef, TlsFiles, User, Workload};
 
 type Result<T> = std::result::Result<T, ConfigError>;
 
@@ -51,7 +51,8 @@ fn node(src: &Source<'_>, n: &Spanned<raw::Node>) -> Result<NodeConfig> {
     if name.is_empty() {
         return Err(src.err(n.name.span(), "node.name", "must not be empty"));
     }
-    let listen = listen(src, &n.listen, n.insecure)?;
+    let tls = n.tls.as_ref().map(|t| tls(src, t.get_ref())).transpose()?;
+    let listen = listen(src, &n.listen, n.insecure || tls.is_some())?;
     let on_full = match n.on_full.as_ref().map(|s| (s, s.get_ref().as_str())) {
         None | Some((_, "refuse")) => Policy::Refuse,
         Some((_, "evict")) => Policy::Evict,
@@ -94,10 +95,24 @@ fn node(src: &Source<'_>, n: &Spanned<raw::Node>) -> Result<NodeConfig> {
             .transpose()?,
         metrics_listen,
         sample_every,
+        tls,
     })
 }
 
-fn listen(src: &Source<'_>, l: &Spanned<String>, insecure: bool) -> Result<Listen> {
+fn tls(src: &Source<'_>, t: &raw::Tls) -> Result<TlsFiles> {
+    let read = |s: &Spanned<String>, key: &str| {
+        std::fs::read(s.get_ref())
+            .map_err(|e| src.err(s.span(), key, format!("cannot read {:?}: {e}", s.get_ref())))
+    };
+    Ok(TlsFiles {
+        cert: read(&t.cert, "node.tls.cert")?,
+        key: read(&t.key, "node.tls.key")?,
+        client_ca: read(&t.client_ca, "node.tls.client_ca")?,
+    })
+}
+
+/// `tcp_allowed`: TLS is configured, or plaintext was asked for.
+fn listen(src: &Source<'_>, l: &Spanned<String>, tcp_allowed: bool) -> Result<Listen> {
     let text = l.get_ref();
     if let Some(path) = text.strip_prefix("unix://") {
         if !path.starts_with('/') {
@@ -117,9 +132,9 @@ fn listen(src: &Source<'_>, l: &Spanned<String>, insecure: bool) -> Result<Liste
                 format!("{text:?}: expected tcp://HOST:PORT with an IP address"),
             )
         })?;
-        if !insecure {
-            let msg = "TCP needs TLS with client certificates, which this build does not serve yet; \
-                       listen on a unix:// socket, or set insecure = true to accept plaintext TCP";
+        if !tcp_allowed {
+            let msg = "TCP needs TLS with client certificates: add [node.tls] with cert, key and \
+                       client_ca, or set insecure = true to accept plaintext TCP";
             return Err(src.err(l.span(), "node.listen", msg));
         }
         return Ok(Listen::Tcp(addr));

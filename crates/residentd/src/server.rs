@@ -12,7 +12,7 @@ use resident_config::Listen;
 use tokio::net::UnixListener;
 use tokio::signal::unix::{Signal, SignalKind, signal};
 use tokio_stream::wrappers::UnixListenerStream;
-use tonic::transport::Server;
+use tonic::transport::{Certificate, Identity, Server, ServerTlsConfig};
 use tonic_health::ServingStatus;
 
 use crate::agent::Agent;
@@ -64,7 +64,16 @@ pub async fn serve(agent: Arc<Agent>) -> anyhow::Result<()> {
     let service = NodeAgentServer::new(Service::new(agent.clone()))
         .max_decoding_message_size(MAX_MESSAGE)
         .max_encoding_message_size(MAX_MESSAGE);
-    let router = Server::builder()
+    let mut builder = Server::builder();
+    if let (Listen::Tcp(_), Some(tls)) = (&config.node.listen, &config.node.tls) {
+        // Client certificates are required: a client without one, or with
+        // one from another CA, fails the handshake.
+        let tls = ServerTlsConfig::new()
+            .identity(Identity::from_pem(&tls.cert, &tls.key))
+            .client_ca_root(Certificate::from_pem(&tls.client_ca));
+        builder = builder.tls_config(tls).context("the [node.tls] files")?;
+    }
+    let router = builder
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
@@ -117,7 +126,12 @@ pub async fn serve(agent: Arc<Agent>) -> anyhow::Result<()> {
             let _ = std::fs::remove_file(path);
         }
         Listen::Tcp(addr) => {
-            tracing::warn!(%addr, "serving plaintext TCP (insecure = true)");
+            match config.node.tls {
+                Some(_) => {
+                    tracing::info!(%addr, node = %config.node.name, "serving TCP with mutual TLS")
+                }
+                None => tracing::warn!(%addr, "serving plaintext TCP (insecure = true)"),
+            }
             let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
             tokio::select! {
                 result = router.serve_with_shutdown(*addr, shutdown) => result?,
