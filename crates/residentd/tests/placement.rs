@@ -271,6 +271,50 @@ async fn bad_input_is_invalid_argument_with_field_violations_and_changes_nothing
         .await
         .expect_err("empty workload");
     assert_eq!(e.code(), Code::InvalidArgument);
+    let e = c
+        .place(pb::PlaceRequest {
+            workload: "planner".into(),
+            on_full: -1,
+        })
+        .await
+        .expect_err("bad policy");
+    assert_eq!(e.code(), Code::InvalidArgument);
+    let e = c
+        .touch(pb::TouchRequest {
+            instance_id: "".into(),
+            hold_ms: 5,
+        })
+        .await
+        .expect_err("empty id");
+    assert_eq!(e.code(), Code::InvalidArgument);
+    let e = c
+        .get(pb::GetRequest {
+            instance_id: "a/b".into(),
+        })
+        .await
+        .expect_err("bad id");
+    assert_eq!(e.code(), Code::InvalidArgument);
+    let logs = pb::LogsRequest {
+        instance_id: "x\n".into(),
+        tail: 1,
+        follow: false,
+    };
+    let e = c.logs(logs).await.expect_err("bad id");
+    assert_eq!(e.code(), Code::InvalidArgument);
+    let logs = pb::LogsRequest {
+        instance_id: "ghost".into(),
+        tail: 1_000_000,
+        follow: false,
+    };
+    let e = c.logs(logs).await.expect_err("tail too long");
+    assert_eq!(e.code(), Code::InvalidArgument);
+    let logs = pb::LogsRequest {
+        instance_id: "ghost".into(),
+        tail: 1,
+        follow: false,
+    };
+    let e = c.logs(logs).await.expect_err("unknown instance");
+    assert_eq!(e.code(), Code::NotFound);
     let list = c.list(pb::ListRequest {}).await.expect("list").into_inner();
     assert!(list.instances.is_empty(), "nothing changed");
     let node = c.node(pb::NodeRequest {}).await.expect("node").into_inner();
