@@ -4,9 +4,9 @@
 //! run. Prints medians and the ratios.
 //!
 //! A third column runs the floor loop with a no-op `pre_exec`, which makes
-//! std fork instead of posix_spawn (vfork): the supervisor needs a
-//! `pre_exec` for the parent-death signal, so that column shows how much
-//! of the gap is the fork itself.
+//! std fork instead of posix_spawn (vfork): what spawning would cost if the
+//! supervisor set the parent-death signal the easy way. It clones with
+//! CLONE_VM | CLONE_VFORK instead (see `child.rs`).
 //!
 //! Run: `cargo bench -p resident-supervisor --bench spawn` (`-- --test`
 //! runs one round, as CI's smoke does).

@@ -7,10 +7,10 @@ use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
-use tokio::process::Child;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::{Instant, sleep, timeout};
 
+use crate::child::Child;
 use crate::logs::{LogRing, Stream};
 use crate::spawn::{self, Ports, signal_group};
 use crate::spec::{LaunchSpec, Macros};

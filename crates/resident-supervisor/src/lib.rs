@@ -10,6 +10,7 @@
 //! parent-death signal fires only when the agent dies.
 
 pub mod cgroup;
+mod child;
 mod instance;
 mod logs;
 pub mod procfs;

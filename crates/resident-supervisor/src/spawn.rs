@@ -1,9 +1,10 @@
-//! Starting a child: the command built from a `LaunchSpec` (argv, cleared
-//! environment, own process group, parent-death signal), forked from one
-//! long-lived thread, and the signals that stop its group.
+//! Starting a child: the command prepared from a `LaunchSpec` (argv,
+//! cleared environment, macros), cloned from one long-lived thread (see
+//! `child.rs` for the clone itself: own process group, parent-death
+//! signal), and the signals that stop its group.
 //!
 //! Why a thread of our own: `PR_SET_PDEATHSIG` fires when the *thread* that
-//! forked the child exits, not the process. Forking from a tokio blocking
+//! created the child exits, not the process. Spawning from a tokio blocking
 //! thread (which the pool prunes when idle) would kill healthy children. The
 //! spawner thread lives as long as the agent, so the signal fires exactly
 //! when the agent dies.
@@ -11,16 +12,13 @@
 use std::collections::HashSet;
 use std::io;
 use std::net::{Ipv4Addr, TcpListener};
-use std::os::unix::process::CommandExt as _;
-use std::process::Stdio;
 use std::sync::{Mutex, OnceLock, mpsc};
 
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
-use tokio::process::{Child, Command};
-use tokio::runtime::Handle;
 use tokio::sync::oneshot;
 
+use crate::child::{Child, Prepared, clone_exec};
 use crate::spec::{LaunchSpec, Macros};
 
 /// Variables of the agent's environment every child keeps.
@@ -43,75 +41,44 @@ fn spawner() -> &'static Mutex<mpsc::Sender<Job>> {
     })
 }
 
-/// Builds the command for `spec` with `macros` applied.
-pub fn command(spec: &LaunchSpec, macros: &Macros<'_>) -> io::Result<Command> {
-    let Some((program, args)) = spec.argv.split_first() else {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            "empty command line",
-        ));
-    };
-    let mut std_cmd = std::process::Command::new(macros.expand(program));
-    std_cmd.args(args.iter().map(|a| macros.expand(a)));
-    std_cmd.env_clear();
+/// Prepares the command for `spec` with `macros` applied: argv, and an
+/// environment of PATH, HOME, LANG and `pass_env` from the agent's, then
+/// the workload's own.
+pub fn command(spec: &LaunchSpec, macros: &Macros<'_>) -> io::Result<Prepared> {
+    let argv: Vec<String> = spec.argv.iter().map(|a| macros.expand(a)).collect();
+    let mut env: Vec<(String, String)> = Vec::new();
     for name in ALWAYS_PASSED
         .iter()
         .copied()
         .chain(spec.pass_env.iter().map(String::as_str))
     {
-        if let Some(value) = std::env::var_os(name) {
-            std_cmd.env(name, value);
+        if let Ok(value) = std::env::var(name) {
+            env.push((name.to_string(), value));
         }
     }
     for (k, v) in &spec.env {
-        std_cmd.env(k, macros.expand(v));
+        env.retain(|(name, _)| name != k);
+        env.push((k.clone(), macros.expand(v)));
     }
-    if let Some(dir) = &spec.cwd {
-        std_cmd.current_dir(dir);
-    }
-    if let Some((uid, gid)) = spec.user {
-        // std drops supplementary groups when it changes the uid.
-        std_cmd.uid(uid).gid(gid);
-    }
-    std_cmd
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0);
-    let agent = nix::unistd::getpid();
-    // SAFETY: the closure runs between fork and exec and calls only
-    // async-signal-safe functions (prctl, getppid); it allocates nothing.
-    unsafe {
-        std_cmd.pre_exec(move || {
-            nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
-            // The agent may have died before prctl took effect.
-            if nix::unistd::getppid() != agent {
-                return Err(io::Error::other("the agent exited during spawn"));
-            }
-            Ok(())
-        });
-    }
-    let mut cmd = Command::from(std_cmd);
-    cmd.kill_on_drop(false);
-    Ok(cmd)
+    Prepared::new(&argv, &env, spec.cwd.as_deref(), spec.user)
 }
 
-/// Spawns `cmd` on the spawner thread, registered with the current runtime
-/// (whose reaper then owns the child's exit status).
-pub async fn spawn(mut cmd: Command) -> io::Result<Child> {
-    let handle = Handle::current();
+/// Spawns on the spawner thread (which the parent-death signal is tied
+/// to) and wraps the child for the current runtime.
+pub async fn spawn(prepared: Prepared) -> io::Result<Child> {
     let (tx, rx) = oneshot::channel();
     let job: Job = Box::new(move || {
-        let _runtime = handle.enter();
-        let _ = tx.send(cmd.spawn());
+        let _ = tx.send(clone_exec(&prepared));
     });
     spawner()
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .send(job)
         .map_err(|_| io::Error::other("the spawner thread is gone"))?;
-    rx.await
-        .map_err(|_| io::Error::other("the spawner thread dropped a spawn"))?
+    let spawned = rx
+        .await
+        .map_err(|_| io::Error::other("the spawner thread dropped a spawn"))??;
+    Child::new(spawned)
 }
 
 /// Sends `signal` to process group `pgid`. A group that is already gone is

@@ -270,3 +270,66 @@ async fn shutdown_stops_every_child_in_parallel() {
         "no start after shutdown"
     );
 }
+
+#[tokio::test]
+async fn run_as_drops_to_the_user_and_its_group_only() {
+    if !nix::unistd::getuid().is_root() {
+        eprintln!("SKIPPED: changing users needs root");
+        return;
+    }
+    let mut h = Harness::new();
+    let mut spec = child("nobody", &[]);
+    spec.argv = vec!["/bin/sh".into(), "-c".into(), "id -u; id -g; id -G".into()];
+    spec.user = Some((65534, 65534));
+    h.sup.start(spec).await.expect("starts");
+    h.until("nobody", State::Exited).await;
+    let lines: Vec<String> = h
+        .sup
+        .logs("nobody")
+        .expect("a log")
+        .tail(3)
+        .into_iter()
+        .map(|l| l.line)
+        .collect();
+    assert_eq!(
+        lines,
+        ["65534", "65534", "65534"],
+        "uid, gid and no supplementary group of root's"
+    );
+}
+
+#[tokio::test]
+async fn programs_are_found_on_path_and_exec_errors_are_reported() {
+    let h = Harness::new();
+    let mut spec = child("on-path", &[]);
+    spec.argv = vec!["true".into()];
+    let status = h.sup.start(spec).await.expect("starts");
+    assert_ne!(status.reason.as_str(), "", "{status:?}");
+    assert!(
+        status.pid.is_some() || status.exit.is_some(),
+        "true was found on PATH: {status:?}"
+    );
+    let mut spec = child("nowhere", &[]);
+    spec.argv = vec!["no-such-program-anywhere".into()];
+    let status = h.sup.start(spec).await.expect("the start is accepted");
+    assert_eq!(status.state, State::Failed);
+    assert!(
+        status.reason.contains("not found on PATH"),
+        "{}",
+        status.reason
+    );
+    // A file without any execute bit: execve fails (even for root), and
+    // the child's errno comes back as the reason.
+    let file = std::env::temp_dir().join(format!("not-a-program-{}", std::process::id()));
+    std::fs::write(&file, "just text\n").expect("write");
+    let mut spec = child("not-executable", &[]);
+    spec.argv = vec![file.display().to_string()];
+    let status = h.sup.start(spec).await.expect("the start is accepted");
+    let _ = std::fs::remove_file(&file);
+    assert_eq!(status.state, State::Failed);
+    let want = format!(
+        "cannot start {:?}: Permission denied",
+        file.display().to_string()
+    );
+    assert!(status.reason.starts_with(&want), "{}", status.reason);
+}

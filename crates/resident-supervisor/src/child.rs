@@ -1,0 +1,337 @@
+//! Spawning and reaping a child without fork: `clone(CLONE_VM |
+//! CLONE_VFORK)` (what posix_spawn does inside glibc), so a spawn costs the
+//! same however large the agent is, while the child still gets what
+//! posix_spawn cannot give: the parent-death signal. The exit is awaited
+//! through a pidfd, so this module is the one owner of reaping its
+//! children (tokio never sees them).
+//!
+//! Everything the child needs is prepared in the parent; the child, which
+//! shares the parent's memory until it execs, only makes system calls.
+
+use std::ffi::CString;
+use std::io;
+use std::os::fd::{AsFd as _, AsRawFd as _, FromRawFd as _, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt as _;
+use std::os::unix::process::ExitStatusExt as _;
+use std::path::{Path, PathBuf};
+use std::process::ExitStatus;
+
+use nix::libc;
+use nix::sys::wait::{Id, WaitPidFlag, WaitStatus, waitid};
+use tokio::io::unix::AsyncFd;
+use tokio::net::unix::pipe;
+
+/// Stack for the child between clone and exec: it only makes syscalls.
+const CHILD_STACK: usize = 64 << 10;
+
+/// A command ready to be spawned: every string already a C string.
+#[derive(Debug)]
+pub struct Prepared {
+    program: CString,
+    argv: Vec<CString>,
+    envp: Vec<CString>,
+    cwd: Option<CString>,
+    user: Option<(u32, u32)>,
+}
+
+fn c_string(s: impl AsRef<[u8]>, what: &str) -> io::Result<CString> {
+    CString::new(s.as_ref().to_vec()).map_err(|_| {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{what} contains a NUL byte"),
+        )
+    })
+}
+
+/// Finds `program` on `path` (colon-separated) unless it names a path.
+fn resolve(program: &str, path: Option<&str>) -> io::Result<PathBuf> {
+    if program.contains('/') {
+        return Ok(PathBuf::from(program));
+    }
+    let dirs = path.unwrap_or("/usr/local/bin:/usr/bin:/bin");
+    for dir in dirs.split(':').filter(|d| !d.is_empty()) {
+        let candidate = Path::new(dir).join(program);
+        if nix::unistd::access(&candidate, nix::unistd::AccessFlags::X_OK).is_ok()
+            && candidate.is_file()
+        {
+            return Ok(candidate);
+        }
+    }
+    Err(io::Error::new(
+        io::ErrorKind::NotFound,
+        format!("{program:?} not found on PATH"),
+    ))
+}
+
+impl Prepared {
+    /// Prepares `argv` with environment `env` (the complete environment of
+    /// the child); the program is looked up on the child's `PATH`.
+    pub fn new(
+        argv: &[String],
+        env: &[(String, String)],
+        cwd: Option<&Path>,
+        user: Option<(u32, u32)>,
+    ) -> io::Result<Self> {
+        let Some(program) = argv.first() else {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "empty command line",
+            ));
+        };
+        let path_var = env
+            .iter()
+            .find(|(k, _)| k == "PATH")
+            .map(|(_, v)| v.as_str());
+        let program = c_string(
+            resolve(program, path_var)?.as_os_str().as_bytes(),
+            "the program",
+        )?;
+        let argv = argv
+            .iter()
+            .map(|a| c_string(a, "an argument"))
+            .collect::<io::Result<_>>()?;
+        let envp = env
+            .iter()
+            .map(|(k, v)| c_string(format!("{k}={v}"), "an environment variable"))
+            .collect::<io::Result<_>>()?;
+        let cwd = cwd
+            .map(|d| c_string(d.as_os_str().as_bytes(), "the working directory"))
+            .transpose()?;
+        Ok(Self {
+            program,
+            argv,
+            envp,
+            cwd,
+            user,
+        })
+    }
+}
+
+/// The raw result of a clone: pid and the parent's ends of the pipes.
+#[derive(Debug)]
+pub struct Spawned {
+    pid: libc::pid_t,
+    stdout: OwnedFd,
+    stderr: OwnedFd,
+}
+
+fn pipe_cloexec() -> io::Result<(OwnedFd, OwnedFd)> {
+    nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(io::Error::from)
+}
+
+/// Clones and execs. Blocks the calling thread until the child has exec'd
+/// (or failed to): call it from the long-lived spawner thread only.
+pub fn clone_exec(p: &Prepared) -> io::Result<Spawned> {
+    let (out_r, out_w) = pipe_cloexec()?;
+    let (err_r, err_w) = pipe_cloexec()?;
+    let (report_r, report_w) = pipe_cloexec()?;
+    let devnull = nix::fcntl::open(
+        "/dev/null",
+        nix::fcntl::OFlag::O_RDONLY | nix::fcntl::OFlag::O_CLOEXEC,
+        nix::sys::stat::Mode::empty(),
+    )
+    .map_err(io::Error::from)?;
+    let mut argv: Vec<*const libc::c_char> = p.argv.iter().map(|a| a.as_ptr()).collect();
+    argv.push(std::ptr::null());
+    let mut envp: Vec<*const libc::c_char> = p.envp.iter().map(|e| e.as_ptr()).collect();
+    envp.push(std::ptr::null());
+    let fds = ChildFds {
+        stdin: devnull.as_raw_fd(),
+        stdout: out_w.as_raw_fd(),
+        stderr: err_w.as_raw_fd(),
+        report: report_w.as_raw_fd(),
+    };
+    let parent = nix::unistd::getpid().as_raw();
+    let program = p.program.as_ptr();
+    let cwd = p.cwd.as_ref().map_or(std::ptr::null(), |c| c.as_ptr());
+    let user = p.user;
+    let mut stack = vec![0u8; CHILD_STACK];
+    let child = Box::new(move || {
+        // SAFETY: runs in the vfork'd child; only system calls on memory
+        // prepared above, which the parent keeps alive while suspended.
+        unsafe {
+            child_main(
+                parent,
+                program,
+                argv.as_ptr(),
+                envp.as_ptr(),
+                cwd,
+                user,
+                fds,
+            )
+        }
+    });
+    let flags = nix::sched::CloneFlags::CLONE_VM | nix::sched::CloneFlags::CLONE_VFORK;
+    // SAFETY: CLONE_VM|CLONE_VFORK suspends this thread until the child
+    // execs or exits; the child touches only the prepared buffers and
+    // makes no allocation.
+    let pid = unsafe { nix::sched::clone(child, &mut stack, flags, Some(libc::SIGCHLD)) }
+        .map_err(io::Error::from)?;
+    drop((out_w, err_w, report_w, devnull));
+    // The report pipe is empty and closed by exec when it succeeded;
+    // otherwise the child wrote its errno before exiting.
+    let mut errno = [0u8; 4];
+    let n = nix::unistd::read(&report_r, &mut errno).unwrap_or(0);
+    if n == 4 {
+        let _ = nix::sys::wait::waitpid(pid, None);
+        return Err(io::Error::from_raw_os_error(i32::from_ne_bytes(errno)));
+    }
+    Ok(Spawned {
+        pid: pid.as_raw(),
+        stdout: out_r,
+        stderr: err_r,
+    })
+}
+
+#[derive(Debug, Clone, Copy)]
+struct ChildFds {
+    stdin: RawFd,
+    stdout: RawFd,
+    stderr: RawFd,
+    report: RawFd,
+}
+
+/// The child between clone and exec.
+///
+/// # Safety
+/// Must run only as the clone callback of `clone_exec`.
+unsafe fn child_main(
+    parent: libc::pid_t,
+    program: *const libc::c_char,
+    argv: *const *const libc::c_char,
+    envp: *const *const libc::c_char,
+    cwd: *const libc::c_char,
+    user: Option<(u32, u32)>,
+    fds: ChildFds,
+) -> isize {
+    // SAFETY (whole body): plain system calls with valid pointers.
+    unsafe {
+        let fail = |fds: ChildFds| -> isize {
+            let errno = *libc::__errno_location();
+            let bytes = errno.to_ne_bytes();
+            libc::write(fds.report, bytes.as_ptr().cast(), 4);
+            libc::_exit(127)
+        };
+        if libc::setpgid(0, 0) != 0 {
+            return fail(fds);
+        }
+        if libc::dup2(fds.stdin, 0) < 0
+            || libc::dup2(fds.stdout, 1) < 0
+            || libc::dup2(fds.stderr, 2) < 0
+        {
+            return fail(fds);
+        }
+        // The agent ignores SIGPIPE (Rust does) and may block signals in
+        // this thread; a server starts with the defaults.
+        let mut none: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut none);
+        libc::sigprocmask(libc::SIG_SETMASK, &none, std::ptr::null_mut());
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        if !cwd.is_null() && libc::chdir(cwd) != 0 {
+            return fail(fds);
+        }
+        if let Some((uid, gid)) = user {
+            // Raw system calls: glibc's wrappers would signal every thread
+            // of the parent, whose memory this child shares.
+            let groups = [gid];
+            if libc::syscall(libc::SYS_setgroups, 1, groups.as_ptr()) != 0
+                || libc::syscall(libc::SYS_setgid, gid) != 0
+                || libc::syscall(libc::SYS_setuid, uid) != 0
+            {
+                return fail(fds);
+            }
+        }
+        // After any credential change, which would clear it.
+        if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+            return fail(fds);
+        }
+        if libc::getppid() != parent {
+            libc::_exit(127);
+        }
+        libc::execve(program, argv, envp);
+        fail(fds)
+    }
+}
+
+/// A running child: its pid, a pidfd for its exit, and its output pipes.
+#[derive(Debug)]
+pub struct Child {
+    pid: u32,
+    pidfd: AsyncFd<OwnedFd>,
+    status: Option<ExitStatus>,
+    /// Its standard output, until taken.
+    pub stdout: Option<pipe::Receiver>,
+    /// Its standard error, until taken.
+    pub stderr: Option<pipe::Receiver>,
+}
+
+impl Child {
+    /// Wraps a spawned child for the current runtime.
+    pub fn new(s: Spawned) -> io::Result<Self> {
+        // SAFETY: pidfd_open takes a pid and flags and returns a new fd.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, s.pid, 0) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: the syscall just returned this fd, owned by nobody else.
+        let pidfd = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
+        // SAFETY: an OwnedFd keeps the same descriptor open for as long as
+        // the AsyncFd owns it.
+        let pidfd =
+            unsafe { AsyncFd::register_with_interest(pidfd, tokio::io::Interest::READABLE) }
+                .map_err(|e| e.into_parts().1)?;
+        Ok(Self {
+            pid: s.pid as u32,
+            pidfd,
+            status: None,
+            stdout: Some(pipe::Receiver::from_owned_fd(s.stdout)?),
+            stderr: Some(pipe::Receiver::from_owned_fd(s.stderr)?),
+        })
+    }
+
+    /// The pid, until the child has been reaped.
+    pub fn id(&self) -> Option<u32> {
+        self.status.is_none().then_some(self.pid)
+    }
+
+    /// Waits for the exit and reaps the child. Cancel-safe.
+    pub async fn wait(&mut self) -> io::Result<ExitStatus> {
+        if let Some(status) = self.status {
+            return Ok(status);
+        }
+        loop {
+            let mut ready = self.pidfd.readable().await?;
+            let id = Id::PIDFd(self.pidfd.get_ref().as_fd());
+            let raw = match waitid(id, WaitPidFlag::WEXITED | WaitPidFlag::WNOHANG) {
+                Ok(WaitStatus::Exited(_, code)) => (code & 0xff) << 8,
+                Ok(WaitStatus::Signaled(_, signal, core)) => {
+                    signal as i32 | if core { 0x80 } else { 0 }
+                }
+                Ok(_) => {
+                    ready.clear_ready();
+                    continue;
+                }
+                Err(nix::errno::Errno::EINTR) => continue,
+                Err(e) => return Err(io::Error::from(e)),
+            };
+            let status = ExitStatus::from_raw(raw);
+            self.status = Some(status);
+            return Ok(status);
+        }
+    }
+}
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        if self.status.is_none() {
+            // Reap it if it is already gone; a live child dropped here
+            // would be a supervisor bug, so say so.
+            let id = Id::PIDFd(self.pidfd.get_ref().as_fd());
+            if let Ok(WaitStatus::StillAlive) =
+                waitid(id, WaitPidFlag::WEXITED | WaitPidFlag::WNOHANG)
+            {
+                tracing::error!(pid = self.pid, "a live child was dropped unreaped");
+            }
+        }
+    }
+}
