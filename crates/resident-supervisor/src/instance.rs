@@ -19,6 +19,8 @@ use crate::{readiness, spawn::command};
 
 /// Leftovers of a group get this long to disappear after SIGKILL.
 const LEFTOVER_BOUND: Duration = Duration::from_secs(2);
+/// An ended run's output gets this long to be read to its end.
+const LOG_DRAIN: Duration = Duration::from_secs(1);
 
 /// A request to stop, answered once the instance is terminal.
 #[derive(Debug)]
@@ -67,6 +69,8 @@ pub(crate) struct Actor {
     pub(crate) shared: Arc<Shared>,
     pub(crate) stops: mpsc::Receiver<StopRequest>,
     pub(crate) ports: Arc<Ports>,
+    /// The tasks reading the current run's stdout and stderr.
+    pub(crate) readers: Vec<tokio::task::JoinHandle<()>>,
 }
 
 impl Actor {
@@ -97,11 +101,13 @@ impl Actor {
                 End::Stop(req) => {
                     let grace = req.as_ref().map_or(self.spec.stop_grace, |r| r.grace);
                     let exit = self.terminate(&mut child, pgid, grace).await;
+                    self.drain_logs().await;
                     self.finish(State::Exited, format!("stopped ({exit})"), Some(exit));
                     return reply(req);
                 }
                 End::NotReady => {
                     let exit = self.terminate(&mut child, pgid, self.spec.stop_grace).await;
+                    self.drain_logs().await;
                     let limit = self.spec.readiness_timeout;
                     self.finish(
                         State::Failed,
@@ -113,6 +119,7 @@ impl Actor {
                 End::Exited(exit) => exit,
             };
             clear_leftovers(pgid).await;
+            self.drain_logs().await;
             self.shared.pgid.store(0, Ordering::Relaxed);
             let policy = self.spec.restart;
             if started.elapsed() >= policy.stable_after {
@@ -181,10 +188,14 @@ impl Actor {
         let pgid = pid as i32;
         self.shared.pgid.store(pgid, Ordering::Relaxed);
         if let Some(out) = child.stdout.take() {
-            tokio::spawn(self.shared.logs.clone().capture(Stream::Stdout, out));
+            self.readers.push(tokio::spawn(
+                self.shared.logs.clone().capture(Stream::Stdout, out),
+            ));
         }
         if let Some(err) = child.stderr.take() {
-            tokio::spawn(self.shared.logs.clone().capture(Stream::Stderr, err));
+            self.readers.push(tokio::spawn(
+                self.shared.logs.clone().capture(Stream::Stderr, err),
+            ));
         }
         self.shared
             .transition(State::Starting, format!("spawned pid {pid}"), |s| {
@@ -222,6 +233,17 @@ impl Actor {
         };
         clear_leftovers(pgid).await;
         exit
+    }
+
+    /// Waits (bounded) until the run's output is read to its end, so that
+    /// an ended instance's log holds its last lines. The group is gone by
+    /// now, so the pipes close unless something outside it holds them.
+    async fn drain_logs(&mut self) {
+        for reader in self.readers.drain(..) {
+            if timeout(LOG_DRAIN, reader).await.is_err() {
+                tracing::warn!(instance_id = %self.spec.instance, "output still open after exit; not waiting for it");
+            }
+        }
     }
 
     fn finish(&self, state: State, reason: String, exit: Option<Exit>) {

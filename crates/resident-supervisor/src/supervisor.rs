@@ -157,6 +157,7 @@ impl Supervisor {
                 shared: shared.clone(),
                 stops: stops_rx,
                 ports: self.inner.ports.clone(),
+                readers: Vec::new(),
             };
             table.insert(
                 id.clone(),
