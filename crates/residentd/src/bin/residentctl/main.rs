@@ -1,0 +1,281 @@
+//! `residentctl`: the operator's command line for a residentd node agent.
+//! A subcommand per RPC, human tables by default, `--json` for scripts.
+//!
+//! Exit codes: 0 done, 1 error, 2 bad usage, 3 refused (the start or the
+//! placement does not fit; the reasons are printed).
+
+mod render;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use resident_api::pb;
+use resident_api::pb::node_agent_client::NodeAgentClient;
+use tokio_stream::StreamExt as _;
+use tonic::transport::Channel;
+
+const DEFAULT_SOCKET: &str = "/run/residentd/residentd.sock";
+const EXIT_REFUSED: u8 = 3;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "residentctl",
+    version,
+    about = "Talk to a residentd node agent"
+)]
+struct Cli {
+    /// The agent's socket.
+    #[arg(long, global = true, env = "RESIDENTD_SOCKET", default_value = DEFAULT_SOCKET)]
+    socket: PathBuf,
+    /// Print JSON instead of tables.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum PolicyArg {
+    Refuse,
+    Evict,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Start an instance of a workload.
+    Start {
+        workload: String,
+        /// The instance id (generated when absent).
+        #[arg(long)]
+        id: Option<String>,
+        /// What to do when it does not fit (the node's on_full otherwise).
+        #[arg(long, value_enum)]
+        policy: Option<PolicyArg>,
+        /// Wait until the instance is READY.
+        #[arg(long)]
+        wait: bool,
+    },
+    /// Stop an instance (SIGTERM, grace, SIGKILL).
+    Stop {
+        id: String,
+        /// Grace before SIGKILL, e.g. "10s" (the workload's otherwise).
+        #[arg(long)]
+        grace: Option<String>,
+    },
+    /// One instance.
+    Get { id: String },
+    /// Every instance.
+    Ls,
+    /// What starting WORKLOAD would do (a dry run).
+    Place {
+        workload: String,
+        #[arg(long, value_enum)]
+        policy: Option<PolicyArg>,
+    },
+    /// Mark a use of an instance; with --hold, protect it from eviction.
+    Touch {
+        id: String,
+        #[arg(long)]
+        hold: Option<String>,
+    },
+    /// The node: pools and instances.
+    Node,
+    /// An instance's output.
+    Logs {
+        id: String,
+        /// Lines of history.
+        #[arg(short = 'n', long, default_value_t = 100)]
+        tail: u32,
+        /// Keep following new lines.
+        #[arg(short, long)]
+        follow: bool,
+    },
+    /// Every state change and refusal, as it happens.
+    Watch {
+        /// Resume after this revision (0: the current state first).
+        #[arg(long, default_value_t = 0)]
+        since: u64,
+    },
+}
+
+fn policy(p: Option<PolicyArg>) -> i32 {
+    match p {
+        None => pb::Policy::Unspecified as i32,
+        Some(PolicyArg::Refuse) => pb::Policy::Refuse as i32,
+        Some(PolicyArg::Evict) => pb::Policy::Evict as i32,
+    }
+}
+
+fn millis(text: Option<&str>, flag: &str) -> Result<u64, Failure> {
+    match text {
+        None => Ok(0),
+        Some(t) => resident_config::parse_duration(t)
+            .map(|d| d.as_millis() as u64)
+            .map_err(|e| Failure::Usage(format!("--{flag}: {e}"))),
+    }
+}
+
+/// How a command failed.
+enum Failure {
+    Usage(String),
+    Refused(tonic::Status),
+    Error(String),
+}
+
+impl From<tonic::Status> for Failure {
+    fn from(s: tonic::Status) -> Self {
+        match s.code() {
+            tonic::Code::ResourceExhausted | tonic::Code::FailedPrecondition
+                if s.message().starts_with("unplaceable:") =>
+            {
+                Failure::Refused(s)
+            }
+            _ => Failure::Error(format!("{}: {}", code_name(s.code()), s.message())),
+        }
+    }
+}
+
+fn code_name(code: tonic::Code) -> String {
+    format!("{code:?}").to_uppercase()
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("residentctl: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(&cli)) {
+        Ok(code) => code,
+        Err(Failure::Usage(msg)) => {
+            eprintln!("residentctl: {msg}");
+            ExitCode::from(2)
+        }
+        Err(Failure::Refused(status)) => {
+            render::refusal(&status, cli.json);
+            ExitCode::from(EXIT_REFUSED)
+        }
+        Err(Failure::Error(msg)) => {
+            eprintln!("residentctl: {msg}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn connect(cli: &Cli) -> Result<NodeAgentClient<Channel>, Failure> {
+    resident_api::connect_unix(&cli.socket).await.map_err(|e| {
+        Failure::Error(format!(
+            "cannot reach residentd at {}: {e}",
+            cli.socket.display()
+        ))
+    })
+}
+
+async fn run(cli: &Cli) -> Result<ExitCode, Failure> {
+    let mut c = connect(cli).await?;
+    let json = cli.json;
+    match &cli.command {
+        Command::Start {
+            workload,
+            id,
+            policy: p,
+            wait,
+        } => {
+            let req = pb::StartRequest {
+                workload: workload.clone(),
+                instance_id: id.clone().unwrap_or_default(),
+                on_full: policy(*p),
+                wait_ready: *wait,
+            };
+            let spinner =
+                (*wait && !json).then(|| render::Spinner::start(format!("starting {workload}")));
+            let answer = c.start(req).await;
+            drop(spinner);
+            let r = answer?.into_inner();
+            render::started(&r, json);
+        }
+        Command::Stop { id, grace } => {
+            let grace_ms = millis(grace.as_deref(), "grace")?;
+            let r = c
+                .stop(pb::StopRequest {
+                    instance_id: id.clone(),
+                    grace_ms,
+                })
+                .await?
+                .into_inner();
+            render::instances(&r.instance.into_iter().collect::<Vec<_>>(), json);
+        }
+        Command::Get { id } => {
+            let r = c
+                .get(pb::GetRequest {
+                    instance_id: id.clone(),
+                })
+                .await?
+                .into_inner();
+            render::instances(&[r], json);
+        }
+        Command::Ls => {
+            let r = c.list(pb::ListRequest {}).await?.into_inner();
+            render::instances(&r.instances, json);
+        }
+        Command::Place {
+            workload,
+            policy: p,
+        } => {
+            let req = pb::PlaceRequest {
+                workload: workload.clone(),
+                on_full: policy(*p),
+            };
+            let r = c.place(req).await?.into_inner();
+            render::placement(&r, json);
+            if !r.admitted {
+                return Ok(ExitCode::from(EXIT_REFUSED));
+            }
+        }
+        Command::Touch { id, hold } => {
+            let hold_ms = millis(hold.as_deref(), "hold")?;
+            let r = c
+                .touch(pb::TouchRequest {
+                    instance_id: id.clone(),
+                    hold_ms,
+                })
+                .await?
+                .into_inner();
+            render::instances(&[r], json);
+        }
+        Command::Node => {
+            let r = c.node(pb::NodeRequest {}).await?.into_inner();
+            render::node(&r, json);
+        }
+        Command::Logs { id, tail, follow } => {
+            let req = pb::LogsRequest {
+                instance_id: id.clone(),
+                tail: *tail,
+                follow: *follow,
+            };
+            let mut stream = c.logs(req).await?.into_inner();
+            while let Some(line) = stream.next().await {
+                render::log_line(&line?, json);
+            }
+        }
+        Command::Watch { since } => {
+            let mut stream = c
+                .watch(pb::WatchRequest {
+                    since_revision: *since,
+                })
+                .await?
+                .into_inner();
+            while let Some(event) = stream.next().await {
+                render::event(&event?, json);
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,356 @@
+//! How residentctl prints: aligned tables for people, one JSON document
+//! (or one per line for streams) for scripts.
+
+use std::io::{IsTerminal as _, Write as _};
+use std::time::Duration;
+
+use prost::Message as _;
+use resident_api::pb;
+use resident_core::Gb;
+use serde_json::{Value, json};
+
+fn state_name(state: i32) -> &'static str {
+    pb::State::try_from(state).map_or("UNKNOWN", |s| s.as_str_name())
+}
+
+fn declared(i: &pb::Instance) -> u64 {
+    i.demand
+        .iter()
+        .map(|d| d.weights_bytes.saturating_add(d.kv_budget_bytes))
+        .sum()
+}
+
+fn instance_json(i: &pb::Instance) -> Value {
+    json!({
+        "instance_id": i.instance_id,
+        "workload": i.workload,
+        "role": i.role,
+        "state": state_name(i.state),
+        "pid": i.pid,
+        "port": i.port,
+        "exit_code": i.exit_code,
+        "exit_signal": i.exit_signal,
+        "restarts": i.restarts,
+        "declared_bytes": declared(i),
+        "measured_bytes": i.measured_bytes,
+        "demand": i.demand.iter().map(|d| json!({
+            "pool": d.pool, "weights_bytes": d.weights_bytes, "kv_budget_bytes": d.kv_budget_bytes,
+        })).collect::<Vec<_>>(),
+        "message": i.message,
+    })
+}
+
+fn pool_json(p: &pb::PoolStatus) -> Value {
+    json!({
+        "name": p.name,
+        "budget_bytes": p.budget_bytes,
+        "effective_budget_bytes": p.effective_budget_bytes,
+        "used_bytes": p.used_bytes,
+        "free_bytes": p.free_bytes,
+        "available_bytes": p.available_bytes,
+    })
+}
+
+fn refusal_json(r: &pb::Refusal) -> Value {
+    use pb::refusal::Reason;
+    let (code, detail) = match &r.reason {
+        Some(Reason::OverBudget(o)) => (
+            "OVER_BUDGET",
+            json!({
+                "role": o.role, "pool": o.pool, "need_bytes": o.need_bytes, "free_bytes": o.free_bytes,
+                "budget_bytes": o.budget_bytes,
+                "holders": o.holders.iter().map(holder_json).collect::<Vec<_>>(),
+            }),
+        ),
+        Some(Reason::HostMemory(h)) => (
+            "HOST_MEMORY",
+            json!({
+                "role": h.role, "pool": h.pool, "need_bytes": h.need_bytes, "available_bytes": h.available_bytes,
+                "reserve_bytes": h.reserve_bytes, "pending_bytes": h.pending_bytes,
+                "holders": h.holders.iter().map(holder_json).collect::<Vec<_>>(),
+            }),
+        ),
+        Some(Reason::Excluded(e)) => (
+            "EXCLUDED",
+            json!({
+                "role": e.role, "with": e.with, "declared_by": e.declared_by, "with_instance_id": e.with_instance_id,
+            }),
+        ),
+        Some(Reason::GroupConflict(g)) => (
+            "GROUP_CONFLICT",
+            json!({
+                "role": g.role, "with": g.with, "group": g.group, "rule": g.rule, "with_instance_id": g.with_instance_id,
+            }),
+        ),
+        None => ("UNKNOWN", Value::Null),
+    };
+    json!({ "reason": code, "message": r.message, "detail": detail })
+}
+
+fn holder_json(h: &pb::Holder) -> Value {
+    json!({ "instance_id": h.instance_id, "role": h.role, "bytes": h.bytes })
+}
+
+fn print_json(v: &Value) {
+    println!("{v}");
+}
+
+/// Prints rows as columns padded to their widest cell.
+fn table(header: &[&str], rows: &[Vec<String>]) {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
+    for row in rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let line = |cells: Vec<String>| {
+        let padded: Vec<String> = cells
+            .iter()
+            .zip(&widths)
+            .map(|(c, w)| format!("{c:<w$}"))
+            .collect();
+        println!("{}", padded.join("  ").trim_end());
+    };
+    line(header.iter().map(|h| h.to_string()).collect());
+    for row in rows {
+        line(row.clone());
+    }
+}
+
+fn gb_or_dash(bytes: Option<u64>) -> String {
+    bytes.map_or("-".into(), |b| Gb(b).to_string())
+}
+
+/// Instances as a table (or JSON).
+pub fn instances(list: &[pb::Instance], json: bool) {
+    if json {
+        return print_json(&Value::Array(list.iter().map(instance_json).collect()));
+    }
+    let rows: Vec<Vec<String>> = list
+        .iter()
+        .map(|i| {
+            vec![
+                i.instance_id.clone(),
+                i.role.clone(),
+                state_name(i.state).to_string(),
+                if i.pid == 0 {
+                    "-".into()
+                } else {
+                    i.pid.to_string()
+                },
+                if i.port == 0 {
+                    "-".into()
+                } else {
+                    i.port.to_string()
+                },
+                Gb(declared(i)).to_string(),
+                Gb(i.measured_bytes).to_string(),
+                i.restarts.to_string(),
+                i.message.clone(),
+            ]
+        })
+        .collect();
+    table(
+        &[
+            "INSTANCE", "ROLE", "STATE", "PID", "PORT", "DECLARED", "MEASURED", "RESTARTS",
+            "MESSAGE",
+        ],
+        &rows,
+    );
+}
+
+/// A started instance and who was evicted for it.
+pub fn started(r: &pb::StartResponse, json: bool) {
+    if json {
+        return print_json(&json!({
+            "created": r.created,
+            "evicted": r.evicted,
+            "instance": r.instance.as_ref().map(instance_json),
+        }));
+    }
+    if !r.evicted.is_empty() {
+        println!("evicted: {}", r.evicted.join(", "));
+    }
+    if !r.created {
+        println!("already running (nothing started)");
+    }
+    instances(&r.instance.iter().cloned().collect::<Vec<_>>(), false);
+}
+
+/// Pools as a table.
+fn pools(list: &[pb::PoolStatus]) {
+    let rows: Vec<Vec<String>> = list
+        .iter()
+        .map(|p| {
+            vec![
+                p.name.clone(),
+                gb_or_dash(p.budget_bytes),
+                gb_or_dash(p.effective_budget_bytes),
+                Gb(p.used_bytes).to_string(),
+                gb_or_dash(p.free_bytes),
+                gb_or_dash(p.available_bytes),
+            ]
+        })
+        .collect();
+    table(
+        &["POOL", "BUDGET", "EFFECTIVE", "USED", "FREE", "AVAILABLE"],
+        &rows,
+    );
+}
+
+/// The node: pools, then instances.
+pub fn node(n: &pb::NodeStatus, json: bool) {
+    if json {
+        return print_json(&json!({
+            "node": n.node,
+            "version": n.version,
+            "pools": n.pools.iter().map(pool_json).collect::<Vec<_>>(),
+            "instances": n.instances.iter().map(instance_json).collect::<Vec<_>>(),
+        }));
+    }
+    println!("node {} (residentd {})\n", n.node, n.version);
+    pools(&n.pools);
+    println!();
+    instances(&n.instances, false);
+}
+
+fn reasons(list: &[pb::Refusal]) {
+    for r in list {
+        eprintln!("  {}", r.message);
+        let holders = match &r.reason {
+            Some(pb::refusal::Reason::OverBudget(o)) => &o.holders,
+            Some(pb::refusal::Reason::HostMemory(h)) => &h.holders,
+            _ => continue,
+        };
+        for h in holders {
+            eprintln!("      {:<24} {:<16} {}", h.instance_id, h.role, Gb(h.bytes));
+        }
+    }
+}
+
+/// A placement answer.
+pub fn placement(p: &pb::Placement, json: bool) {
+    if json {
+        return print_json(&json!({
+            "admitted": p.admitted,
+            "evict": p.evict,
+            "wait_for": p.wait_for,
+            "refusals": p.refusals.iter().map(refusal_json).collect::<Vec<_>>(),
+            "pools": p.pools.iter().map(pool_json).collect::<Vec<_>>(),
+        }));
+    }
+    match (p.admitted, p.evict.is_empty()) {
+        (true, true) => println!("fits"),
+        (true, false) => println!("fits after evicting {}", p.evict.join(", ")),
+        (false, _) => {
+            eprintln!("does not fit:");
+            reasons(&p.refusals);
+        }
+    }
+}
+
+/// A refused start: the reasons, readably (who holds what).
+pub fn refusal(status: &tonic::Status, json: bool) {
+    let placement = tonic_types::pb::Status::decode(status.details())
+        .ok()
+        .and_then(|rpc| {
+            rpc.details
+                .into_iter()
+                .find(|a| a.type_url.ends_with("/resident.v1.Placement"))
+                .and_then(|a| pb::Placement::decode(a.value.as_slice()).ok())
+        });
+    if json {
+        let refusals = placement
+            .as_ref()
+            .map(|p| p.refusals.iter().map(refusal_json).collect::<Vec<_>>());
+        return print_json(&json!({ "refused": status.message(), "refusals": refusals }));
+    }
+    eprintln!("refused:");
+    match placement {
+        Some(p) => reasons(&p.refusals),
+        None => eprintln!("  {}", status.message()),
+    }
+}
+
+/// One log line.
+pub fn log_line(l: &pb::LogLine, json: bool) {
+    if json {
+        let stream = pb::LogStream::try_from(l.stream).map_or("UNKNOWN", |s| s.as_str_name());
+        return print_json(&json!({ "seq": l.seq, "stream": stream, "line": l.line }));
+    }
+    if l.stream == pb::LogStream::Stderr as i32 {
+        eprintln!("{}", l.line);
+    } else {
+        println!("{}", l.line);
+    }
+}
+
+/// One watch event.
+pub fn event(e: &pb::Event, json: bool) {
+    let kind = pb::EventKind::try_from(e.kind).map_or("UNKNOWN", |k| k.as_str_name());
+    if json {
+        return print_json(&json!({
+            "revision": e.revision,
+            "kind": kind,
+            "instance": e.instance.as_ref().map(instance_json),
+            "refusal": e.refusal.as_ref().map(refusal_json),
+            "workload": e.workload,
+        }));
+    }
+    match (&e.instance, &e.refusal) {
+        (Some(i), _) => println!(
+            "{:>6} {:<10} {:<24} {:<9} {}",
+            e.revision,
+            kind,
+            i.instance_id,
+            state_name(i.state),
+            i.message
+        ),
+        (None, Some(r)) => println!("{:>6} {:<10} {}", e.revision, kind, r.message),
+        (None, None) => println!("{:>6} {kind}", e.revision),
+    }
+}
+
+/// A spinner on stderr while waiting, when stderr is a terminal.
+pub struct Spinner {
+    stop: Option<std::sync::mpsc::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Spinner {
+    pub fn start(label: String) -> Self {
+        if !std::io::stderr().is_terminal() {
+            return Self {
+                stop: None,
+                thread: None,
+            };
+        }
+        let (stop, rx) = std::sync::mpsc::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            let frames = ['|', '/', '-', '\\'];
+            let mut n = 0;
+            // Draws until told to stop (a message, or the sender dropped).
+            while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
+                rx.recv_timeout(Duration::from_millis(100))
+            {
+                eprint!("\r{} {label}", frames[n % frames.len()]);
+                let _ = std::io::stderr().flush();
+                n += 1;
+            }
+            eprint!("\r{}\r", " ".repeat(label.len() + 2));
+        });
+        Self {
+            stop: Some(stop),
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for Spinner {
+    fn drop(&mut self) {
+        drop(self.stop.take());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
