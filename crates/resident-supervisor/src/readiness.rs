@@ -10,6 +10,9 @@ use tokio::time::{Instant, sleep, timeout};
 
 use crate::spec::Readiness;
 
+/// Most of a readiness response read before the connection is closed.
+const MAX_RESPONSE: usize = 1 << 20;
+
 /// Each probe attempt gives up after this long.
 const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -27,20 +30,21 @@ async fn probe_once(readiness: &Readiness, port: u16) -> bool {
         format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n");
     let exchange = async {
         stream.write_all(request.as_bytes()).await?;
-        let mut head = [0u8; 32];
-        let mut filled = 0;
-        // The status code sits within the first 12 bytes: "HTTP/1.1 200".
-        while filled < 12 {
-            let n = stream.read(&mut head[filled..]).await?;
+        // Read the whole (bounded) response before closing: a server that
+        // is still writing its body would otherwise see a reset and log it.
+        let mut response = Vec::with_capacity(1024);
+        let mut chunk = [0u8; 8192];
+        while response.len() < MAX_RESPONSE {
+            let n = stream.read(&mut chunk).await?;
             if n == 0 {
                 break;
             }
-            filled += n;
+            response.extend_from_slice(&chunk[..n]);
         }
-        Ok::<_, std::io::Error>(head[..filled].to_vec())
+        Ok::<_, std::io::Error>(response)
     };
     match timeout(ATTEMPT_TIMEOUT, exchange).await {
-        Ok(Ok(head)) => status_is_ok(&head),
+        Ok(Ok(response)) => status_is_ok(&response[..response.len().min(32)]),
         _ => false,
     }
 }
