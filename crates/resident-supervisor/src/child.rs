@@ -230,6 +230,17 @@ unsafe fn child_main(
         if !cwd.is_null() && libc::chdir(cwd) != 0 {
             return fail(fds);
         }
+        // The agent may protect itself from the OOM killer (systemd's
+        // OOMScoreAdjust); its servers must not inherit that. Raising the
+        // score is always allowed; where /proc is absent, nothing happens.
+        let oom = libc::open(
+            c"/proc/self/oom_score_adj".as_ptr(),
+            libc::O_WRONLY | libc::O_CLOEXEC,
+        );
+        if oom >= 0 {
+            libc::write(oom, b"0".as_ptr().cast(), 1);
+            libc::close(oom);
+        }
         if let Some((uid, gid)) = user {
             // Raw system calls: glibc's wrappers would signal every thread
             // of the parent, whose memory this child shares.

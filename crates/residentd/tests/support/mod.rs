@@ -42,20 +42,25 @@ impl Daemon {
 
     /// Starts residentd again on the config and state of `dir`.
     pub async fn start_in(dir: tempfile::TempDir) -> Self {
+        Self::start_in_with(dir, |_| {}).await
+    }
+
+    /// As `start_in`, letting the test adjust the command first.
+    pub async fn start_in_with(dir: tempfile::TempDir, adjust: impl FnOnce(&mut Command)) -> Self {
         let config = dir.path().join("residentd.toml");
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(dir.path().join("residentd.log"))
             .expect("log file");
-        let child = Command::new(RESIDENTD)
-            .arg("--config")
+        let mut cmd = Command::new(RESIDENTD);
+        cmd.arg("--config")
             .arg(&config)
             .env("RUST_LOG", "info,residentd=debug")
             .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("start residentd");
+            .stderr(log);
+        adjust(&mut cmd);
+        let child = cmd.spawn().expect("start residentd");
         let socket = dir.path().join("agent.sock");
         let client = connect(&socket).await;
         Self {
