@@ -64,6 +64,7 @@ pub struct Agent {
     journal: Journal,
     /// Wakes the journal writer; writes coalesce.
     journal_dirty: tokio::sync::Notify,
+    metrics: crate::metrics::Metrics,
 }
 
 impl Agent {
@@ -93,6 +94,7 @@ impl Agent {
             closed: tokio::sync::watch::Sender::new(false),
             journal,
             journal_dirty: tokio::sync::Notify::new(),
+            metrics: crate::metrics::Metrics::new(),
         });
         agent.refresh_probes();
         tokio::spawn(follow_supervisor(Arc::downgrade(&agent), rx));
@@ -196,6 +198,11 @@ impl Agent {
 
     fn now_ms(&self) -> u64 {
         u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// The metrics.
+    pub fn metrics(&self) -> &crate::metrics::Metrics {
+        &self.metrics
     }
 
     /// The event log.
@@ -381,6 +388,7 @@ impl Agent {
                     };
                     books.records.insert(id.to_string(), record);
                     self.persist();
+                    self.metrics.admitted(workload, a.evict.len());
                     (a, generation)
                 }
             }
@@ -509,6 +517,7 @@ impl Agent {
 
     fn refused(&self, workload: &str, refusal: resident_core::Refusal, policy: Policy) -> ApiError {
         tracing::info!(workload, ?policy, reason = %refusal.first(), "start refused");
+        self.metrics.refused(refusal.first().code());
         let placement = resident_api::placement(&Plan::Refuse(refusal.clone()), self.pools());
         self.events.publish(pb::Event {
             kind: pb::EventKind::Refused as i32,
@@ -638,6 +647,9 @@ impl Agent {
         }
         if matches!(status.state, State::Starting) || status.state.is_terminal() {
             self.persist();
+        }
+        if status.state == State::Backoff {
+            self.metrics.restarted(&status.workload);
         }
         let instance =
             resident_api::instance(&status.instance, &record.workload.spec, Some(&status));

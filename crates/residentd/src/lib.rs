@@ -7,6 +7,7 @@
 pub mod agent;
 pub mod events;
 pub mod journal;
+pub mod metrics;
 pub mod server;
 pub mod service;
 

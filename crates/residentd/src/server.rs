@@ -107,6 +107,14 @@ pub async fn serve(agent: Arc<Agent>) -> anyhow::Result<()> {
     };
     tokio::spawn(drained);
     tokio::spawn(reload_on_sighup(agent.clone(), hup));
+    if let Some(addr) = config.node.metrics_listen {
+        let weak = Arc::downgrade(&agent);
+        tokio::spawn(async move {
+            if let Err(e) = crate::metrics::serve(addr, weak).await {
+                tracing::error!(%addr, error = %e, "the metrics endpoint stopped");
+            }
+        });
+    }
     let shutdown = async {
         let _ = stop_rx.await;
     };

@@ -73,6 +73,7 @@ impl pb::node_agent_server::NodeAgent for Service {
         &self,
         req: Request<pb::StartRequest>,
     ) -> Result<Response<pb::StartResponse>, Status> {
+        let _timer = self.agent.metrics().time("Start");
         let r = req.into_inner();
         let mut bad = Vec::new();
         if let Err(ApiError::InvalidArgument(v)) = workload_name("workload", &r.workload) {
@@ -119,6 +120,7 @@ impl pb::node_agent_server::NodeAgent for Service {
         &self,
         req: Request<pb::StopRequest>,
     ) -> Result<Response<pb::StopResponse>, Status> {
+        let _timer = self.agent.metrics().time("Stop");
         let r = req.into_inner();
         let id = instance_id("instance_id", &r.instance_id)?;
         let grace = (r.grace_ms > 0).then(|| Duration::from_millis(r.grace_ms));
@@ -130,6 +132,7 @@ impl pb::node_agent_server::NodeAgent for Service {
     }
 
     async fn get(&self, req: Request<pb::GetRequest>) -> Result<Response<pb::Instance>, Status> {
+        let _timer = self.agent.metrics().time("Get");
         let id = instance_id("instance_id", &req.get_ref().instance_id)?;
         Ok(Response::new(self.agent.get(id.as_str())?))
     }
@@ -138,6 +141,7 @@ impl pb::node_agent_server::NodeAgent for Service {
         &self,
         _req: Request<pb::ListRequest>,
     ) -> Result<Response<pb::ListResponse>, Status> {
+        let _timer = self.agent.metrics().time("List");
         Ok(Response::new(pb::ListResponse {
             instances: self.agent.list(),
         }))
@@ -147,6 +151,7 @@ impl pb::node_agent_server::NodeAgent for Service {
         &self,
         req: Request<pb::PlaceRequest>,
     ) -> Result<Response<pb::Placement>, Status> {
+        let _timer = self.agent.metrics().time("Place");
         let r = req.into_inner();
         workload_name("workload", &r.workload)?;
         let on_full = policy("on_full", r.on_full)?;
@@ -157,6 +162,7 @@ impl pb::node_agent_server::NodeAgent for Service {
         &self,
         req: Request<pb::TouchRequest>,
     ) -> Result<Response<pb::Instance>, Status> {
+        let _timer = self.agent.metrics().time("Touch");
         let r = req.into_inner();
         let id = instance_id("instance_id", &r.instance_id)?;
         Ok(Response::new(self.agent.touch(id.as_str(), r.hold_ms)?))
@@ -168,6 +174,7 @@ impl pb::node_agent_server::NodeAgent for Service {
         &self,
         req: Request<pb::WatchRequest>,
     ) -> Result<Response<Self::WatchStream>, Status> {
+        let _timer = self.agent.metrics().time("Watch");
         let since = req.get_ref().since_revision;
         let agent = self.agent.clone();
         let (first, mut live) = match self.agent.events().resume(since, || agent.list()) {
@@ -224,6 +231,7 @@ impl pb::node_agent_server::NodeAgent for Service {
         &self,
         req: Request<pb::LogsRequest>,
     ) -> Result<Response<Self::LogsStream>, Status> {
+        let _timer = self.agent.metrics().time("Logs");
         let r = req.into_inner();
         let id = instance_id("instance_id", &r.instance_id)?;
         if r.tail > MAX_TAIL {
@@ -287,6 +295,7 @@ impl pb::node_agent_server::NodeAgent for Service {
         &self,
         _req: Request<pb::NodeRequest>,
     ) -> Result<Response<pb::NodeStatus>, Status> {
+        let _timer = self.agent.metrics().time("Node");
         Ok(Response::new(pb::NodeStatus {
             node: self.agent.config().node.name.clone(),
             version: env!("CARGO_PKG_VERSION").to_string(),

@@ -1,0 +1,284 @@
+//! The Prometheus endpoint (`metrics_listen`): pools, instances, counters
+//! of admissions, evictions, refusals and restarts, and an RPC latency
+//! histogram, in the OpenMetrics text format of the prometheus-client crate.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Weak};
+use std::time::Instant;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+use resident_api::pb;
+
+use crate::agent::Agent;
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PoolLabels {
+    pool: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct InstanceLabels {
+    instance: String,
+    workload: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StateLabels {
+    instance: String,
+    workload: String,
+    state: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WorkloadLabels {
+    workload: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RpcLabels {
+    rpc: String,
+}
+
+fn rpc_histogram() -> Histogram {
+    // 50 µs to about 1.6 s.
+    Histogram::new(exponential_buckets(0.00005, 2.0, 16))
+}
+
+/// Every metric of the agent.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    pool_budget: Family<PoolLabels, Gauge>,
+    pool_effective: Family<PoolLabels, Gauge>,
+    pool_used: Family<PoolLabels, Gauge>,
+    declared: Family<InstanceLabels, Gauge>,
+    measured: Family<InstanceLabels, Gauge>,
+    state: Family<StateLabels, Gauge>,
+    admissions: Family<WorkloadLabels, Counter>,
+    evictions: Family<WorkloadLabels, Counter>,
+    restarts: Family<WorkloadLabels, Counter>,
+    refusals: Family<ReasonLabels, Counter>,
+    rpc: Family<RpcLabels, Histogram, fn() -> Histogram>,
+}
+
+fn gauge_value(bytes: u64) -> i64 {
+    i64::try_from(bytes).unwrap_or(i64::MAX)
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// The metrics, registered under the `residentd_` prefix.
+    pub fn new() -> Self {
+        let mut m = Self {
+            registry: Registry::with_prefix("residentd"),
+            pool_budget: Family::default(),
+            pool_effective: Family::default(),
+            pool_used: Family::default(),
+            declared: Family::default(),
+            measured: Family::default(),
+            state: Family::default(),
+            admissions: Family::default(),
+            evictions: Family::default(),
+            restarts: Family::default(),
+            refusals: Family::default(),
+            rpc: Family::new_with_constructor(rpc_histogram),
+        };
+        let r = &mut m.registry;
+        r.register(
+            "pool_budget_bytes",
+            "Configured budget of a pool",
+            m.pool_budget.clone(),
+        );
+        r.register(
+            "pool_effective_budget_bytes",
+            "Budget tightened by the live ceiling",
+            m.pool_effective.clone(),
+        );
+        r.register(
+            "pool_used_bytes",
+            "Bytes declared by residents",
+            m.pool_used.clone(),
+        );
+        r.register(
+            "instance_declared_bytes",
+            "Bytes an instance declared",
+            m.declared.clone(),
+        );
+        r.register(
+            "instance_measured_bytes",
+            "Resident bytes of an instance's process group",
+            m.measured.clone(),
+        );
+        r.register(
+            "instance_state",
+            "1 for the instance's current state",
+            m.state.clone(),
+        );
+        r.register("admissions", "Starts admitted", m.admissions.clone());
+        r.register(
+            "evictions",
+            "Instances evicted to make room",
+            m.evictions.clone(),
+        );
+        r.register("restarts", "Restarts after an exit", m.restarts.clone());
+        r.register(
+            "refusals",
+            "Starts refused, by first reason",
+            m.refusals.clone(),
+        );
+        r.register(
+            "rpc_duration_seconds",
+            "Time to answer an RPC",
+            m.rpc.clone(),
+        );
+        m
+    }
+
+    /// Counts an admitted start.
+    pub fn admitted(&self, workload: &str, evicted: usize) {
+        let labels = WorkloadLabels {
+            workload: workload.to_string(),
+        };
+        self.admissions.get_or_create(&labels).inc();
+        self.evictions.get_or_create(&labels).inc_by(evicted as u64);
+    }
+
+    /// Counts a refused start.
+    pub fn refused(&self, reason: &str) {
+        self.refusals
+            .get_or_create(&ReasonLabels {
+                reason: reason.to_string(),
+            })
+            .inc();
+    }
+
+    /// Counts a restart.
+    pub fn restarted(&self, workload: &str) {
+        self.restarts
+            .get_or_create(&WorkloadLabels {
+                workload: workload.to_string(),
+            })
+            .inc();
+    }
+
+    /// Starts timing an RPC; the time is recorded when the guard drops.
+    pub fn time(&self, rpc: &'static str) -> RpcTimer<'_> {
+        RpcTimer {
+            metrics: self,
+            rpc,
+            started: Instant::now(),
+        }
+    }
+
+    /// The text exposition, with gauges refreshed from `agent`.
+    pub fn render(&self, pools: &[pb::PoolStatus], instances: &[pb::Instance]) -> String {
+        for family in [&self.pool_budget, &self.pool_effective, &self.pool_used] {
+            family.clear();
+        }
+        for p in pools {
+            let l = PoolLabels {
+                pool: p.name.clone(),
+            };
+            if let Some(b) = p.budget_bytes {
+                self.pool_budget.get_or_create(&l).set(gauge_value(b));
+            }
+            if let Some(e) = p.effective_budget_bytes {
+                self.pool_effective.get_or_create(&l).set(gauge_value(e));
+            }
+            self.pool_used
+                .get_or_create(&l)
+                .set(gauge_value(p.used_bytes));
+        }
+        self.declared.clear();
+        self.measured.clear();
+        self.state.clear();
+        for i in instances {
+            let l = InstanceLabels {
+                instance: i.instance_id.clone(),
+                workload: i.workload.clone(),
+            };
+            let declared: u64 = i
+                .demand
+                .iter()
+                .map(|d| d.weights_bytes.saturating_add(d.kv_budget_bytes))
+                .sum();
+            self.declared.get_or_create(&l).set(gauge_value(declared));
+            self.measured
+                .get_or_create(&l)
+                .set(gauge_value(i.measured_bytes));
+            let state = pb::State::try_from(i.state).map_or("UNKNOWN", |s| s.as_str_name());
+            let s = StateLabels {
+                instance: l.instance,
+                workload: l.workload,
+                state: state.to_string(),
+            };
+            self.state.get_or_create(&s).set(1);
+        }
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}
+
+/// Records an RPC's duration when dropped.
+#[derive(Debug)]
+pub struct RpcTimer<'a> {
+    metrics: &'a Metrics,
+    rpc: &'static str,
+    started: Instant,
+}
+
+impl Drop for RpcTimer<'_> {
+    fn drop(&mut self) {
+        let labels = RpcLabels {
+            rpc: self.rpc.to_string(),
+        };
+        self.metrics
+            .rpc
+            .get_or_create(&labels)
+            .observe(self.started.elapsed().as_secs_f64());
+    }
+}
+
+/// Serves `GET /metrics` on `addr` until the process ends.
+pub async fn serve(addr: SocketAddr, agent: Weak<Agent>) -> std::io::Result<()> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    tracing::info!(%addr, "serving metrics");
+    let app = axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let agent = agent.clone();
+            async move {
+                let body = agent.upgrade().map(|a| render(&a)).unwrap_or_default();
+                (
+                    [(
+                        axum::http::header::CONTENT_TYPE,
+                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                    )],
+                    body,
+                )
+            }
+        }),
+    );
+    axum::serve(listener, app).await
+}
+
+fn render(agent: &Arc<Agent>) -> String {
+    agent.metrics().render(&agent.pools(), &agent.list())
+}

@@ -1,0 +1,155 @@
+//! The Prometheus endpoint, parsed by the reference Python parser.
+
+mod support;
+
+use std::io::{Read as _, Write as _};
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+
+use serde_json::Value;
+use support::*;
+
+fn scrape(port: u16) -> String {
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
+        .expect("request");
+    let mut response = String::new();
+    s.read_to_string(&mut response).expect("response");
+    let (head, body) = response.split_once("\r\n\r\n").expect("an HTTP response");
+    assert!(
+        head.starts_with("HTTP/1.0 200") || head.starts_with("HTTP/1.1 200"),
+        "{head}"
+    );
+    assert!(
+        head.to_lowercase()
+            .contains("content-type: application/openmetrics-text"),
+        "{head}"
+    );
+    body.to_string()
+}
+
+fn samples(body: &str) -> Vec<Value> {
+    let python = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/python");
+    let script =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/interop/parse_metrics.py");
+    if !python.exists() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "no .venv: scripts/test creates it"
+        );
+        eprintln!("SKIPPED the Python parser: no .venv (run scripts/test)");
+        return Vec::new();
+    }
+    let mut child = Command::new(python)
+        .arg(script)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("python");
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(body.as_bytes())
+        .expect("feed");
+    let out = child.wait_with_output().expect("parse");
+    assert!(
+        out.status.success(),
+        "the parser refused the text:\n{}\n{body}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("json"))
+        .collect()
+}
+
+fn value(samples: &[Value], name: &str, label: (&str, &str)) -> Option<f64> {
+    samples
+        .iter()
+        .find(|s| s["name"] == name && s["labels"][label.0] == label.1)
+        .and_then(|s| s["value"].as_f64())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_endpoint_counts_what_happened_and_parses() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("port")
+        .port();
+    let mut config = String::from("[[pool]]\nname = \"unified\"\nbudget = \"10GB\"\n\n");
+    config += &sleeper("big", "unified", 6, "");
+    config += &sleeper("small", "unified", 2, "");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let text = config_text(dir.path(), &config).replace(
+        "[node]\n",
+        &format!("[node]\nmetrics_listen = \"127.0.0.1:{port}\"\n"),
+    );
+    std::fs::write(dir.path().join("residentd.toml"), text).expect("config");
+    let mut d = Daemon::start_in(dir).await;
+    d.client.start(start_req("big", "b1")).await.expect("fits");
+    d.client
+        .start(start_req("small", "s1"))
+        .await
+        .expect("fits");
+    d.client
+        .start(start_req("big", "b2"))
+        .await
+        .expect_err("refused: no room");
+    let mut evict = start_req("big", "b3");
+    evict.on_full = resident_api::pb::Policy::Evict as i32;
+    d.client.start(evict).await.expect("evicts b1");
+    let body = tokio::task::spawn_blocking(move || scrape(port))
+        .await
+        .expect("joined");
+    assert!(
+        body.trim_end().ends_with("# EOF"),
+        "OpenMetrics ends with # EOF"
+    );
+    assert!(
+        body.contains("residentd_pool_used_bytes{pool=\"unified\"} 8000000000"),
+        "{body}"
+    );
+    assert!(
+        body.contains("residentd_refusals_total{reason=\"OVER_BUDGET\"} 1"),
+        "{body}"
+    );
+    assert!(
+        body.contains("residentd_evictions_total{workload=\"big\"} 1"),
+        "{body}"
+    );
+    let parsed = samples(&body);
+    if parsed.is_empty() {
+        return;
+    }
+    assert_eq!(
+        value(&parsed, "residentd_pool_budget_bytes", ("pool", "unified")),
+        Some(10e9)
+    );
+    assert_eq!(
+        value(&parsed, "residentd_admissions_total", ("workload", "big")),
+        Some(2.0)
+    );
+    assert_eq!(
+        value(
+            &parsed,
+            "residentd_instance_declared_bytes",
+            ("instance", "s1")
+        ),
+        Some(2e9)
+    );
+    let state = parsed
+        .iter()
+        .find(|s| s["name"] == "residentd_instance_state" && s["labels"]["instance"] == "b1");
+    assert_eq!(
+        state.map(|s| s["labels"]["state"].clone()),
+        Some(Value::from("EXITED"))
+    );
+    let count = value(
+        &parsed,
+        "residentd_rpc_duration_seconds_count",
+        ("rpc", "Start"),
+    );
+    assert_eq!(count, Some(4.0), "every Start was timed");
+}
