@@ -4,6 +4,7 @@
 
 mod duration;
 mod error;
+pub mod gguf;
 mod raw;
 mod validate;
 

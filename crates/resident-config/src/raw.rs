@@ -103,8 +103,11 @@ pub struct Workload {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Demand {
-    pub weights: Spanned<Quantity>,
+    pub weights: Option<Spanned<Quantity>>,
     pub kv: Option<Spanned<Quantity>>,
+    pub from_gguf: Option<Spanned<String>>,
+    pub ctx: Option<Spanned<u64>>,
+    pub kv_type: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -325,14 +325,7 @@ fn workload(
             let msg = format!("no pool {pool:?} on this node (declare it with [[pool]])");
             return Err(src.err(d.span(), key(&format!("memory.{pool}")), msg));
         }
-        let dem = d.get_ref();
-        let weights = bytes(src, &dem.weights, &k("weights"))?;
-        let kv = dem
-            .kv
-            .as_ref()
-            .map(|q| bytes(src, q, &k("kv")))
-            .transpose()?
-            .unwrap_or(0);
+        let (weights, kv) = demand(src, d, &k)?;
         let pool = PoolName::new(pool.as_str())
             .map_err(|e| src.err(d.span(), key("memory"), e.to_string()))?;
         spec.demand.insert(pool, Demand { weights, kv });
@@ -380,6 +373,62 @@ fn workload(
             .map(|u| user(src, u, &key("run_as")))
             .transpose()?,
     })
+}
+
+/// Weights and KV of one pool: in bytes, or sized from a GGUF file.
+fn demand(
+    src: &Source<'_>,
+    d: &Spanned<raw::Demand>,
+    k: &dyn Fn(&str) -> String,
+) -> Result<(u64, u64)> {
+    let dem = d.get_ref();
+    let kv = dem
+        .kv
+        .as_ref()
+        .map(|q| bytes(src, q, &k("kv")))
+        .transpose()?;
+    match (&dem.weights, &dem.from_gguf) {
+        (Some(w), None) => {
+            if let Some(c) = &dem.ctx {
+                return Err(src.err(
+                    c.span(),
+                    k("ctx"),
+                    "ctx sizes the KV cache of a from_gguf model only",
+                ));
+            }
+            Ok((bytes(src, w, &k("weights"))?, kv.unwrap_or(0)))
+        }
+        (None, Some(path)) => {
+            let model = crate::gguf::read(std::path::Path::new(path.get_ref())).map_err(|e| {
+                src.err(
+                    path.span(),
+                    k("from_gguf"),
+                    format!("{}: {e}", path.get_ref()),
+                )
+            })?;
+            let ctx = dem
+                .ctx
+                .as_ref()
+                .map_or(model.context_length, |c| *c.get_ref());
+            let kv_type = dem.kv_type.as_ref().map_or("f16", |t| t.get_ref().as_str());
+            let kv = match kv {
+                Some(kv) => kv,
+                None => model.kv_bytes(ctx, kv_type).ok_or_else(|| {
+                    let span = dem.kv_type.as_ref().map_or(path.span(), |t| t.span());
+                    let msg = format!(
+                        "{kv_type:?} is not a KV cache type (f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0, iq4_nl)"
+                    );
+                    src.err(span, k("kv_type"), msg)
+                })?,
+            };
+            Ok((model.weights_bytes, kv))
+        }
+        _ => Err(src.err(
+            d.span(),
+            k("weights"),
+            "give either weights (bytes) or from_gguf (a model file)",
+        )),
+    }
 }
 
 /// Refuses `${NAME}` for a NAME the supervisor does not fill in.
