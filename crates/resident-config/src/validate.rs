@@ -194,16 +194,18 @@ fn pools(src: &Source<'_>, raw: &[Spanned<raw::Pool>]) -> Result<Vec<PoolDef>> {
             .transpose()?
             .unwrap_or(0);
         if let Some(d) = &p.device {
-            let ok = d
-                .get_ref()
+            let text = d.get_ref();
+            let nvml = text
                 .strip_prefix("nvml:")
                 .is_some_and(|n| n.parse::<u32>().is_ok());
-            if !ok {
-                return Err(src.err(
-                    d.span(),
-                    key("device"),
-                    format!("{:?}: expected \"nvml:N\"", d.get_ref()),
-                ));
+            let file = text
+                .strip_prefix("file:")
+                .is_some_and(|p| p.starts_with('/'));
+            if !(nvml || file) {
+                let msg = format!(
+                    "{text:?}: expected \"nvml:N\" (a GPU) or \"file:/path\" (a reading kept in a file)"
+                );
+                return Err(src.err(d.span(), key("device"), msg));
             }
             if p.host {
                 return Err(src.err(

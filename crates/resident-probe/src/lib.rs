@@ -44,6 +44,54 @@ impl MemoryProbe for HostMemory {
     }
 }
 
+/// A reading kept in a file: the bytes available, as a decimal integer on
+/// the first line. Another tool (an exporter, a test) writes it; a missing,
+/// empty or garbled file is no reading.
+#[derive(Debug)]
+pub struct FileProbe {
+    path: std::path::PathBuf,
+}
+
+impl FileProbe {
+    /// A probe reading `path`.
+    pub fn new(path: impl Into<std::path::PathBuf>) -> Self {
+        Self { path: path.into() }
+    }
+}
+
+impl MemoryProbe for FileProbe {
+    fn available(&self) -> Option<u64> {
+        let text = std::fs::read_to_string(&self.path).ok()?;
+        text.lines().next()?.trim().parse().ok()
+    }
+}
+
+#[cfg(feature = "nvml")]
+mod nvml;
+#[cfg(feature = "nvml")]
+pub use nvml::NvmlProbe;
+
+/// The probe for a pool's `device = "..."` setting: `file:/path` or
+/// `nvml:N`. `Err` says why there is none (the pool then keeps its static
+/// budget).
+pub fn device_probe(device: &str) -> Result<Box<dyn MemoryProbe>, String> {
+    if let Some(path) = device.strip_prefix("file:") {
+        return Ok(Box::new(FileProbe::new(path)));
+    }
+    if let Some(index) = device.strip_prefix("nvml:") {
+        let index: u32 = index
+            .parse()
+            .map_err(|_| format!("{device:?}: expected nvml:N"))?;
+        #[cfg(feature = "nvml")]
+        return NvmlProbe::new(index).map(|p| Box::new(p) as Box<dyn MemoryProbe>);
+        #[cfg(not(feature = "nvml"))]
+        return Err(format!(
+            "GPU {index}: this residentd was built without the nvml feature; the pool keeps its static budget"
+        ));
+    }
+    Err(format!("{device:?}: expected nvml:N or file:/path"))
+}
+
 /// A probe whose reading the test sets. `u64::MAX` stands for "no reading".
 #[derive(Debug)]
 pub struct FakeProbe {
@@ -81,6 +129,19 @@ mod tests {
             .available()
             .expect("a Linux host has /proc/meminfo");
         assert!(available > 16 << 20 && available < 1 << 50, "{available}");
+    }
+
+    #[test]
+    fn a_file_probe_reads_the_first_line_and_distrusts_garbage() {
+        let path = std::env::temp_dir().join(format!("probe-{}", std::process::id()));
+        let probe = device_probe(&format!("file:{}", path.display())).expect("a file probe");
+        assert_eq!(probe.available(), None, "no file, no reading");
+        std::fs::write(&path, "16000000000\n").expect("write");
+        assert_eq!(probe.available(), Some(16_000_000_000));
+        std::fs::write(&path, "lots").expect("write");
+        assert_eq!(probe.available(), None);
+        let _ = std::fs::remove_file(path);
+        assert!(device_probe("pci:0").is_err());
     }
 
     #[test]

@@ -56,6 +56,8 @@ pub struct Agent {
     sup: Supervisor,
     events: EventLog,
     host: Arc<dyn MemoryProbe>,
+    /// Probes of device-bound pools (`device = "..."`), by pool name.
+    devices: RwLock<Vec<(String, Arc<dyn MemoryProbe>)>>,
     epoch: Instant,
     generation: AtomicU64,
     closing: AtomicBool,
@@ -88,6 +90,7 @@ impl Agent {
             sup: Supervisor::new(sup_config, tx),
             events: EventLog::new(4096, 1024),
             host,
+            devices: RwLock::new(Vec::new()),
             epoch: Instant::now(),
             generation: AtomicU64::new(0),
             closing: AtomicBool::new(false),
@@ -96,6 +99,7 @@ impl Agent {
             journal_dirty: tokio::sync::Notify::new(),
             metrics: crate::metrics::Metrics::new(),
         });
+        agent.open_device_probes();
         agent.refresh_probes();
         tokio::spawn(follow_supervisor(Arc::downgrade(&agent), rx));
         tokio::spawn(tick(Arc::downgrade(&agent)));
@@ -241,11 +245,19 @@ impl Agent {
     /// pools, and each instance's measured bytes.
     pub fn refresh_probes(&self) {
         let config = self.config();
+        let devices: Vec<(String, Option<u64>)> = self
+            .devices
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|(pool, probe)| (pool.clone(), probe.available()))
+            .collect();
         let host_pools: Vec<_> = config.pools.iter().filter(|p| p.host).collect();
-        if host_pools.is_empty() {
-            return;
-        }
-        let available = self.host.available();
+        let host = if host_pools.is_empty() {
+            None
+        } else {
+            self.host.available()
+        };
         let measured: Vec<(String, u64)> = self
             .sup
             .list()
@@ -253,8 +265,14 @@ impl Agent {
             .map(|s| (s.instance, s.measured_bytes))
             .collect();
         let mut books = self.books();
+        for (pool, available) in devices {
+            books.ledger.set_available(&pool, available);
+        }
+        if host_pools.is_empty() {
+            return;
+        }
         for p in &host_pools {
-            books.ledger.set_available(p.pool.name.as_str(), available);
+            books.ledger.set_available(p.pool.name.as_str(), host);
         }
         for (id, bytes) in measured {
             // An instance's resident bytes count against the first
@@ -270,6 +288,25 @@ impl Agent {
                 books.ledger.set_measured(&id, &pool, bytes);
             }
         }
+    }
+
+    /// Opens the probe of every device-bound pool. A pool whose probe
+    /// cannot be opened keeps its static budget, with one warning.
+    fn open_device_probes(&self) {
+        let config = self.config();
+        let mut probes = Vec::new();
+        for p in &config.pools {
+            let Some(device) = &p.device else {
+                continue;
+            };
+            match resident_probe::device_probe(device) {
+                Ok(probe) => probes.push((p.pool.name.to_string(), Arc::from(probe))),
+                Err(e) => {
+                    tracing::warn!(pool = %p.pool.name, error = %e, "no live reading; static budget")
+                }
+            }
+        }
+        *self.devices.write().unwrap_or_else(|e| e.into_inner()) = probes;
     }
 
     fn view(&self, id: &str, record: &Record) -> pb::Instance {
@@ -578,6 +615,7 @@ impl Agent {
             .ledger
             .reconfigure(new.pool_configs(), new.groups.clone());
         *self.config.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(new);
+        self.open_device_probes();
         self.refresh_probes();
         Ok(())
     }

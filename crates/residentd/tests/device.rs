@@ -1,0 +1,106 @@
+//! A device-bound pool through the daemon, with a probe fed from a file
+//! (the stand-in for NVML): foreign use tightens the budget, never loosens
+//! it, and the budget comes back when the foreign process goes.
+
+mod support;
+
+use resident_api::pb;
+use support::*;
+use tonic::Code;
+
+const GB: u64 = 1_000_000_000;
+
+#[tokio::test]
+async fn foreign_use_of_the_gpu_tightens_the_budget_until_it_exits() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let reading = dir.path().join("gpu0.available");
+    // A 24 GB card with a foreign process holding 8 GB: 16 GB free.
+    std::fs::write(&reading, format!("{}\n", 16 * GB)).expect("reading");
+    let mut config = format!(
+        "[[pool]]\nname = \"gpu0\"\nbudget = \"24GB\"\ndevice = \"file:{}\"\nreserve = \"1GB\"\n\n",
+        reading.display()
+    );
+    config += &sleeper("m15", "gpu0", 15, "");
+    config += &sleeper("m16", "gpu0", 16, "");
+    std::fs::write(
+        dir.path().join("residentd.toml"),
+        config_text(dir.path(), &config),
+    )
+    .expect("config");
+    let mut d = Daemon::start_in(dir).await;
+    let pool = |n: pb::NodeStatus| n.pools.into_iter().next().expect("gpu0");
+    let gpu = pool(
+        d.client
+            .node(pb::NodeRequest {})
+            .await
+            .expect("node")
+            .into_inner(),
+    );
+    assert_eq!(
+        gpu.effective_budget_bytes,
+        Some(15 * GB),
+        "16 GB free less the 1 GB reserve"
+    );
+    assert_eq!(gpu.available_bytes, Some(16 * GB));
+    // 16 GB does not fit the live ceiling though it fits the budget.
+    let e = d
+        .client
+        .start(start_req("m16", "big"))
+        .await
+        .expect_err("over the live ceiling");
+    assert_eq!(e.code(), Code::ResourceExhausted);
+    assert_eq!(refusal_details(&e).0.reason, "HOST_MEMORY");
+    assert!(
+        e.message().starts_with(
+            "unplaceable: 'm16' needs 16.0 GB but the live 'gpu0' pool has only 15.0 GB free"
+        ),
+        "{}",
+        e.message()
+    );
+    // The foreign process exits: 24 GB free, the budget is back.
+    std::fs::write(&reading, format!("{}\n", 24 * GB)).expect("reading");
+    let back = {
+        let deadline = tokio::time::Instant::now() + PATIENCE;
+        loop {
+            let gpu = pool(
+                d.client
+                    .node(pb::NodeRequest {})
+                    .await
+                    .expect("node")
+                    .into_inner(),
+            );
+            if gpu.effective_budget_bytes == Some(23 * GB) {
+                break true;
+            }
+            if tokio::time::Instant::now() > deadline {
+                break false;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    };
+    assert!(back, "the budget came back (24 GB less the reserve)");
+    d.client
+        .start(start_req("m16", "big"))
+        .await
+        .expect("fits now");
+    // A garbled reading is no reading: the configured budget stands, and a
+    // reading above the budget never raises it.
+    std::fs::write(&reading, "unknown\n").expect("reading");
+    let place = |c: &mut resident_api::pb::node_agent_client::NodeAgentClient<
+        tonic::transport::Channel,
+    >| {
+        let mut c = c.clone();
+        async move {
+            c.place(pb::PlaceRequest {
+                workload: "m16".into(),
+                on_full: 0,
+            })
+            .await
+            .expect("place")
+            .into_inner()
+        }
+    };
+    let p = place(&mut d.client).await;
+    assert_eq!(p.pools[0].effective_budget_bytes, Some(24 * GB));
+    assert!(!p.admitted, "16 + 16 GB exceed the 24 GB budget");
+}
