@@ -48,6 +48,9 @@ pub struct NodeConfig {
     pub metrics_listen: Option<SocketAddr>,
     /// How often memory is sampled.
     pub sample_every: Duration,
+    /// How long a start waits for evicted victims' memory to show as
+    /// available again on a live pool.
+    pub memory_recovery: Duration,
     /// TLS for a TCP listener: server identity and the CA that client
     /// certificates must chain to.
     pub tls: Option<TlsFiles>,

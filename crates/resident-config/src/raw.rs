@@ -40,6 +40,7 @@ pub struct Node {
     #[serde(default)]
     pub insecure: bool,
     pub sample_every: Option<Spanned<String>>,
+    pub memory_recovery: Option<Spanned<String>>,
     pub tls: Option<Spanned<Tls>>,
 }
 

@@ -78,6 +78,10 @@ fn node(src: &Source<'_>, n: &Spanned<raw::Node>) -> Result<NodeConfig> {
             )
         })?),
     };
+    let memory_recovery = match &n.memory_recovery {
+        None => Duration::from_secs(5),
+        Some(s) => duration(src, s, "node.memory_recovery")?,
+    };
     let sample_every = match &n.sample_every {
         None => Duration::from_secs(2),
         Some(s) => duration(src, s, "node.sample_every")?,
@@ -95,6 +99,7 @@ fn node(src: &Source<'_>, n: &Spanned<raw::Node>) -> Result<NodeConfig> {
             .transpose()?,
         metrics_listen,
         sample_every,
+        memory_recovery,
         tls,
     })
 }

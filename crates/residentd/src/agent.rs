@@ -17,10 +17,6 @@ use tokio::sync::mpsc;
 use crate::events::EventLog;
 use crate::journal::{self, Journal};
 
-/// How long a start waits for evicted victims' memory to show up as
-/// available again.
-const MEMORY_RECOVERY: Duration = Duration::from_secs(5);
-
 /// How an instance came to be and which run of it is current.
 #[derive(Debug, Clone)]
 struct Record {
@@ -434,13 +430,9 @@ impl Agent {
         if !evicted.is_empty() {
             tracing::info!(instance_id = %id, victims = ?evicted, "evicting to make room");
         }
-        // What the victims really hold in host memory, to see it come back.
-        let host_before = self.host.available();
-        let victims_rss: u64 = evicted
-            .iter()
-            .filter_map(|v| self.sup.status(v))
-            .map(|s| s.measured_bytes)
-            .sum();
+        // What the victims hold in each live pool the target needs, to see
+        // it come back after they have exited.
+        let recovery = self.recovery_targets(&w, &admission.evict);
         // Victims are stopped side by side; each keeps its memory in the
         // ledger until its process group has exited.
         let mut stops = tokio::task::JoinSet::new();
@@ -458,11 +450,8 @@ impl Agent {
                 .wait_for(other.as_str(), |s| s.state.is_terminal())
                 .await;
         }
-        if let Some(before) = host_before
-            && victims_rss > 0
-            && self.demands_host_memory(&w)
-        {
-            self.await_memory_back(before, victims_rss).await;
+        if !recovery.is_empty() {
+            self.await_memory_back(&recovery).await;
         }
         self.spawn(id.as_str(), &w, generation, wait_ready)
             .await
@@ -473,28 +462,64 @@ impl Agent {
             })
     }
 
-    fn demands_host_memory(&self, w: &Workload) -> bool {
+    /// For each live (probe-bound) pool `w` needs: three quarters of what
+    /// the victims declared there.
+    fn recovery_targets(&self, w: &Workload, victims: &[InstanceId]) -> Vec<(String, u64)> {
         let config = self.config();
+        let books = self.books();
         w.spec
             .demand
             .keys()
-            .any(|k| config.pools.iter().any(|p| p.host && p.pool.name == *k))
+            .filter(|pool| {
+                config
+                    .pools
+                    .iter()
+                    .any(|p| p.pool.name == **pool && p.pool.live)
+            })
+            .map(|pool| {
+                let held: u64 = victims
+                    .iter()
+                    .filter_map(|v| books.ledger.resident(v.as_str()))
+                    .map(|r| r.footprint(pool.as_str()))
+                    .fold(0, u64::saturating_add);
+                (pool.to_string(), held / 4 * 3)
+            })
+            .filter(|(_, want)| *want > 0)
+            .collect()
     }
 
-    /// Waits, bounded, until host memory shows at least 75% of what the
-    /// victims held as available again: the kernel frees a large process's
-    /// pages after it is reaped, and a new model should not start into
-    /// memory that is not back yet.
-    async fn await_memory_back(&self, before: u64, victims_rss: u64) {
-        let want = before.saturating_add(victims_rss / 4 * 3);
-        let deadline = Instant::now() + MEMORY_RECOVERY;
+    /// The live reading of `pool`, if it has a probe that answers.
+    fn read_pool(&self, pool: &str) -> Option<u64> {
+        let device = self
+            .devices
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .find(|(name, _)| name == pool)
+            .map(|(_, probe)| probe.clone());
+        match device {
+            Some(probe) => probe.available(),
+            None => self.host.available(),
+        }
+    }
+
+    /// Waits, bounded by `memory_recovery`, until every live pool shows at
+    /// least `want` bytes available: drivers and the kernel free a large
+    /// process's memory after it is reaped, and a new model should not
+    /// start into memory that is not back yet. No reading: no wait.
+    async fn await_memory_back(&self, wanted: &[(String, u64)]) {
+        let deadline = Instant::now() + self.config().node.memory_recovery;
         loop {
-            let now = self.host.available();
-            if now.is_none_or(|a| a >= want) {
+            let short: Vec<(&str, u64, Option<u64>)> = wanted
+                .iter()
+                .map(|(pool, want)| (pool.as_str(), *want, self.read_pool(pool)))
+                .filter(|(_, want, now)| now.is_some_and(|a| a < *want))
+                .collect();
+            if short.is_empty() {
                 return;
             }
             if Instant::now() >= deadline {
-                tracing::warn!(want, available = ?now, "victims' memory not back in time; starting anyway");
+                tracing::warn!(?short, "evicted memory not back in time; starting anyway");
                 return;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;

@@ -104,3 +104,106 @@ async fn foreign_use_of_the_gpu_tightens_the_budget_until_it_exits() {
     assert_eq!(p.pools[0].effective_budget_bytes, Some(24 * GB));
     assert!(!p.admitted, "16 + 16 GB exceed the 24 GB budget");
 }
+
+/// A GPU pool read from a file, an "old" model that takes a second to exit
+/// on SIGTERM, and a "new" one that needs it gone.
+async fn eviction_setup(recovery: &str) -> (Daemon, std::path::PathBuf) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let reading = dir.path().join("gpu0.available");
+    std::fs::write(&reading, format!("{}\n", 24 * GB)).expect("reading");
+    let mut config = format!(
+        "[[pool]]\nname = \"gpu0\"\nbudget = \"24GB\"\ndevice = \"file:{}\"\n\n",
+        reading.display()
+    );
+    config += "[[workload]]\nname = \"old\"\ncommand = [\"/bin/sh\", \"-c\", \"trap 'sleep 1; exit 0' TERM; while true; do sleep 0.05; done\"]\nstop_grace = \"10s\"\n[workload.memory.gpu0]\nweights = \"16GB\"\n";
+    config += &sleeper("new", "gpu0", 16, "");
+    let text = config_text(dir.path(), &config).replace(
+        "[node]\n",
+        &format!("[node]\nmemory_recovery = \"{recovery}\"\n"),
+    );
+    std::fs::write(dir.path().join("residentd.toml"), text).expect("config");
+    let mut d = Daemon::start_in(dir).await;
+    d.client.start(start_req("old", "old")).await.expect("fits");
+    (d, reading)
+}
+
+async fn state_of(d: &mut Daemon, id: &str) -> i32 {
+    d.client
+        .get(pb::GetRequest {
+            instance_id: id.into(),
+        })
+        .await
+        .expect("get")
+        .into_inner()
+        .state
+}
+
+/// Waits (bounded) until instance `id` is in `state`.
+async fn until_state(d: &mut Daemon, id: &str, state: pb::State) {
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    while state_of(d, id).await != state as i32 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{id} never reached {state:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_start_waits_until_the_evicted_memory_shows_free_again() {
+    let (mut d, reading) = eviction_setup("30s").await;
+    let mut c = d.client.clone();
+    let mut req = start_req("new", "new");
+    req.on_full = pb::Policy::Evict as i32;
+    let start = tokio::spawn(async move { c.start(req).await });
+    // Admitted: the victim is stopping (it takes a second). Now the driver
+    // reports its memory as still in use, even after it exits.
+    until_state(&mut d, "old", pb::State::Stopping).await;
+    std::fs::write(&reading, format!("{}\n", 4 * GB)).expect("reading");
+    until_state(&mut d, "old", pb::State::Exited).await;
+    // The victim is gone but only 4 GB show free (less than 3/4 of its
+    // 16 GB): the new model must not be spawned. Give the agent time to
+    // (wrongly) go ahead, then check it did not.
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert!(
+        !start.is_finished(),
+        "the start went ahead before the memory came back"
+    );
+    assert_eq!(state_of(&mut d, "new").await, pb::State::Pending as i32);
+    std::fs::write(&reading, format!("{}\n", 20 * GB)).expect("reading");
+    let released = tokio::time::Instant::now();
+    let started = tokio::time::timeout(PATIENCE, start)
+        .await
+        .expect("in time")
+        .expect("joined");
+    let started = started.expect("the new model starts").into_inner();
+    assert_eq!(started.evicted, ["old"]);
+    assert!(released.elapsed() < PATIENCE);
+    assert_ne!(started.instance.expect("instance").pid, 0);
+}
+
+#[tokio::test]
+async fn the_wait_for_evicted_memory_is_bounded() {
+    let (mut d, reading) = eviction_setup("500ms").await;
+    std::fs::write(&reading, format!("{}\n", 24 * GB)).expect("reading");
+    let mut req = start_req("new", "new");
+    req.on_full = pb::Policy::Evict as i32;
+    // The reading never shows the memory back (it drops to 1 GB once the
+    // start has been admitted): the start goes ahead after the bound.
+    let mut c = d.client.clone();
+    let start = tokio::spawn(async move { c.start(req).await });
+    until_state(&mut d, "old", pb::State::Stopping).await;
+    std::fs::write(&reading, format!("{}\n", GB)).expect("reading");
+    let started = tokio::time::timeout(PATIENCE, start)
+        .await
+        .expect("in time")
+        .expect("joined");
+    started.expect("starts after the bound");
+    assert!(
+        d.log().contains("evicted memory not back in time"),
+        "{}",
+        d.log()
+    );
+    assert_eq!(state_of(&mut d, "old").await, pb::State::Exited as i32);
+}
