@@ -1,0 +1,339 @@
+//! Real inference servers under residentd: llama.cpp (through
+//! llama-cpp-python's server, from PyPI) on tiny random-weight LLaMA GGUF
+//! models the test writes itself, declared from the GGUF files.
+//!
+//! Needs `.venv` with llama-cpp-python[server] and gguf (scripts/test
+//! installs them; the build of llama.cpp takes minutes the first time).
+//! Outside CI the test skips itself, saying so, when they are missing.
+
+mod support;
+
+use std::io::{Read as _, Write as _};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use resident_api::pb;
+use support::*;
+use tokio_stream::StreamExt as _;
+
+const MB: u64 = 1_000_000;
+
+fn workspace() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// The venv's python, when it can import the server and the GGUF writer.
+fn python() -> Option<PathBuf> {
+    let python = workspace().join(".venv/bin/python");
+    let ok = Command::new(&python)
+        .args(["-c", "import llama_cpp.server, gguf"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    ok.then_some(python)
+}
+
+fn make_model(python: &Path, out: &Path, embd: u32, layers: u32) {
+    let script = workspace().join("tests/llama/make_model.py");
+    let status = Command::new(python)
+        .arg(script)
+        .arg(out)
+        .args(["--embd", &embd.to_string(), "--layers", &layers.to_string()])
+        .status()
+        .expect("run make_model.py");
+    assert!(status.success(), "writing {} failed", out.display());
+}
+
+/// Declared bytes of a model at 512 tokens of f16 KV, by our GGUF reader.
+fn declared(model: &Path) -> u64 {
+    let m = resident_config::gguf::read(model).expect("our reader reads the test model");
+    m.weights_bytes + m.kv_bytes(512, "f16").expect("f16")
+}
+
+fn workload(name: &str, python: &Path, model: &Path, restart: &str) -> String {
+    format!(
+        r#"[[workload]]
+name = "{name}"
+command = ["{py}", "-m", "llama_cpp.server", "--model", "{model}", "--host", "127.0.0.1", "--port", "${{PORT}}", "--n_ctx", "512"]
+stop_grace = "20s"
+[workload.memory.ram]
+from_gguf = "{model}"
+ctx = 512
+kv_type = "f16"
+[workload.readiness]
+http = "/v1/models"
+timeout = "180s"
+[workload.restart]
+{restart}
+"#,
+        py = python.display(),
+        model = model.display(),
+    )
+}
+
+/// POSTs a completion to the server on `port`; returns the HTTP status.
+fn complete(port: u32) -> u16 {
+    let body = r#"{"prompt": "hello", "max_tokens": 4}"#;
+    let mut s =
+        std::net::TcpStream::connect(("127.0.0.1", port as u16)).expect("connect to the server");
+    s.set_read_timeout(Some(Duration::from_secs(60)))
+        .expect("timeout");
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("send");
+    let mut response = String::new();
+    let _ = s.read_to_string(&mut response);
+    response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0)
+}
+
+async fn completes(port: u32) -> u16 {
+    tokio::task::spawn_blocking(move || complete(port))
+        .await
+        .expect("joined")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn llama_cpp_servers_are_placed_refused_evicted_and_restarted() {
+    let Some(python) = python() else {
+        let msg = "no .venv with llama-cpp-python[server] and gguf: run scripts/test to include the llama.cpp test";
+        assert!(std::env::var_os("CI").is_none(), "{msg}");
+        eprintln!("SKIPPED: {msg}");
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tiny = dir.path().join("tiny.gguf");
+    let big = dir.path().join("big.gguf");
+    make_model(&python, &tiny, 64, 2);
+    make_model(&python, &big, 1024, 8);
+    let (d_tiny, d_big) = (declared(&tiny), declared(&big));
+    println!("declared: tiny {d_tiny} bytes, big {d_big} bytes");
+    assert!(
+        d_big > 150 * MB && d_tiny < 5 * MB,
+        "the models are the sizes the test means"
+    );
+    // Room for tiny and one big, not for a second big.
+    let budget = d_tiny + d_big + d_big / 2;
+    let mut config = format!(
+        "[[pool]]\nname = \"ram\"\nbudget = {budget}\nhost = true\nreserve = \"256MB\"\n\n"
+    );
+    config += &workload(
+        "tiny",
+        &python,
+        &tiny,
+        "policy = \"on-failure\"\nmax_restarts = 3\nbackoff = \"200ms\"",
+    );
+    config += &workload("big", &python, &big, "policy = \"never\"");
+    config += &workload("big2", &python, &big, "policy = \"never\"");
+    std::fs::write(
+        dir.path().join("residentd.toml"),
+        config_text(dir.path(), &config),
+    )
+    .expect("config");
+    let mut d = Daemon::start_in(dir).await;
+    let ready = |w: &str, id: &str| pb::StartRequest {
+        wait_ready: true,
+        ..start_req(w, id)
+    };
+
+    // 1-2. Both start, become READY and answer a real completion.
+    let t = d
+        .client
+        .start(ready("tiny", "t"))
+        .await
+        .expect("tiny starts")
+        .into_inner();
+    let b = d
+        .client
+        .start(ready("big", "b"))
+        .await
+        .expect("big starts")
+        .into_inner();
+    let (t, b) = (t.instance.expect("t"), b.instance.expect("b"));
+    assert_eq!(
+        (t.state, b.state),
+        (pb::State::Ready as i32, pb::State::Ready as i32)
+    );
+    assert_eq!(completes(t.port).await, 200);
+    assert_eq!(completes(b.port).await, 200);
+
+    // 3. Measured against declared. The Python server adds a fixed base
+    // of its own (interpreter, FastAPI, uvicorn: about 80 MB on these
+    // machines) to the weights, which llama.cpp pre-faults, and the KV
+    // cache: measured must exceed the weights and stay within declared
+    // plus a base of 40 to 200 MB.
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    let measured = |i: pb::Instance| i.measured_bytes;
+    let (mut m_t, mut m_b) = (0, 0);
+    while m_t == 0 || m_b == 0 {
+        assert!(tokio::time::Instant::now() < deadline, "no memory measured");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        m_t = measured(
+            d.client
+                .get(pb::GetRequest {
+                    instance_id: "t".into(),
+                })
+                .await
+                .expect("get")
+                .into_inner(),
+        );
+        m_b = measured(
+            d.client
+                .get(pb::GetRequest {
+                    instance_id: "b".into(),
+                })
+                .await
+                .expect("get")
+                .into_inner(),
+        );
+    }
+    println!("measured: tiny {m_t} bytes (declared {d_tiny}), big {m_b} bytes (declared {d_big})");
+    for (name, m, dcl) in [("tiny", m_t, d_tiny), ("big", m_b, d_big)] {
+        let base = m.saturating_sub(dcl);
+        assert!(
+            m > dcl * 8 / 10,
+            "{name}: measured {m} is below its declared {dcl}"
+        );
+        assert!(
+            (40 * MB..=200 * MB).contains(&base),
+            "{name}: measured {m} vs declared {dcl}: base {base}"
+        );
+    }
+
+    // 4. A third start that does not fit is refused, with the structured
+    // reason, and both servers keep answering.
+    let e = d
+        .client
+        .start(ready("big2", "b2"))
+        .await
+        .expect_err("no room for a second big");
+    assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e:?}");
+    let (info, placement) = refusal_details(&e);
+    assert!(
+        ["OVER_BUDGET", "HOST_MEMORY"].contains(&info.reason.as_str()),
+        "{info:?}"
+    );
+    assert!(!placement.admitted);
+    assert_eq!(completes(t.port).await, 200);
+    assert_eq!(completes(b.port).await, 200);
+
+    // 5. Under evict, the least recently used server (big: tiny was used
+    // since) is stopped gracefully and the new one becomes READY.
+    d.client
+        .touch(pb::TouchRequest {
+            instance_id: "t".into(),
+            hold_ms: 0,
+        })
+        .await
+        .expect("touch");
+    let mut evict = ready("big2", "b2");
+    evict.on_full = pb::Policy::Evict as i32;
+    let b2 = d
+        .client
+        .start(evict)
+        .await
+        .expect("fits after evicting big")
+        .into_inner();
+    assert_eq!(b2.evicted, ["b"]);
+    let gone = d
+        .client
+        .get(pb::GetRequest {
+            instance_id: "b".into(),
+        })
+        .await
+        .expect("get")
+        .into_inner();
+    assert_eq!(gone.state, pb::State::Exited as i32);
+    // SIGTERM: uvicorn shuts down and exits 0, or Python dies by the signal (143).
+    assert!(
+        [0, 143].contains(&gone.exit_code),
+        "big ended with {gone:?}"
+    );
+    assert!(!alive(b.pid as i32));
+    let b2 = b2.instance.expect("b2");
+    assert_eq!(b2.state, pb::State::Ready as i32);
+    assert_eq!(completes(b2.port).await, 200);
+
+    // 6. kill -9 of a server: seen within a second, restarted by its policy.
+    let instances = d
+        .client
+        .list(pb::ListRequest {})
+        .await
+        .expect("list")
+        .into_inner()
+        .instances
+        .len();
+    let mut watch = d
+        .client
+        .watch(pb::WatchRequest { since_revision: 0 })
+        .await
+        .expect("watch")
+        .into_inner();
+    for _ in 0..instances {
+        let e = watch.next().await.expect("a snapshot").expect("ok");
+        assert_eq!(e.kind, pb::EventKind::Snapshot as i32);
+    }
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(t.pid as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("kill -9");
+    let killed = tokio::time::Instant::now();
+    let seen = tokio::time::timeout(Duration::from_secs(1), async {
+        while let Some(e) = watch.next().await {
+            let i = e.expect("ok").instance.unwrap_or_default();
+            if i.instance_id == "t" && i.state == pb::State::Backoff as i32 {
+                return i;
+            }
+        }
+        panic!("the watch ended");
+    })
+    .await
+    .expect("the kill -9 was seen within a second");
+    println!(
+        "kill -9 seen after {:?}: {}",
+        killed.elapsed(),
+        seen.message
+    );
+    assert_eq!(seen.exit_signal, 9);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    let restarted = loop {
+        let i = d
+            .client
+            .get(pb::GetRequest {
+                instance_id: "t".into(),
+            })
+            .await
+            .expect("get")
+            .into_inner();
+        if i.state == pb::State::Ready as i32 {
+            break i;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "tiny was not restarted: {i:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(restarted.restarts, 1);
+    assert_eq!(completes(restarted.port).await, 200);
+    let node = d
+        .client
+        .node(pb::NodeRequest {})
+        .await
+        .expect("node")
+        .into_inner();
+    assert_eq!(
+        node.pools[0].used_bytes,
+        d_tiny + d_big,
+        "the restarted tiny kept its one reservation"
+    );
+    let status = d.terminate().await;
+    assert!(status.success());
+}
