@@ -134,6 +134,7 @@ impl pb::node_agent_server::NodeAgent for Service {
     async fn get(&self, req: Request<pb::GetRequest>) -> Result<Response<pb::Instance>, Status> {
         let _timer = self.agent.metrics().time("Get");
         let id = instance_id("instance_id", &req.get_ref().instance_id)?;
+        let _span = tracing::info_span!("get", instance_id = %id).entered();
         Ok(Response::new(self.agent.get(id.as_str())?))
     }
 
@@ -154,6 +155,7 @@ impl pb::node_agent_server::NodeAgent for Service {
         let _timer = self.agent.metrics().time("Place");
         let r = req.into_inner();
         workload_name("workload", &r.workload)?;
+        let _span = tracing::info_span!("place", workload = %r.workload).entered();
         let on_full = policy("on_full", r.on_full)?;
         Ok(Response::new(self.agent.place(&r.workload, on_full)?))
     }
@@ -165,6 +167,7 @@ impl pb::node_agent_server::NodeAgent for Service {
         let _timer = self.agent.metrics().time("Touch");
         let r = req.into_inner();
         let id = instance_id("instance_id", &r.instance_id)?;
+        let _span = tracing::info_span!("touch", instance_id = %id).entered();
         Ok(Response::new(self.agent.touch(id.as_str(), r.hold_ms)?))
     }
 
@@ -234,6 +237,7 @@ impl pb::node_agent_server::NodeAgent for Service {
         let _timer = self.agent.metrics().time("Logs");
         let r = req.into_inner();
         let id = instance_id("instance_id", &r.instance_id)?;
+        let _span = tracing::info_span!("logs", instance_id = %id).entered();
         if r.tail > MAX_TAIL {
             return Err(ApiError::invalid("tail", format!("at most {MAX_TAIL} lines")).into());
         }
