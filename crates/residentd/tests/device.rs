@@ -127,29 +127,6 @@ async fn eviction_setup(recovery: &str) -> (Daemon, std::path::PathBuf) {
     (d, reading)
 }
 
-async fn state_of(d: &mut Daemon, id: &str) -> i32 {
-    d.client
-        .get(pb::GetRequest {
-            instance_id: id.into(),
-        })
-        .await
-        .expect("get")
-        .into_inner()
-        .state
-}
-
-/// Waits (bounded) until instance `id` is in `state`.
-async fn until_state(d: &mut Daemon, id: &str, state: pb::State) {
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    while state_of(d, id).await != state as i32 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{id} never reached {state:?}"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
-}
-
 #[tokio::test]
 async fn a_start_waits_until_the_evicted_memory_shows_free_again() {
     let (mut d, reading) = eviction_setup("30s").await;
@@ -159,9 +136,9 @@ async fn a_start_waits_until_the_evicted_memory_shows_free_again() {
     let start = tokio::spawn(async move { c.start(req).await });
     // Admitted: the victim is stopping (it takes a second). Now the driver
     // reports its memory as still in use, even after it exits.
-    until_state(&mut d, "old", pb::State::Stopping).await;
+    d.wait_state("old", pb::State::Stopping).await;
     std::fs::write(&reading, format!("{}\n", 4 * GB)).expect("reading");
-    until_state(&mut d, "old", pb::State::Exited).await;
+    d.wait_state("old", pb::State::Exited).await;
     // The victim is gone but only 4 GB show free (less than 3/4 of its
     // 16 GB): the new model must not be spawned. Give the agent time to
     // (wrongly) go ahead, then check it did not.
@@ -170,7 +147,7 @@ async fn a_start_waits_until_the_evicted_memory_shows_free_again() {
         !start.is_finished(),
         "the start went ahead before the memory came back"
     );
-    assert_eq!(state_of(&mut d, "new").await, pb::State::Pending as i32);
+    assert_eq!(d.get("new").await.state, pb::State::Pending as i32);
     std::fs::write(&reading, format!("{}\n", 20 * GB)).expect("reading");
     let released = tokio::time::Instant::now();
     let started = tokio::time::timeout(PATIENCE, start)
@@ -193,7 +170,7 @@ async fn the_wait_for_evicted_memory_is_bounded() {
     // start has been admitted): the start goes ahead after the bound.
     let mut c = d.client.clone();
     let start = tokio::spawn(async move { c.start(req).await });
-    until_state(&mut d, "old", pb::State::Stopping).await;
+    d.wait_state("old", pb::State::Stopping).await;
     std::fs::write(&reading, format!("{}\n", GB)).expect("reading");
     let started = tokio::time::timeout(PATIENCE, start)
         .await
@@ -205,5 +182,5 @@ async fn the_wait_for_evicted_memory_is_bounded() {
         "{}",
         d.log()
     );
-    assert_eq!(state_of(&mut d, "old").await, pb::State::Exited as i32);
+    assert_eq!(d.get("old").await.state, pb::State::Exited as i32);
 }

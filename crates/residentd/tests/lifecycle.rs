@@ -32,28 +32,6 @@ async fn used(
         .used_bytes
 }
 
-async fn wait_state(d: &mut Daemon, id: &str, state: pb::State) -> pb::Instance {
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    loop {
-        let i = d
-            .client
-            .get(pb::GetRequest {
-                instance_id: id.into(),
-            })
-            .await
-            .expect("get")
-            .into_inner();
-        if i.state == state as i32 {
-            return i;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{id} never reached {state:?}: {i:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
 #[tokio::test]
 async fn crashes_release_memory_restarts_keep_it_giving_up_releases_it() {
     let mut config = pool();
@@ -68,7 +46,7 @@ async fn crashes_release_memory_restarts_keep_it_giving_up_releases_it() {
         .start(start_req("crasher", "c"))
         .await
         .expect("starts");
-    let failed = wait_state(&mut d, "c", pb::State::Failed).await;
+    let failed = d.wait_state("c", pb::State::Failed).await;
     assert_eq!(failed.exit_code, 3);
     assert_eq!(used(&mut d.client).await, 0, "a crash releases the memory");
 
@@ -76,7 +54,7 @@ async fn crashes_release_memory_restarts_keep_it_giving_up_releases_it() {
         .start(start_req("looper", "l"))
         .await
         .expect("starts");
-    let backoff = wait_state(&mut d, "l", pb::State::Backoff).await;
+    let backoff = d.wait_state("l", pb::State::Backoff).await;
     assert!(
         backoff.message.contains("restart 1 of 2"),
         "{}",
@@ -87,7 +65,7 @@ async fn crashes_release_memory_restarts_keep_it_giving_up_releases_it() {
         4_000_000_000,
         "a restarting instance keeps its memory"
     );
-    let gave_up = wait_state(&mut d, "l", pb::State::Failed).await;
+    let gave_up = d.wait_state("l", pb::State::Failed).await;
     assert_eq!(gave_up.restarts, 2);
     assert!(
         gave_up.message.starts_with("gave up after 2 restarts"),
@@ -256,22 +234,9 @@ async fn sigterm_stops_every_child_and_exits_zero() {
         "policy = \"never\"",
     );
     let mut d = Daemon::start(&config).await;
-    let a = d
-        .client
-        .start(start_req("a", "a"))
-        .await
-        .expect("starts")
-        .into_inner();
-    let s = d
-        .client
-        .start(start_req("stubborn", "s"))
-        .await
-        .expect("starts")
-        .into_inner();
-    let pids = [
-        a.instance.expect("a").pid as i32,
-        s.instance.expect("s").pid as i32,
-    ];
+    let a = d.started("a", "a").await;
+    let s = d.started("stubborn", "s").await;
+    let pids = [a.pid as i32, s.pid as i32];
     let status = d.terminate().await;
     assert!(status.success(), "residentd exited with {status:?}");
     for pid in pids {
@@ -315,13 +280,8 @@ async fn after_kill_9_the_next_start_clears_leftovers_and_restores_the_journal()
         .start(start_req("a", "first"))
         .await
         .expect("starts");
-    let f = d
-        .client
-        .start(start_req("forker", "second"))
-        .await
-        .expect("starts")
-        .into_inner();
-    let pgid = f.instance.expect("instance").pid as i32;
+    let f = d.started("forker", "second").await;
+    let pgid = f.pid as i32;
     let logs = pb::LogsRequest {
         instance_id: "second".into(),
         tail: 1,
@@ -404,22 +364,9 @@ async fn kill_9_of_the_agent_leaves_no_child_behind() {
     config += &sleeper("a", "ram", 1, "");
     config += &sleeper("b", "ram", 1, "");
     let mut d = Daemon::start(&config).await;
-    let a = d
-        .client
-        .start(start_req("a", "a"))
-        .await
-        .expect("starts")
-        .into_inner();
-    let b = d
-        .client
-        .start(start_req("b", "b"))
-        .await
-        .expect("starts")
-        .into_inner();
-    let pids = [
-        a.instance.expect("a").pid as i32,
-        b.instance.expect("b").pid as i32,
-    ];
+    let a = d.started("a", "a").await;
+    let b = d.started("b", "b").await;
+    let pids = [a.pid as i32, b.pid as i32];
     let mut agent = d.child.take().expect("running");
     agent.kill().expect("kill -9");
     agent.wait().expect("reaped");
@@ -434,13 +381,8 @@ async fn kill_9_of_the_agent_leaves_no_child_behind() {
 async fn sighup_reloads_pools_without_touching_instances_and_refuses_a_bad_file() {
     let config = pool() + &sleeper("a", "ram", 1, "");
     let mut d = Daemon::start(&config).await;
-    let a = d
-        .client
-        .start(start_req("a", "a"))
-        .await
-        .expect("starts")
-        .into_inner();
-    let pid = a.instance.expect("instance").pid;
+    let a = d.started("a", "a").await;
+    let pid = a.pid;
     let path = d.dir.path().join("residentd.toml");
     let grown =
         config_text(d.dir.path(), &config).replace("budget = \"10GB\"", "budget = \"20GB\"");

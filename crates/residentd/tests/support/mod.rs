@@ -71,6 +71,39 @@ impl Daemon {
         }
     }
 
+    /// Starts `workload` as `id` and returns the instance (panics if refused).
+    pub async fn started(&mut self, workload: &str, id: &str) -> pb::Instance {
+        let r = self.client.start(start_req(workload, id)).await;
+        r.expect("the start is admitted")
+            .into_inner()
+            .instance
+            .expect("an instance")
+    }
+
+    /// One instance now.
+    pub async fn get(&mut self, id: &str) -> pb::Instance {
+        let req = pb::GetRequest {
+            instance_id: id.into(),
+        };
+        self.client.get(req).await.expect("get").into_inner()
+    }
+
+    /// Waits (bounded) until instance `id` is in `state`; returns it.
+    pub async fn wait_state(&mut self, id: &str, state: pb::State) -> pb::Instance {
+        let deadline = tokio::time::Instant::now() + PATIENCE;
+        loop {
+            let i = self.get(id).await;
+            if i.state == state as i32 {
+                return i;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{id} never reached {state:?}: {i:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
     pub fn pid(&self) -> i32 {
         self.child.as_ref().map(|c| c.id() as i32).expect("running")
     }
