@@ -84,6 +84,15 @@ async fn every_subcommand_against_a_live_agent() {
     assert_eq!(v["pools"][0]["used_bytes"], 64_000_000_000u64);
     let o = tokio::task::block_in_place(|| run(&["node"]));
     assert!(text(&o).0.contains("unified  96.0 GB"), "{}", text(&o).0);
+    // top: one frame after the snapshot, bars of held and free.
+    let o = tokio::task::block_in_place(|| run(&["top", "--frames", "1"]));
+    assert!(o.status.success(), "{:?}", text(&o));
+    let frame = text(&o).0;
+    let bar: String = "#".repeat(26) + &".".repeat(14);
+    assert!(
+        frame.contains(&format!("unified    [{bar}] 64.0 GB used of 96.0 GB")),
+        "{frame}"
+    );
     // stop, then get shows EXITED; logs of it answer (empty).
     let o = tokio::task::block_in_place(|| run(&["stop", "a", "--grace", "2s"]));
     assert!(o.status.success());

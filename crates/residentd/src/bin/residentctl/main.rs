@@ -91,6 +91,12 @@ enum Command {
         #[arg(short, long)]
         follow: bool,
     },
+    /// A live view of the pools and instances, redrawn on every event.
+    Top {
+        /// Stop after this many redraws (for scripts and tests).
+        #[arg(long)]
+        frames: Option<u64>,
+    },
     /// Every state change and refusal, as it happens.
     Watch {
         /// Resume after this revision (0: the current state first).
@@ -263,6 +269,38 @@ async fn run(cli: &Cli) -> Result<ExitCode, Failure> {
             let mut stream = c.logs(req).await?.into_inner();
             while let Some(line) = stream.next().await {
                 render::log_line(&line?, json);
+            }
+        }
+        Command::Top { frames } => {
+            let mut stream = c
+                .watch(pb::WatchRequest { since_revision: 0 })
+                .await?
+                .into_inner();
+            let mut drawn = 0u64;
+            let snapshots = c
+                .list(pb::ListRequest {})
+                .await?
+                .into_inner()
+                .instances
+                .len();
+            let mut seen = 0usize;
+            // Draw once the snapshot is in, then after every event.
+            loop {
+                if seen >= snapshots {
+                    let node = c.node(pb::NodeRequest {}).await?.into_inner();
+                    render::top(&node);
+                    drawn += 1;
+                    if frames.is_some_and(|f| drawn >= f) {
+                        break;
+                    }
+                }
+                match stream.next().await {
+                    Some(event) => {
+                        event?;
+                        seen += 1;
+                    }
+                    None => break,
+                }
             }
         }
         Command::Watch { since } => {

@@ -311,6 +311,52 @@ pub fn event(e: &pb::Event, json: bool) {
     }
 }
 
+/// A bar of `width` cells: held (#), free (.), foreign (x).
+fn bar(p: &pb::PoolStatus, width: usize) -> String {
+    let Some(budget) = p
+        .budget_bytes
+        .or(p.effective_budget_bytes)
+        .filter(|b| *b > 0)
+    else {
+        return format!("[{}] unbounded", " ".repeat(width));
+    };
+    let effective = p.effective_budget_bytes.unwrap_or(budget).min(budget);
+    let cells = |bytes: u64| ((u128::from(bytes) * width as u128) / u128::from(budget)) as usize;
+    let held = cells(p.used_bytes.min(budget)).min(width);
+    let foreign = cells(budget - effective).min(width - held);
+    let free = width - held - foreign;
+    format!(
+        "[{}{}{}]",
+        "#".repeat(held),
+        ".".repeat(free),
+        "x".repeat(foreign)
+    )
+}
+
+/// One frame of `residentctl top`: each pool as a bar, then instances.
+pub fn top(n: &pb::NodeStatus) {
+    if std::io::stdout().is_terminal() {
+        print!("\x1b[2J\x1b[H");
+    }
+    println!(
+        "{} (residentd {})   # held  . free  x foreign",
+        n.node, n.version
+    );
+    for p in &n.pools {
+        println!(
+            "{:<10} {} {} used of {} (effective {})",
+            p.name,
+            bar(p, 40),
+            Gb(p.used_bytes),
+            gb_or_dash(p.budget_bytes),
+            gb_or_dash(p.effective_budget_bytes)
+        );
+    }
+    println!();
+    instances(&n.instances, false);
+    let _ = std::io::stdout().flush();
+}
+
 /// A spinner on stderr while waiting, when stderr is a terminal.
 pub struct Spinner {
     stop: Option<std::sync::mpsc::Sender<()>>,
@@ -352,5 +398,26 @@ impl Drop for Spinner {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bars_show_held_free_and_foreign() {
+        let pool = |budget, effective, used| pb::PoolStatus {
+            name: "p".into(),
+            budget_bytes: budget,
+            effective_budget_bytes: effective,
+            used_bytes: used,
+            ..Default::default()
+        };
+        assert_eq!(bar(&pool(Some(100), Some(100), 50), 10), "[#####.....]");
+        // A foreign process holds 30 of 100: the effective budget is 70.
+        assert_eq!(bar(&pool(Some(100), Some(70), 20), 10), "[##.....xxx]");
+        assert_eq!(bar(&pool(Some(100), Some(0), 0), 4), "[xxxx]");
+        assert_eq!(bar(&pool(None, None, 5), 3), "[   ] unbounded");
     }
 }
