@@ -163,6 +163,10 @@ pub fn instance(id: &str, spec: &Spec, status: Option<&Status>) -> pb::Instance 
         out.restarts = s.restarts;
         out.measured_bytes = s.measured_bytes;
         out.message = s.reason.clone();
+        out.started_unix_ms = s
+            .started_at
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
         if let Some(exit) = s.exit {
             out.exit_code = exit.code();
             out.exit_signal = match exit {

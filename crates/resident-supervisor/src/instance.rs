@@ -200,6 +200,7 @@ impl Actor {
         self.shared
             .transition(State::Starting, format!("spawned pid {pid}"), |s| {
                 s.pid = Some(pid);
+                s.started_at = Some(std::time::SystemTime::now());
             });
         Some((child, pgid))
     }

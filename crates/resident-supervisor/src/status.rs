@@ -126,4 +126,6 @@ pub struct Status {
     pub reason: String,
     /// The `generation` of the spec this run was started from.
     pub generation: u64,
+    /// When the current (or last) process was spawned.
+    pub started_at: Option<std::time::SystemTime>,
 }

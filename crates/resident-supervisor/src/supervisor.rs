@@ -140,6 +140,7 @@ impl Supervisor {
                 measured_bytes: 0,
                 reason: "accepted".into(),
                 generation: spec.generation,
+                started_at: None,
             };
             let (status_tx, status_rx) = watch::channel(status.clone());
             let shared = Arc::new(Shared {

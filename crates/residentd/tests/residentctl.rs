@@ -37,6 +37,22 @@ async fn every_subcommand_against_a_live_agent() {
     let (out, _) = text(&o);
     assert!(out.starts_with("INSTANCE"), "{out}");
     assert!(
+        out.lines()
+            .next()
+            .is_some_and(|h| h.contains("RESTARTS  AGE")),
+        "{out}"
+    );
+    let row: Vec<&str> = out
+        .lines()
+        .nth(1)
+        .expect("a row")
+        .split_whitespace()
+        .collect();
+    assert!(
+        row[10].ends_with('s'),
+        "a fresh instance is seconds old: {row:?}"
+    );
+    assert!(
         out.contains("a ") && out.contains("READY") && out.contains("55.0 GB"),
         "{out}"
     );

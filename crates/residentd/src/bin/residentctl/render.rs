@@ -33,6 +33,7 @@ fn instance_json(i: &pb::Instance) -> Value {
         "restarts": i.restarts,
         "declared_bytes": declared(i),
         "measured_bytes": i.measured_bytes,
+        "started_unix_ms": i.started_unix_ms,
         "demand": i.demand.iter().map(|d| json!({
             "pool": d.pool, "weights_bytes": d.weights_bytes, "kv_budget_bytes": d.kv_budget_bytes,
         })).collect::<Vec<_>>(),
@@ -117,6 +118,23 @@ fn table(header: &[&str], rows: &[Vec<String>]) {
     }
 }
 
+/// Time since `started_unix_ms`, kubectl-style: 45s, 12m, 3h, 2d.
+fn age(started_unix_ms: u64) -> String {
+    if started_unix_ms == 0 {
+        return "-".into();
+    }
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let secs = now.saturating_sub(started_unix_ms) / 1000;
+    match secs {
+        0..=119 => format!("{secs}s"),
+        120..=7199 => format!("{}m", secs / 60),
+        7200..=172_799 => format!("{}h", secs / 3600),
+        _ => format!("{}d", secs / 86_400),
+    }
+}
+
 fn gb_or_dash(bytes: Option<u64>) -> String {
     bytes.map_or("-".into(), |b| Gb(b).to_string())
 }
@@ -146,17 +164,16 @@ pub fn instances(list: &[pb::Instance], json: bool) {
                 Gb(declared(i)).to_string(),
                 Gb(i.measured_bytes).to_string(),
                 i.restarts.to_string(),
+                age(i.started_unix_ms),
                 i.message.clone(),
             ]
         })
         .collect();
-    table(
-        &[
-            "INSTANCE", "ROLE", "STATE", "PID", "PORT", "DECLARED", "MEASURED", "RESTARTS",
-            "MESSAGE",
-        ],
-        &rows,
-    );
+    let header = [
+        "INSTANCE", "ROLE", "STATE", "PID", "PORT", "DECLARED", "MEASURED", "RESTARTS", "AGE",
+        "MESSAGE",
+    ];
+    table(&header, &rows);
 }
 
 /// A started instance and who was evicted for it.
