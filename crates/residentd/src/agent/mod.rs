@@ -15,7 +15,12 @@ use resident_supervisor::{State, Status, Supervisor, SupervisorConfig};
 use tokio::sync::mpsc;
 
 use crate::events::EventLog;
-use crate::journal::{self, Journal};
+use crate::journal::Journal;
+
+mod memory;
+mod persist;
+
+use persist::write_journal;
 
 /// How an instance came to be and which run of it is current.
 #[derive(Debug, Clone)]
@@ -103,87 +108,6 @@ impl Agent {
         Ok(agent)
     }
 
-    /// After a restart: kills what the previous run left behind (recorded
-    /// process groups, checked against pid reuse), then starts the
-    /// journaled instances again in their original order. Instances that no
-    /// longer fit, or whose workload left the roster, are reported and
-    /// dropped.
-    pub async fn restore(self: &Arc<Self>) {
-        let entries = self.journal.read();
-        if entries.is_empty() {
-            return;
-        }
-        let killed: usize = entries.iter().map(journal::kill_leftovers).sum();
-        for e in entries.iter().filter(|e| e.pgid > 1) {
-            let gone = || resident_supervisor::procfs::group_members(e.pgid).is_empty();
-            let deadline = Instant::now() + Duration::from_secs(5);
-            while !gone() && Instant::now() < deadline {
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        }
-        tracing::info!(
-            instances = entries.len(),
-            killed,
-            "restoring journaled instances"
-        );
-        for e in entries {
-            let Ok(id) = InstanceId::new(e.instance.as_str()) else {
-                continue;
-            };
-            match self
-                .start(&e.workload, Some(id), Some(Policy::Refuse), false)
-                .await
-            {
-                Ok(_) => {
-                    tracing::info!(instance_id = %e.instance, workload = %e.workload, "restored")
-                }
-                Err(err) => tracing::warn!(
-                    instance_id = %e.instance, workload = %e.workload, error = %err,
-                    "a journaled instance could not be restored"
-                ),
-            }
-        }
-        self.persist();
-    }
-
-    /// Marks the journal out of date; the writer task rewrites it soon.
-    /// Once shutdown has begun the journal stays as shutdown wrote it.
-    fn persist(&self) {
-        if !self.closing.load(Ordering::Acquire) {
-            self.journal_dirty.notify_one();
-        }
-    }
-
-    /// What the journal should hold now: resident, not evicted instances in
-    /// admission order, with their running group.
-    fn journal_entries(&self) -> Vec<journal::Entry> {
-        let books = self.books();
-        let mut live: Vec<(&String, &Record)> = books
-            .records
-            .iter()
-            .filter(|(id, _)| books.ledger.resident(id).is_some_and(|r| !r.evicting))
-            .collect();
-        live.sort_by_key(|(_, r)| r.generation);
-        live.into_iter()
-            .map(|(id, r)| {
-                let pid = self
-                    .sup
-                    .status(id)
-                    .filter(|s| s.generation == r.generation)
-                    .and_then(|s| s.pid)
-                    .map_or(0, |p| p as i32);
-                let start_ticks =
-                    resident_supervisor::procfs::stat(pid).map_or(0, |s| s.start_ticks);
-                journal::Entry {
-                    instance: id.clone(),
-                    workload: r.workload.spec.workload.to_string(),
-                    pgid: pid,
-                    start_ticks,
-                }
-            })
-            .collect()
-    }
-
     /// The configuration in force.
     pub fn config(&self) -> Arc<Config> {
         self.config
@@ -235,74 +159,6 @@ impl Agent {
             .get(name)
             .cloned()
             .ok_or_else(|| ApiError::NotFound(format!("no workload '{name}' in the roster")))
-    }
-
-    /// Reads the live probes into the ledger: host memory for host-bound
-    /// pools, and each instance's measured bytes.
-    pub fn refresh_probes(&self) {
-        let config = self.config();
-        let devices: Vec<(String, Option<u64>)> = self
-            .devices
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .map(|(pool, probe)| (pool.clone(), probe.available()))
-            .collect();
-        let host_pools: Vec<_> = config.pools.iter().filter(|p| p.host).collect();
-        let host = if host_pools.is_empty() {
-            None
-        } else {
-            self.host.available()
-        };
-        let measured: Vec<(String, u64)> = self
-            .sup
-            .list()
-            .into_iter()
-            .map(|s| (s.instance, s.measured_bytes))
-            .collect();
-        let mut books = self.books();
-        for (pool, available) in devices {
-            books.ledger.set_available(&pool, available);
-        }
-        if host_pools.is_empty() {
-            return;
-        }
-        for p in &host_pools {
-            books.ledger.set_available(p.pool.name.as_str(), host);
-        }
-        for (id, bytes) in measured {
-            // An instance's resident bytes count against the first
-            // host-bound pool it declares memory in.
-            let pool = books.ledger.resident(&id).and_then(|r| {
-                r.spec
-                    .demand
-                    .keys()
-                    .find(|k| host_pools.iter().any(|p| p.pool.name == **k))
-                    .cloned()
-            });
-            if let Some(pool) = pool {
-                books.ledger.set_measured(&id, &pool, bytes);
-            }
-        }
-    }
-
-    /// Opens the probe of every device-bound pool. A pool whose probe
-    /// cannot be opened keeps its static budget, with one warning.
-    fn open_device_probes(&self) {
-        let config = self.config();
-        let mut probes = Vec::new();
-        for p in &config.pools {
-            let Some(device) = &p.device else {
-                continue;
-            };
-            match resident_probe::device_probe(device) {
-                Ok(probe) => probes.push((p.pool.name.to_string(), Arc::from(probe))),
-                Err(e) => {
-                    tracing::warn!(pool = %p.pool.name, error = %e, "no live reading; static budget")
-                }
-            }
-        }
-        *self.devices.write().unwrap_or_else(|e| e.into_inner()) = probes;
     }
 
     fn view(&self, id: &str, record: &Record) -> pb::Instance {
@@ -460,70 +316,6 @@ impl Agent {
                 created: true,
                 evicted,
             })
-    }
-
-    /// For each live (probe-bound) pool `w` needs: three quarters of what
-    /// the victims declared there.
-    fn recovery_targets(&self, w: &Workload, victims: &[InstanceId]) -> Vec<(String, u64)> {
-        let config = self.config();
-        let books = self.books();
-        w.spec
-            .demand
-            .keys()
-            .filter(|pool| {
-                config
-                    .pools
-                    .iter()
-                    .any(|p| p.pool.name == **pool && p.pool.live)
-            })
-            .map(|pool| {
-                let held: u64 = victims
-                    .iter()
-                    .filter_map(|v| books.ledger.resident(v.as_str()))
-                    .map(|r| r.footprint(pool.as_str()))
-                    .fold(0, u64::saturating_add);
-                (pool.to_string(), held / 4 * 3)
-            })
-            .filter(|(_, want)| *want > 0)
-            .collect()
-    }
-
-    /// The live reading of `pool`, if it has a probe that answers.
-    fn read_pool(&self, pool: &str) -> Option<u64> {
-        let device = self
-            .devices
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .find(|(name, _)| name == pool)
-            .map(|(_, probe)| probe.clone());
-        match device {
-            Some(probe) => probe.available(),
-            None => self.host.available(),
-        }
-    }
-
-    /// Waits, bounded by `memory_recovery`, until every live pool shows at
-    /// least `want` bytes available: drivers and the kernel free a large
-    /// process's memory after it is reaped, and a new model should not
-    /// start into memory that is not back yet. No reading: no wait.
-    async fn await_memory_back(&self, wanted: &[(String, u64)]) {
-        let deadline = Instant::now() + self.config().node.memory_recovery;
-        loop {
-            let short: Vec<(&str, u64, Option<u64>)> = wanted
-                .iter()
-                .map(|(pool, want)| (pool.as_str(), *want, self.read_pool(pool)))
-                .filter(|(_, want, now)| now.is_some_and(|a| a < *want))
-                .collect();
-            if short.is_empty() {
-                return;
-            }
-            if Instant::now() >= deadline {
-                tracing::warn!(?short, "evicted memory not back in time; starting anyway");
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
     }
 
     async fn spawn(
@@ -749,32 +541,6 @@ async fn follow_supervisor(agent: std::sync::Weak<Agent>, mut rx: mpsc::Unbounde
             return;
         };
         agent.on_transition(status);
-    }
-}
-
-/// Rewrites the journal whenever it is marked out of date; bursts of
-/// changes coalesce into one write.
-async fn write_journal(agent: std::sync::Weak<Agent>) {
-    loop {
-        let Some(strong) = agent.upgrade() else {
-            return;
-        };
-        let notified = async {
-            strong.journal_dirty.notified().await;
-        };
-        // Wake at least every second, to notice when the agent is gone.
-        let wait = tokio::time::timeout(Duration::from_secs(1), notified);
-        if wait.await.is_err() {
-            drop(strong);
-            continue;
-        }
-        if strong.closing.load(Ordering::Acquire) {
-            continue;
-        }
-        let entries = strong.journal_entries();
-        if let Err(e) = strong.journal.write(&entries) {
-            tracing::error!(error = %e, "cannot write the journal");
-        }
     }
 }
 

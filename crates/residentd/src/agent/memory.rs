@@ -1,0 +1,144 @@
+//! The agent's live readings: probes of host- and device-bound pools, fed
+//! into the ledger, and the wait for evicted victims' memory to come back.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use resident_config::Workload;
+use resident_core::InstanceId;
+
+use super::Agent;
+
+impl Agent {
+    /// Reads the live probes into the ledger: host memory for host-bound
+    /// pools, and each instance's measured bytes.
+    pub fn refresh_probes(&self) {
+        let config = self.config();
+        let devices: Vec<(String, Option<u64>)> = self
+            .devices
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|(pool, probe)| (pool.clone(), probe.available()))
+            .collect();
+        let host_pools: Vec<_> = config.pools.iter().filter(|p| p.host).collect();
+        let host = if host_pools.is_empty() {
+            None
+        } else {
+            self.host.available()
+        };
+        let measured: Vec<(String, u64)> = self
+            .sup
+            .list()
+            .into_iter()
+            .map(|s| (s.instance, s.measured_bytes))
+            .collect();
+        let mut books = self.books();
+        for (pool, available) in devices {
+            books.ledger.set_available(&pool, available);
+        }
+        if host_pools.is_empty() {
+            return;
+        }
+        for p in &host_pools {
+            books.ledger.set_available(p.pool.name.as_str(), host);
+        }
+        for (id, bytes) in measured {
+            // An instance's resident bytes count against the first
+            // host-bound pool it declares memory in.
+            let pool = books.ledger.resident(&id).and_then(|r| {
+                r.spec
+                    .demand
+                    .keys()
+                    .find(|k| host_pools.iter().any(|p| p.pool.name == **k))
+                    .cloned()
+            });
+            if let Some(pool) = pool {
+                books.ledger.set_measured(&id, &pool, bytes);
+            }
+        }
+    }
+    /// Opens the probe of every device-bound pool. A pool whose probe
+    /// cannot be opened keeps its static budget, with one warning.
+    pub(super) fn open_device_probes(&self) {
+        let config = self.config();
+        let mut probes = Vec::new();
+        for p in &config.pools {
+            let Some(device) = &p.device else {
+                continue;
+            };
+            match resident_probe::device_probe(device) {
+                Ok(probe) => probes.push((p.pool.name.to_string(), Arc::from(probe))),
+                Err(e) => {
+                    tracing::warn!(pool = %p.pool.name, error = %e, "no live reading; static budget")
+                }
+            }
+        }
+        *self.devices.write().unwrap_or_else(|e| e.into_inner()) = probes;
+    }
+    /// For each live (probe-bound) pool `w` needs: three quarters of what
+    /// the victims declared there.
+    pub(super) fn recovery_targets(
+        &self,
+        w: &Workload,
+        victims: &[InstanceId],
+    ) -> Vec<(String, u64)> {
+        let config = self.config();
+        let books = self.books();
+        w.spec
+            .demand
+            .keys()
+            .filter(|pool| {
+                config
+                    .pools
+                    .iter()
+                    .any(|p| p.pool.name == **pool && p.pool.live)
+            })
+            .map(|pool| {
+                let held: u64 = victims
+                    .iter()
+                    .filter_map(|v| books.ledger.resident(v.as_str()))
+                    .map(|r| r.footprint(pool.as_str()))
+                    .fold(0, u64::saturating_add);
+                (pool.to_string(), held / 4 * 3)
+            })
+            .filter(|(_, want)| *want > 0)
+            .collect()
+    }
+    /// The live reading of `pool`, if it has a probe that answers.
+    pub(super) fn read_pool(&self, pool: &str) -> Option<u64> {
+        let device = self
+            .devices
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .find(|(name, _)| name == pool)
+            .map(|(_, probe)| probe.clone());
+        match device {
+            Some(probe) => probe.available(),
+            None => self.host.available(),
+        }
+    }
+    /// Waits, bounded by `memory_recovery`, until every live pool shows at
+    /// least `want` bytes available: drivers and the kernel free a large
+    /// process's memory after it is reaped, and a new model should not
+    /// start into memory that is not back yet. No reading: no wait.
+    pub(super) async fn await_memory_back(&self, wanted: &[(String, u64)]) {
+        let deadline = Instant::now() + self.config().node.memory_recovery;
+        loop {
+            let short: Vec<(&str, u64, Option<u64>)> = wanted
+                .iter()
+                .map(|(pool, want)| (pool.as_str(), *want, self.read_pool(pool)))
+                .filter(|(_, want, now)| now.is_some_and(|a| a < *want))
+                .collect();
+            if short.is_empty() {
+                return;
+            }
+            if Instant::now() >= deadline {
+                tracing::warn!(?short, "evicted memory not back in time; starting anyway");
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
