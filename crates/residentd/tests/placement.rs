@@ -3,7 +3,6 @@
 
 mod support;
 
-use std::time::Duration;
 
 use resident_api::pb;
 use support::*;
@@ -356,5 +355,4 @@ async fn place_is_the_same_plan_without_side_effects() {
             .all(|i| i.state == pb::State::Ready as i32),
         "nothing was stopped"
     );
-    let _ = Duration::ZERO;
 }
