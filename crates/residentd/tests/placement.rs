@@ -3,7 +3,6 @@
 
 mod support;
 
-
 use resident_api::pb;
 use support::*;
 use tonic::Code;
