@@ -12,6 +12,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 pub trait MemoryProbe: Send + Sync + std::fmt::Debug {
     /// Reads the probe. `None`: no trustworthy reading.
     fn available(&self) -> Option<u64>;
+
+    /// Bytes the processes `pids` hold on this probe's memory, where the
+    /// probe can tell (a GPU's per-process accounting). `None`: it cannot.
+    fn used_by(&self, _pids: &[u32]) -> Option<u64> {
+        None
+    }
 }
 
 /// Host memory: the kernel's MemAvailable, through sysinfo.
@@ -45,8 +51,10 @@ impl MemoryProbe for HostMemory {
 }
 
 /// A reading kept in a file: the bytes available, as a decimal integer on
-/// the first line. Another tool (an exporter, a test) writes it; a missing,
-/// empty or garbled file is no reading.
+/// the first line, then optionally one `PID BYTES` line per process using
+/// the device (what `nvidia-smi --query-compute-apps=pid,used_memory`
+/// lists). Another tool (an exporter, a test) writes it; a missing, empty
+/// or garbled first line is no reading.
 #[derive(Debug)]
 pub struct FileProbe {
     path: std::path::PathBuf,
@@ -63,6 +71,25 @@ impl MemoryProbe for FileProbe {
     fn available(&self) -> Option<u64> {
         let text = std::fs::read_to_string(&self.path).ok()?;
         text.lines().next()?.trim().parse().ok()
+    }
+
+    fn used_by(&self, pids: &[u32]) -> Option<u64> {
+        let text = std::fs::read_to_string(&self.path).ok()?;
+        let mut lines = text.lines();
+        lines.next()?;
+        let mut total = 0u64;
+        for line in lines {
+            let mut fields = line.split_whitespace();
+            let (Some(pid), Some(bytes)) = (fields.next(), fields.next()) else {
+                continue;
+            };
+            if let (Ok(pid), Ok(bytes)) = (pid.parse::<u32>(), bytes.parse::<u64>())
+                && pids.contains(&pid)
+            {
+                total = total.saturating_add(bytes);
+            }
+        }
+        Some(total)
     }
 }
 
@@ -140,6 +167,8 @@ mod tests {
         assert_eq!(probe.available(), Some(16_000_000_000));
         std::fs::write(&path, "lots").expect("write");
         assert_eq!(probe.available(), None);
+        std::fs::write(&path, "100\n7 30\n8 5\n9 1\n").expect("write");
+        assert_eq!(probe.used_by(&[7, 9]), Some(31), "per-process lines add up");
         let _ = std::fs::remove_file(path);
         assert!(device_probe("pci:0").is_err());
     }

@@ -32,9 +32,9 @@ impl NvmlProbe {
         })
     }
 
-    /// GPU memory used by each of `pids` (the processes NVML lists as
-    /// running compute or graphics work on this device).
-    pub fn used_by(&self, pids: &[u32]) -> u64 {
+    /// GPU memory used by `pids` (the processes NVML lists as running
+    /// compute or graphics work on this device).
+    fn used(&self, pids: &[u32]) -> u64 {
         let nvml = self.nvml.lock().unwrap_or_else(|e| e.into_inner());
         let Ok(device) = nvml.device_by_index(self.index) else {
             return 0;
@@ -58,6 +58,10 @@ impl NvmlProbe {
 }
 
 impl MemoryProbe for NvmlProbe {
+    fn used_by(&self, pids: &[u32]) -> Option<u64> {
+        Some(self.used(pids))
+    }
+
     fn available(&self) -> Option<u64> {
         let nvml = self.nvml.lock().unwrap_or_else(|e| e.into_inner());
         let device = nvml.device_by_index(self.index).ok()?;

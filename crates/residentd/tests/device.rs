@@ -184,3 +184,49 @@ async fn the_wait_for_evicted_memory_is_bounded() {
     );
     assert_eq!(d.get("old").await.state, pb::State::Exited as i32);
 }
+
+#[tokio::test]
+async fn per_process_device_use_counts_as_touched_memory() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let reading = dir.path().join("gpu0.available");
+    std::fs::write(&reading, format!("{}\n", 24 * GB)).expect("reading");
+    let mut config = format!(
+        "[[pool]]\nname = \"gpu0\"\nbudget = \"24GB\"\ndevice = \"file:{}\"\n\n",
+        reading.display()
+    );
+    config += &sleeper("old", "gpu0", 16, "");
+    config += &sleeper("new", "gpu0", 16, "");
+    std::fs::write(
+        dir.path().join("residentd.toml"),
+        config_text(dir.path(), &config),
+    )
+    .expect("config");
+    let mut d = Daemon::start_in(dir).await;
+    let old = d.started("old", "old").await;
+    let place = pb::PlaceRequest {
+        workload: "new".into(),
+        on_full: pb::Policy::Evict as i32,
+    };
+    // The device shows 8 GB free and, per process, that old holds its
+    // 16 GB: evicting old gives them back, so new fits.
+    std::fs::write(&reading, format!("{}\n{} {}\n", 8 * GB, old.pid, 16 * GB)).expect("reading");
+    let p = d
+        .client
+        .place(place.clone())
+        .await
+        .expect("place")
+        .into_inner();
+    assert!(p.admitted, "{p:?}");
+    assert_eq!(p.evict, ["old"]);
+    // Without per-process accounting old's 16 GB count as not yet touched:
+    // only the 8 GB shown free can be counted on, even after evicting.
+    std::fs::write(&reading, format!("{}\n", 8 * GB)).expect("reading");
+    let p = d.client.place(place).await.expect("place").into_inner();
+    assert!(!p.admitted, "{p:?}");
+    assert!(
+        p.refusals.iter().any(|r| r
+            .message
+            .contains("less 16.0 GB declared but not yet in use")),
+        "{p:?}"
+    );
+}

@@ -33,9 +33,16 @@ impl Agent {
             .into_iter()
             .map(|s| (s.instance, s.measured_bytes))
             .collect();
+        let device_use = self.device_use();
         let mut books = self.books();
         for (pool, available) in devices {
             books.ledger.set_available(&pool, available);
+        }
+        for (id, pool, bytes) in device_use {
+            let pool = resident_core::PoolName::new(pool).ok();
+            if let Some(pool) = pool {
+                books.ledger.set_measured(&id, &pool, bytes);
+            }
         }
         if host_pools.is_empty() {
             return;
@@ -58,6 +65,42 @@ impl Agent {
             }
         }
     }
+    /// What each instance holds on each device pool whose probe accounts
+    /// per process (NVML, or a file with `PID BYTES` lines): the sum over
+    /// the instance's process group. One scan of /proc, only when needed.
+    fn device_use(&self) -> Vec<(String, String, u64)> {
+        let probes: Vec<(String, Arc<dyn resident_probe::MemoryProbe>)> = self
+            .devices
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter(|(_, probe)| probe.used_by(&[]).is_some())
+            .cloned()
+            .collect();
+        if probes.is_empty() {
+            return Vec::new();
+        }
+        let mut groups: std::collections::HashMap<i32, Vec<u32>> = std::collections::HashMap::new();
+        for p in resident_supervisor::procfs::scan() {
+            groups.entry(p.pgrp).or_default().push(p.pid as u32);
+        }
+        let mut out = Vec::new();
+        for status in self.sup.list() {
+            let Some(pgid) = status.pid else {
+                continue;
+            };
+            let Some(pids) = groups.get(&(pgid as i32)) else {
+                continue;
+            };
+            for (pool, probe) in &probes {
+                if let Some(bytes) = probe.used_by(pids) {
+                    out.push((status.instance.clone(), pool.clone(), bytes));
+                }
+            }
+        }
+        out
+    }
+
     /// Opens the probe of every device-bound pool. A pool whose probe
     /// cannot be opened keeps its static budget, with one warning.
     pub(super) fn open_device_probes(&self) {
