@@ -408,14 +408,7 @@ async fn sighup_reloads_pools_without_touching_instances_and_refuses_a_bad_file(
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let a_now = d
-        .client
-        .get(pb::GetRequest {
-            instance_id: "a".into(),
-        })
-        .await
-        .expect("get")
-        .into_inner();
+    let a_now = d.get("a").await;
     assert_eq!(
         (a_now.pid, a_now.state),
         (pid, pb::State::Ready as i32),
@@ -466,14 +459,7 @@ async fn an_idle_instance_is_stopped_after_its_ttl_and_a_touched_one_is_not() {
             })
             .await
             .expect("touch");
-        let idle = d
-            .client
-            .get(pb::GetRequest {
-                instance_id: "idle".into(),
-            })
-            .await
-            .expect("get")
-            .into_inner();
+        let idle = d.get("idle").await;
         if idle.state == pb::State::Exited as i32 {
             break;
         }
@@ -483,14 +469,7 @@ async fn an_idle_instance_is_stopped_after_its_ttl_and_a_touched_one_is_not() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let busy = d
-        .client
-        .get(pb::GetRequest {
-            instance_id: "busy".into(),
-        })
-        .await
-        .expect("get")
-        .into_inner();
+    let busy = d.get("busy").await;
     assert_eq!(busy.state, pb::State::Ready as i32, "a used instance stays");
     assert_eq!(
         used(&mut d.client).await,

@@ -174,24 +174,8 @@ async fn llama_cpp_servers_are_placed_refused_evicted_and_restarted() {
     while m_t == 0 || m_b == 0 {
         assert!(tokio::time::Instant::now() < deadline, "no memory measured");
         tokio::time::sleep(Duration::from_millis(100)).await;
-        m_t = measured(
-            d.client
-                .get(pb::GetRequest {
-                    instance_id: "t".into(),
-                })
-                .await
-                .expect("get")
-                .into_inner(),
-        );
-        m_b = measured(
-            d.client
-                .get(pb::GetRequest {
-                    instance_id: "b".into(),
-                })
-                .await
-                .expect("get")
-                .into_inner(),
-        );
+        m_t = measured(d.get("t").await);
+        m_b = measured(d.get("b").await);
     }
     println!("measured: tiny {m_t} bytes (declared {d_tiny}), big {m_b} bytes (declared {d_big})");
     for (name, m, dcl) in [("tiny", m_t, d_tiny), ("big", m_b, d_big)] {
@@ -241,14 +225,7 @@ async fn llama_cpp_servers_are_placed_refused_evicted_and_restarted() {
         .expect("fits after evicting big")
         .into_inner();
     assert_eq!(b2.evicted, ["b"]);
-    let gone = d
-        .client
-        .get(pb::GetRequest {
-            instance_id: "b".into(),
-        })
-        .await
-        .expect("get")
-        .into_inner();
+    let gone = d.get("b").await;
     assert_eq!(gone.state, pb::State::Exited as i32);
     // SIGTERM: uvicorn shuts down and exits 0, or Python dies by the signal (143).
     assert!(
@@ -304,14 +281,7 @@ async fn llama_cpp_servers_are_placed_refused_evicted_and_restarted() {
     assert_eq!(seen.exit_signal, 9);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
     let restarted = loop {
-        let i = d
-            .client
-            .get(pb::GetRequest {
-                instance_id: "t".into(),
-            })
-            .await
-            .expect("get")
-            .into_inner();
+        let i = d.get("t").await;
         if i.state == pb::State::Ready as i32 {
             break i;
         }
