@@ -67,11 +67,6 @@ impl EventLog {
         inner.revision
     }
 
-    /// The latest revision.
-    pub fn revision(&self) -> u64 {
-        self.lock().revision
-    }
-
     /// Begins a watch. `since == 0`: one SNAPSHOT event per instance from
     /// `snapshot` (at the current revision), then every later event.
     /// `since > 0`: the kept events after `since`, then every later one.

@@ -10,24 +10,33 @@ use tonic::Code;
 
 const GB: u64 = 1_000_000_000;
 
-#[tokio::test]
-async fn foreign_use_of_the_gpu_tightens_the_budget_until_it_exits() {
+/// An agent with one 24 GB pool `gpu0` read from a file holding
+/// `available` bytes, `pool_extra` more pool keys, `node_extra` more node
+/// keys, and `workloads`. Returns it and the reading's path.
+async fn gpu_daemon(
+    available: u64,
+    pool_extra: &str,
+    node_extra: &str,
+    workloads: &str,
+) -> (Daemon, std::path::PathBuf) {
     let dir = tempfile::tempdir().expect("tempdir");
     let reading = dir.path().join("gpu0.available");
-    // A 24 GB card with a foreign process holding 8 GB: 16 GB free.
-    std::fs::write(&reading, format!("{}\n", 16 * GB)).expect("reading");
-    let mut config = format!(
-        "[[pool]]\nname = \"gpu0\"\nbudget = \"24GB\"\ndevice = \"file:{}\"\nreserve = \"1GB\"\n\n",
+    std::fs::write(&reading, format!("{available}\n")).expect("reading");
+    let config = format!(
+        "[[pool]]\nname = \"gpu0\"\nbudget = \"24GB\"\ndevice = \"file:{}\"\n{pool_extra}\n\n{workloads}",
         reading.display()
     );
-    config += &sleeper("m15", "gpu0", 15, "");
-    config += &sleeper("m16", "gpu0", 16, "");
-    std::fs::write(
-        dir.path().join("residentd.toml"),
-        config_text(dir.path(), &config),
-    )
-    .expect("config");
-    let mut d = Daemon::start_in(dir).await;
+    let node = format!("[node]\n{node_extra}");
+    let text = config_text(dir.path(), &config).replace("[node]\n", &node);
+    std::fs::write(dir.path().join("residentd.toml"), text).expect("config");
+    (Daemon::start_in(dir).await, reading)
+}
+
+#[tokio::test]
+async fn foreign_use_of_the_gpu_tightens_the_budget_until_it_exits() {
+    // A 24 GB card with a foreign process holding 8 GB: 16 GB free.
+    let workloads = sleeper("m15", "gpu0", 15, "") + &sleeper("m16", "gpu0", 16, "");
+    let (mut d, reading) = gpu_daemon(16 * GB, "reserve = \"1GB\"", "", &workloads).await;
     let pool = |n: pb::NodeStatus| n.pools.into_iter().next().expect("gpu0");
     let gpu = pool(
         d.client
@@ -108,21 +117,10 @@ async fn foreign_use_of_the_gpu_tightens_the_budget_until_it_exits() {
 /// A GPU pool read from a file, an "old" model that takes a second to exit
 /// on SIGTERM, and a "new" one that needs it gone.
 async fn eviction_setup(recovery: &str) -> (Daemon, std::path::PathBuf) {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let reading = dir.path().join("gpu0.available");
-    std::fs::write(&reading, format!("{}\n", 24 * GB)).expect("reading");
-    let mut config = format!(
-        "[[pool]]\nname = \"gpu0\"\nbudget = \"24GB\"\ndevice = \"file:{}\"\n\n",
-        reading.display()
-    );
-    config += "[[workload]]\nname = \"old\"\ncommand = [\"/bin/sh\", \"-c\", \"trap 'sleep 1; exit 0' TERM; while true; do sleep 0.05; done\"]\nstop_grace = \"10s\"\n[workload.memory.gpu0]\nweights = \"16GB\"\n";
-    config += &sleeper("new", "gpu0", 16, "");
-    let text = config_text(dir.path(), &config).replace(
-        "[node]\n",
-        &format!("[node]\nmemory_recovery = \"{recovery}\"\n"),
-    );
-    std::fs::write(dir.path().join("residentd.toml"), text).expect("config");
-    let mut d = Daemon::start_in(dir).await;
+    let old = "[[workload]]\nname = \"old\"\ncommand = [\"/bin/sh\", \"-c\", \"trap 'sleep 1; exit 0' TERM; while true; do sleep 0.05; done\"]\nstop_grace = \"10s\"\n[workload.memory.gpu0]\nweights = \"16GB\"\n";
+    let workloads = String::from(old) + &sleeper("new", "gpu0", 16, "");
+    let node = format!("memory_recovery = \"{recovery}\"\n");
+    let (mut d, reading) = gpu_daemon(24 * GB, "", &node, &workloads).await;
     d.client.start(start_req("old", "old")).await.expect("fits");
     (d, reading)
 }
@@ -187,21 +185,8 @@ async fn the_wait_for_evicted_memory_is_bounded() {
 
 #[tokio::test]
 async fn per_process_device_use_counts_as_touched_memory() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let reading = dir.path().join("gpu0.available");
-    std::fs::write(&reading, format!("{}\n", 24 * GB)).expect("reading");
-    let mut config = format!(
-        "[[pool]]\nname = \"gpu0\"\nbudget = \"24GB\"\ndevice = \"file:{}\"\n\n",
-        reading.display()
-    );
-    config += &sleeper("old", "gpu0", 16, "");
-    config += &sleeper("new", "gpu0", 16, "");
-    std::fs::write(
-        dir.path().join("residentd.toml"),
-        config_text(dir.path(), &config),
-    )
-    .expect("config");
-    let mut d = Daemon::start_in(dir).await;
+    let workloads = sleeper("old", "gpu0", 16, "") + &sleeper("new", "gpu0", 16, "");
+    let (mut d, reading) = gpu_daemon(24 * GB, "", "", &workloads).await;
     let old = d.started("old", "old").await;
     let place = pb::PlaceRequest {
         workload: "new".into(),

@@ -248,19 +248,8 @@ async fn sigterm_stops_every_child_and_exits_zero() {
     }
     assert!(!d.socket.exists(), "the socket is removed");
     // What ran at shutdown comes back with the next start.
-    let dir = std::mem::replace(&mut d.dir, tempfile::tempdir().expect("tempdir"));
-    let mut d = Daemon::start_in(dir).await;
-    let list = d
-        .client
-        .list(pb::ListRequest {})
-        .await
-        .expect("list")
-        .into_inner();
-    let ids: Vec<&str> = list
-        .instances
-        .iter()
-        .map(|i| i.instance_id.as_str())
-        .collect();
+    let mut d = d.restart().await;
+    let ids = d.ids().await;
     assert_eq!(ids, ["a", "s"]);
 }
 
@@ -318,12 +307,16 @@ async fn after_kill_9_the_next_start_clears_leftovers_and_restores_the_journal()
         alive(helper),
         "the helper survives its agent (this is what restore must clean)"
     );
-    let dir = std::mem::replace(&mut d.dir, tempfile::tempdir().expect("tempdir"));
-    drop(d);
-    let mut d = Daemon::start_in(dir).await;
+    let mut d = d.restart().await;
     assert!(
         !alive(helper),
         "the leftover of the previous run was killed"
+    );
+    let ids = d.ids().await;
+    assert_eq!(
+        ids,
+        ["first", "second"],
+        "both journaled instances are back"
     );
     let list = d
         .client
@@ -331,16 +324,6 @@ async fn after_kill_9_the_next_start_clears_leftovers_and_restores_the_journal()
         .await
         .expect("list")
         .into_inner();
-    let ids: Vec<&str> = list
-        .instances
-        .iter()
-        .map(|i| i.instance_id.as_str())
-        .collect();
-    assert_eq!(
-        ids,
-        ["first", "second"],
-        "both journaled instances are back"
-    );
     assert!(
         list.instances
             .iter()

@@ -88,6 +88,26 @@ impl Daemon {
         self.client.get(req).await.expect("get").into_inner()
     }
 
+    /// The ids of every instance, in id order.
+    pub async fn ids(&mut self) -> Vec<String> {
+        let list = self
+            .client
+            .list(pb::ListRequest {})
+            .await
+            .expect("list")
+            .into_inner();
+        list.instances.into_iter().map(|i| i.instance_id).collect()
+    }
+
+    /// Starts residentd again on this daemon's config and state (the
+    /// previous process must have ended).
+    pub async fn restart(self) -> Self {
+        let mut old = self;
+        let dir = std::mem::replace(&mut old.dir, tempfile::tempdir().expect("tempdir"));
+        drop(old);
+        Self::start_in(dir).await
+    }
+
     /// Waits (bounded) until instance `id` is in `state`; returns it.
     pub async fn wait_state(&mut self, id: &str, state: pb::State) -> pb::Instance {
         let deadline = tokio::time::Instant::now() + PATIENCE;
