@@ -163,6 +163,7 @@ pub fn instance(id: &str, spec: &Spec, status: Option<&Status>) -> pb::Instance 
         out.restarts = s.restarts;
         out.measured_bytes = s.measured_bytes;
         out.message = s.reason.clone();
+        out.oom_killed = s.oom_killed;
         out.started_unix_ms = s
             .started_at
             .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())

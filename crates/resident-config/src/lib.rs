@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use resident_core::{Groups, Policy, PoolConfig, Spec};
-use resident_supervisor::{LaunchSpec, Readiness, RestartPolicy};
+use resident_supervisor::{CgroupMode, LaunchSpec, Readiness, RestartPolicy};
 
 pub use duration::parse_duration;
 pub use error::ConfigError;
@@ -54,6 +54,11 @@ pub struct NodeConfig {
     /// TLS for a TCP listener: server identity and the CA that client
     /// certificates must chain to.
     pub tls: Option<TlsFiles>,
+    /// Whether instances get cgroups of their own (`cgroups`).
+    pub cgroups: CgroupMode,
+    /// Added to an instance's declared host-memory footprint to make its
+    /// cgroup memory limit (`memory_slack`).
+    pub memory_slack: u64,
 }
 
 /// The PEM files of `[node.tls]`, read when the config loads.
@@ -121,16 +126,17 @@ pub struct Workload {
     pub idle_ttl: Option<Duration>,
     /// Run as this user (overrides `[node] run_as`).
     pub run_as: Option<User>,
+    /// Its declared footprint on pools of host memory (every pool not bound
+    /// to a device); 0 when it declares none.
+    pub host_bytes: u64,
 }
 
 impl Workload {
-    /// The supervisor's spec for instance `instance` of this workload.
-    pub fn launch(
-        &self,
-        instance: &str,
-        generation: u64,
-        default_user: Option<&User>,
-    ) -> LaunchSpec {
+    /// The supervisor's spec for instance `instance` of this workload. Its
+    /// memory limit is the declared host footprint plus the node's slack;
+    /// none when it declares no host memory.
+    pub fn launch(&self, instance: &str, generation: u64, node: &NodeConfig) -> LaunchSpec {
+        let default_user = node.run_as.as_ref();
         let user = self
             .run_as
             .as_ref()
@@ -149,6 +155,8 @@ impl Workload {
             readiness_timeout: self.readiness_timeout,
             restart: self.restart,
             stop_grace: self.stop_grace,
+            memory_limit: (self.host_bytes > 0)
+                .then(|| self.host_bytes.saturating_add(node.memory_slack)),
             generation,
         }
     }

@@ -41,6 +41,8 @@ pub struct Node {
     pub insecure: bool,
     pub sample_every: Option<Spanned<String>>,
     pub memory_recovery: Option<Spanned<String>>,
+    pub cgroups: Option<Spanned<String>>,
+    pub memory_slack: Option<Spanned<Quantity>>,
     pub tls: Option<Spanned<Tls>>,
 }
 

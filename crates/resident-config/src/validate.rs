@@ -10,7 +10,7 @@ use resident_core::{
     Demand, GroupDef, GroupName, GroupPolicy, Groups, Policy, PoolConfig, PoolName, Role, Spec,
     WorkloadName, parse_bytes,
 };
-use resident_supervisor::{MACROS, Readiness, RestartMode, RestartPolicy};
+use resident_supervisor::{CgroupMode, MACROS, Readiness, RestartMode, RestartPolicy};
 use toml::Spanned;
 
 use crate::duration::parse_duration;
@@ -86,6 +86,18 @@ fn node(src: &Source<'_>, n: &Spanned<raw::Node>) -> Result<NodeConfig> {
         None => Duration::from_secs(2),
         Some(s) => duration(src, s, "node.sample_every")?,
     };
+    let cgroups = match n.cgroups.as_ref().map(|s| (s, s.get_ref().as_str())) {
+        None | Some((_, "auto")) => CgroupMode::Auto,
+        Some((_, "off")) => CgroupMode::Off,
+        Some((s, other)) => {
+            let msg = format!("{other:?} is not a cgroup mode (use \"auto\" or \"off\")");
+            return Err(src.err(s.span(), "node.cgroups", msg));
+        }
+    };
+    let memory_slack = match &n.memory_slack {
+        None => 1_000_000_000,
+        Some(q) => bytes(src, q, "node.memory_slack")?,
+    };
     Ok(NodeConfig {
         name: name.to_string(),
         listen,
@@ -101,6 +113,8 @@ fn node(src: &Source<'_>, n: &Spanned<raw::Node>) -> Result<NodeConfig> {
         sample_every,
         memory_recovery,
         tls,
+        cgroups,
+        memory_slack,
     })
 }
 
@@ -363,7 +377,13 @@ fn workload(
         Some(d) => Some(duration(src, d, &key("idle_ttl"))?).filter(|d| !d.is_zero()),
         None => None,
     };
+    let host_bytes = pools
+        .iter()
+        .filter(|p| p.device.is_none())
+        .map(|p| spec.footprint(p.pool.name.as_str()))
+        .fold(0u64, u64::saturating_add);
     Ok(Workload {
+        host_bytes,
         spec: Arc::new(spec),
         argv,
         env,

@@ -94,6 +94,16 @@ fn bad_input_names_file_line_and_key() {
         "node.on_full: \"panic\" is not a policy",
     );
     check(
+        "on_full = \"refuse\"",
+        "cgroups = \"v3\"",
+        "node.cgroups: \"v3\" is not a cgroup mode",
+    );
+    check(
+        "on_full = \"refuse\"",
+        "memory_slack = \"1 bucket\"",
+        "node.memory_slack",
+    );
+    check(
         "listen = \"unix:///run/residentd/residentd.sock\"",
         "listen = \"tcp://127.0.0.1:7070\"",
         "TCP needs TLS",
@@ -174,4 +184,16 @@ fn an_unreadable_file_names_it() {
             .starts_with("/nonexistent/residentd.toml: cannot read"),
         "{err}"
     );
+}
+
+#[test]
+fn cgroup_memory_limits_are_the_host_footprint_plus_the_slack() {
+    let text = BRIEF.replacen("on_full = \"refuse\"", "memory_slack = \"512MB\"", 1);
+    let c = parse(Path::new("brief.toml"), &text).expect("valid");
+    assert_eq!(c.node.cgroups, resident_supervisor::CgroupMode::Auto);
+    let spec = c.workloads["coder-daily"].launch("i", 1, &c.node);
+    assert_eq!(spec.memory_limit, Some(59 * GB + 512_000_000));
+    let default = parse(Path::new("brief.toml"), BRIEF).expect("valid");
+    let spec = default.workloads["coder-daily"].launch("i", 1, &default.node);
+    assert_eq!(spec.memory_limit, Some(60 * GB), "1 GB of slack by default");
 }

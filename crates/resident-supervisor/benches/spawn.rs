@@ -3,7 +3,9 @@
 //! plain loop of tokio spawn / kill + wait (the floor), alternating in one
 //! run. Prints medians and the ratios.
 //!
-//! A third column runs the floor loop with a no-op `pre_exec`, which makes
+//! The supervisor runs twice: with process groups only (`cgroups =
+//! "off"`) and with a cgroup per instance (`"auto"`, on whatever hierarchy
+//! the machine lets it write to). A further column runs the floor loop with a no-op `pre_exec`, which makes
 //! std fork instead of posix_spawn (vfork): what spawning would cost if the
 //! supervisor set the parent-death signal the easy way. It clones with
 //! CLONE_VM | CLONE_VFORK instead (see `child.rs`).
@@ -15,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
-use resident_supervisor::{LaunchSpec, State, Supervisor, SupervisorConfig};
+use resident_supervisor::{CgroupMode, LaunchSpec, State, Supervisor, SupervisorConfig};
 use tokio::process::Command;
 
 const CHILDREN: usize = 100;
@@ -87,6 +89,18 @@ fn median(mut v: Vec<Duration>) -> Duration {
     v[v.len() / 2]
 }
 
+fn supervisor(cgroups: CgroupMode) -> Supervisor {
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move { while rx.recv().await.is_some() {} });
+    Supervisor::new(
+        SupervisorConfig {
+            cgroups,
+            ..SupervisorConfig::default()
+        },
+        tx,
+    )
+}
+
 fn main() {
     let smoke = std::env::args().any(|a| a == "--test");
     let rounds = if smoke { 1 } else { 15 };
@@ -95,40 +109,43 @@ fn main() {
         .build()
         .expect("runtime");
     rt.block_on(async {
-        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        tokio::spawn(async move { while rx.recv().await.is_some() {} });
-        let sup = Supervisor::new(SupervisorConfig::default(), tx);
-        let (mut fs, mut ft, mut ss, mut st) = (vec![], vec![], vec![], vec![]);
-        let (mut ks, mut kt) = (vec![], vec![]);
+        let by_group = supervisor(CgroupMode::Off);
+        let by_cgroup = supervisor(CgroupMode::Auto);
+        // [start, stop] samples per column: floor, floor+fork, process
+        // groups, cgroups.
+        let mut cols: [[Vec<Duration>; 2]; 4] = Default::default();
         for round in 0..rounds {
-            let (a, b) = floor_round(false).await;
-            fs.push(a);
-            ft.push(b);
-            let (a, b) = floor_round(true).await;
-            ks.push(a);
-            kt.push(b);
-            let (a, b) = supervisor_round(&sup, round).await;
-            ss.push(a);
-            st.push(b);
+            let results = [
+                floor_round(false).await,
+                floor_round(true).await,
+                supervisor_round(&by_group, round).await,
+                supervisor_round(&by_cgroup, round).await,
+            ];
+            for (col, (start, stop)) in cols.iter_mut().zip(results) {
+                col[0].push(start);
+                col[1].push(stop);
+            }
         }
-        let (fs, ft, ss, st) = (median(fs), median(ft), median(ss), median(st));
-        let (ks, kt) = (median(ks), median(kt));
+        let [floor, forked, groups, cgroups] = cols.map(|c| c.map(median));
         let ratio = |a: Duration, b: Duration| a.as_secs_f64() / b.as_secs_f64();
         println!("{CHILDREN} children of {PROGRAM}, median of {rounds} rounds, side by side");
-        let head = ("", "supervisor", "floor", "ratio", "floor+fork", "ratio");
+        println!("containment of the cgroup column: {}", by_cgroup.containment());
         println!(
-            "{:<26}{:>12}{:>12}{:>8}{:>12}{:>8}",
-            head.0, head.1, head.2, head.3, head.4, head.5
+            "{:<26}{:>12}{:>12}{:>8}{:>12}{:>8}{:>12}{:>8}",
+            "", "floor", "floor+fork", "ratio", "pgroups", "ratio", "cgroups", "ratio"
         );
-        for (name, ours, floor, forked) in [
-            ("start until all running", ss, fs, ks),
-            ("stop all until all gone", st, ft, kt),
-        ] {
+        for (i, name) in ["start until all running", "stop all until all gone"]
+            .iter()
+            .enumerate()
+        {
+            let (f, k, g, c) = (floor[i], forked[i], groups[i], cgroups[i]);
             println!(
-                "{name:<26}{ours:>12.2?}{floor:>12.2?}{:>8.2}{forked:>12.2?}{:>8.2}",
-                ratio(ours, floor),
-                ratio(ours, forked)
+                "{name:<26}{f:>12.2?}{k:>12.2?}{:>8.2}{g:>12.2?}{:>8.2}{c:>12.2?}{:>8.2}",
+                ratio(k, f),
+                ratio(g, f),
+                ratio(c, f)
             );
         }
+        by_cgroup.shutdown().await;
     });
 }

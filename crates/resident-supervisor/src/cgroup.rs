@@ -1,66 +1,554 @@
-//! Whether per-instance cgroups could contain instances on this machine.
+//! Per-instance cgroups: containment that `setsid()` cannot escape, a
+//! memory limit, and OOM-kill detection.
 //!
-//! Process groups are what residentd contains children with today. A child
-//! that calls `setsid()` escapes its group; only a cgroup v2 subtree
-//! delegated to the agent would contain it for sure (and give `memory.max`
-//! and OOM events). This module detects that and says once, at start, what
-//! the agent will use.
+//! Each run of an instance gets a cgroup of its own below a directory of
+//! this supervisor (`residentd-PID-N`), in every hierarchy the agent can write
+//! to:
+//!
+//! - cgroup v2 (the unified mount, or `/sys/fs/cgroup/unified` on a hybrid
+//!   machine): members are listed and killed as one (`cgroup.kill`), and
+//!   `cgroup.events` says when the last one is gone. Where the v2 memory
+//!   controller can be enabled for the subtree, `memory.max` and
+//!   `memory.events` give the limit and OOM kills.
+//! - the cgroup v1 memory hierarchy, where memory is still bound to v1
+//!   (hybrid machines): `memory.limit_in_bytes` and the `oom_kill` count
+//!   of `memory.oom_control`.
+//!
+//! The child joins its cgroups between clone and exec (it writes `0` to
+//! each `cgroup.procs`, descriptors the parent opened), so it never runs a
+//! single instruction of the server outside them. Where no hierarchy is
+//! writable, or `cgroups = "off"`, instances are contained by process
+//! groups only, and the supervisor says so once at start.
 
-use std::sync::Once;
+use std::fs;
+use std::io;
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
-/// What the machine offers.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum CgroupSupport {
-    /// `/sys/fs/cgroup` is not a cgroup v2 mount (v1 or a hybrid).
-    NotUnified,
-    /// cgroup v2, but the agent's own cgroup is not writable to it.
-    NotDelegated(String),
-    /// cgroup v2 with a writable subtree at this path.
-    Delegated(String),
+/// Whether to use cgroups.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CgroupMode {
+    /// Use every writable hierarchy; process groups where there is none.
+    #[default]
+    Auto,
+    /// Process groups only.
+    Off,
 }
 
-/// Detects what the machine offers.
-pub fn detect() -> CgroupSupport {
-    let unified = nix::sys::statfs::statfs("/sys/fs/cgroup")
-        .map(|s| s.filesystem_type() == nix::sys::statfs::CGROUP2_SUPER_MAGIC)
-        .unwrap_or(false);
-    if !unified {
-        return CgroupSupport::NotUnified;
+/// The prefix of every supervisor's directory: `residentd-PID-N`, for the
+/// N-th supervisor of process PID.
+const BASE_PREFIX: &str = "residentd-";
+
+/// Where the cgroup hierarchies of this process are.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Hierarchies {
+    /// This process's own cgroup in the v2 hierarchy.
+    pub v2: Option<PathBuf>,
+    /// This process's own cgroup in the v1 memory hierarchy.
+    pub v1_memory: Option<PathBuf>,
+}
+
+impl Hierarchies {
+    /// Reads `/proc/self/mountinfo` and `/proc/self/cgroup`.
+    pub fn of_self() -> Self {
+        let mounts = fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        let own = fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+        Self::parse(&mounts, &own)
     }
-    let own = std::fs::read_to_string("/proc/self/cgroup")
+
+    /// Finds the hierarchies from the texts of `mountinfo` and `cgroup`.
+    pub fn parse(mountinfo: &str, cgroup: &str) -> Self {
+        let mut out = Self::default();
+        for line in mountinfo.lines() {
+            let Some((left, right)) = line.split_once(" - ") else {
+                continue;
+            };
+            let fields: Vec<&str> = left.split(' ').collect();
+            let theirs: Vec<&str> = right.split(' ').collect();
+            let (Some(root), Some(point), Some(fstype)) =
+                (fields.get(3), fields.get(4), theirs.first())
+            else {
+                continue;
+            };
+            let options = theirs.get(2).copied().unwrap_or("");
+            let own_path = |matches: &dyn Fn(&str) -> bool| {
+                cgroup.lines().find_map(|l| {
+                    let mut parts = l.splitn(3, ':');
+                    let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+                    matches(controllers).then(|| path.to_string())
+                })
+            };
+            let dir = |path: String| {
+                let rel = path.strip_prefix(root).unwrap_or(&path).trim_matches('/');
+                let dir = PathBuf::from(point);
+                if rel.is_empty() { dir } else { dir.join(rel) }
+            };
+            if *fstype == "cgroup2" && out.v2.is_none() {
+                out.v2 = own_path(&|c| c.is_empty()).map(dir);
+            } else if *fstype == "cgroup"
+                && out.v1_memory.is_none()
+                && options.split(',').any(|o| o == "memory")
+            {
+                out.v1_memory = own_path(&|c| c.split(',').any(|x| x == "memory")).map(dir);
+            }
+        }
+        out
+    }
+}
+
+/// A supervisor's cgroup directories, one per usable hierarchy.
+#[derive(Debug)]
+pub struct Cgroups {
+    v2: Option<PathBuf>,
+    /// Whether `memory.max` is available below `v2`.
+    v2_memory: bool,
+    v1_memory: Option<PathBuf>,
+    next: AtomicU64,
+    /// Emptied run cgroups kept for the next runs: making and removing a
+    /// cgroup costs the kernel far more than a spawn does.
+    spare: std::sync::Mutex<Vec<RunCgroup>>,
+}
+
+/// At most this many emptied cgroups are kept for reuse.
+const SPARES: usize = 256;
+
+/// A one-line description of how instances are contained.
+pub fn describe(c: Option<&Cgroups>) -> String {
+    let Some(c) = c else {
+        return "process groups only (no writable cgroup hierarchy, or cgroups = \"off\")".into();
+    };
+    let mut parts = Vec::new();
+    if let Some(v2) = &c.v2 {
+        let mem = if c.v2_memory {
+            "with memory.max"
+        } else {
+            "no memory controller"
+        };
+        parts.push(format!("cgroup v2 at {} ({mem})", v2.display()));
+    }
+    if let Some(v1) = &c.v1_memory {
+        parts.push(format!("cgroup v1 memory at {}", v1.display()));
+    }
+    format!("per-instance cgroups: {}", parts.join(", "))
+}
+
+fn write(path: &Path, text: &str) -> io::Result<()> {
+    fs::write(path, text).map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", path.display())))
+}
+
+fn make_dir(path: &Path) -> io::Result<()> {
+    match fs::create_dir(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
+        Err(e) => Err(io::Error::new(
+            e.kind(),
+            format!("{}: {e}", path.display()),
+        )),
+    }
+}
+
+impl Cgroups {
+    /// Sets up this supervisor's directories in every writable hierarchy,
+    /// after clearing what dead agents left there. `None` when `mode` is
+    /// off or nothing is writable.
+    pub fn setup(mode: CgroupMode) -> Option<Self> {
+        if mode == CgroupMode::Off {
+            return None;
+        }
+        Self::setup_in(&Hierarchies::of_self())
+    }
+
+    /// As `setup`, in the given hierarchies.
+    pub fn setup_in(h: &Hierarchies) -> Option<Self> {
+        static SUPERVISORS: AtomicU64 = AtomicU64::new(0);
+        let n = SUPERVISORS.fetch_add(1, Ordering::Relaxed);
+        let name = format!("{BASE_PREFIX}{}-{n}", std::process::id());
+        let mut v2_memory = false;
+        let v2 = h.v2.as_ref().and_then(|own| {
+            clear_dead_agents(own);
+            let base = own.join(&name);
+            if let Err(e) = make_dir(&base) {
+                tracing::debug!(error = %e, "no cgroup v2 directory for instances");
+                return None;
+            }
+            v2_memory = enable_v2_memory(own, &base);
+            Some(base)
+        });
+        let v1_memory = h.v1_memory.as_ref().and_then(|own| {
+            clear_dead_agents(own);
+            let base = own.join(&name);
+            match make_dir(&base) {
+                Ok(()) => Some(base),
+                Err(e) => {
+                    tracing::debug!(error = %e, "no cgroup v1 memory directory for instances");
+                    None
+                }
+            }
+        });
+        if v2.is_none() && v1_memory.is_none() {
+            return None;
+        }
+        Some(Self {
+            v2,
+            v2_memory,
+            v1_memory,
+            next: AtomicU64::new(0),
+            spare: std::sync::Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Whether a memory limit can be set.
+    pub fn limits_memory(&self) -> bool {
+        self.v2_memory || self.v1_memory.is_some()
+    }
+
+    /// The directories of this supervisor.
+    fn bases(&self) -> impl Iterator<Item = &PathBuf> {
+        self.v2.iter().chain(self.v1_memory.iter())
+    }
+
+    fn spares(&self) -> std::sync::MutexGuard<'_, Vec<RunCgroup>> {
+        self.spare.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The cgroups of one run, with memory `limit`: an emptied one of an
+    /// earlier run when there is one, else new ones (`slot.N`).
+    pub fn create(&self, limit: Option<u64>) -> io::Result<RunCgroup> {
+        let spare = self.spares().pop();
+        let mut run = match spare {
+            Some(run) => run,
+            None => self.make()?,
+        };
+        run.limit = limit;
+        if let (Some(dir), true) = (&run.v2, self.v2_memory) {
+            let max = limit.map_or_else(|| "max".to_string(), |b| b.to_string());
+            write(&dir.join("memory.max"), &max)?;
+        }
+        if let Some(dir) = &run.v1_memory {
+            let max = limit.map_or_else(|| "-1".to_string(), |b| b.to_string());
+            write(&dir.join("memory.limit_in_bytes"), &max)?;
+        }
+        run.oom_base = run.oom_count();
+        Ok(run)
+    }
+
+    fn make(&self) -> io::Result<RunCgroup> {
+        let name = format!("slot.{}", self.next.fetch_add(1, Ordering::Relaxed));
+        let mut run = RunCgroup {
+            v2: None,
+            v2_memory: self.v2_memory,
+            v1_memory: None,
+            limit: None,
+            oom_base: 0,
+        };
+        if let Some(base) = &self.v2 {
+            let dir = base.join(&name);
+            make_dir(&dir)?;
+            if self.v2_memory {
+                // One OOM kill takes the whole instance, not a random helper.
+                let _ = write(&dir.join("memory.oom.group"), "1");
+            }
+            run.v2 = Some(dir);
+        }
+        if let Some(base) = &self.v1_memory {
+            let dir = base.join(&name);
+            make_dir(&dir)?;
+            run.v1_memory = Some(dir);
+        }
+        Ok(run)
+    }
+
+    /// Takes back the cgroups of a run whose processes are all gone, for
+    /// reuse; removes them when enough are spare or one is not empty.
+    pub fn recycle(&self, run: &RunCgroup) {
+        let mut spares = self.spares();
+        if spares.len() < SPARES && !run.populated() {
+            spares.push(run.clone());
+        } else {
+            drop(spares);
+            run.remove();
+        }
+    }
+
+    /// Removes this supervisor's directories (each must be empty).
+    pub fn remove(&self) {
+        for run in std::mem::take(&mut *self.spares()) {
+            run.remove();
+        }
+        for base in self.bases() {
+            if let Err(e) = fs::remove_dir(base) {
+                tracing::warn!(cgroup = %base.display(), error = %e, "cannot remove the supervisor's cgroup");
+            }
+        }
+    }
+}
+
+impl Drop for Cgroups {
+    fn drop(&mut self) {
+        // Best effort: a supervisor dropped without a shutdown may still
+        // have runs; the next agent clears those.
+        for run in std::mem::take(&mut *self.spares()) {
+            for dir in run.dirs() {
+                let _ = fs::remove_dir(dir);
+            }
+        }
+        for base in self.bases() {
+            let _ = fs::remove_dir(base);
+        }
+    }
+}
+
+/// Enables the v2 memory controller for `base`'s children. The agent's own
+/// cgroup may hold processes only while no controller is enabled below it
+/// ("no internal processes"), so the agent first moves into a leaf of its
+/// own (`agent`).
+fn enable_v2_memory(own: &Path, base: &Path) -> bool {
+    let offers = |dir: &Path| {
+        fs::read_to_string(dir.join("cgroup.controllers"))
+            .is_ok_and(|c| c.split_whitespace().any(|x| x == "memory"))
+    };
+    if !offers(own) {
+        return false;
+    }
+    let control = own.join("cgroup.subtree_control");
+    if write(&control, "+memory").is_err() {
+        let leaf = own.join("agent");
+        let moved = make_dir(&leaf).and_then(|()| write(&leaf.join("cgroup.procs"), "0"));
+        if let Err(e) = moved.and_then(|()| write(&control, "+memory")) {
+            tracing::debug!(error = %e, "cannot enable the v2 memory controller");
+            return false;
+        }
+    }
+    write(&base.join("cgroup.subtree_control"), "+memory").is_ok()
+}
+
+/// Kills and removes what agents that are gone left below `own`.
+fn clear_dead_agents(own: &Path) {
+    let Ok(entries) = fs::read_dir(own) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(BASE_PREFIX))
+            .and_then(|rest| rest.split('-').next()?.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        if pid == std::process::id() as i32 || Path::new(&format!("/proc/{pid}")).exists() {
+            continue;
+        }
+        let base = entry.path();
+        let runs = fs::read_dir(&base).into_iter().flatten().flatten();
+        for run in runs.filter(|r| r.path().is_dir()) {
+            let left = RunCgroup::at(run.path());
+            let killed = left.members().len();
+            left.kill_all();
+            if !left.wait_empty(Duration::from_secs(2)) {
+                tracing::warn!(cgroup = %run.path().display(), "a dead agent's instance would not die");
+            }
+            left.remove();
+            tracing::info!(cgroup = %run.path().display(), processes = killed, "cleared a dead agent's instance cgroup");
+        }
+        let _ = fs::remove_dir(&base);
+    }
+}
+
+/// The cgroups of one run of an instance.
+#[derive(Debug, Clone)]
+pub struct RunCgroup {
+    v2: Option<PathBuf>,
+    v2_memory: bool,
+    v1_memory: Option<PathBuf>,
+    limit: Option<u64>,
+    /// OOM kills counted before this run (a reused cgroup keeps its count).
+    oom_base: u64,
+}
+
+fn read_count(path: &Path, key: &str) -> u64 {
+    fs::read_to_string(path)
         .ok()
         .and_then(|t| {
-            t.lines()
-                .find_map(|l| l.strip_prefix("0::").map(str::to_string))
+            t.lines().find_map(|l| {
+                let (k, v) = l.split_once(' ')?;
+                (k == key).then(|| v.trim().parse().ok())?
+            })
         })
-        .unwrap_or_else(|| "/".into());
-    let dir = format!("/sys/fs/cgroup{}", own.trim_end_matches('/'));
-    let writable = nix::unistd::access(
-        format!("{dir}/cgroup.subtree_control").as_str(),
-        nix::unistd::AccessFlags::W_OK,
-    )
-    .is_ok();
-    if writable {
-        CgroupSupport::Delegated(dir)
-    } else {
-        CgroupSupport::NotDelegated(dir)
+        .unwrap_or(0)
+}
+
+impl RunCgroup {
+    /// A run cgroup found on disk (in a v2 or v1 hierarchy).
+    fn at(dir: PathBuf) -> Self {
+        let v2 = dir.join("cgroup.kill").exists() || dir.join("cgroup.events").exists();
+        Self {
+            v2: v2.then(|| dir.clone()),
+            v2_memory: false,
+            v1_memory: (!v2).then_some(dir),
+            limit: None,
+            oom_base: 0,
+        }
+    }
+
+    fn dirs(&self) -> impl Iterator<Item = &PathBuf> {
+        self.v2.iter().chain(self.v1_memory.iter())
+    }
+
+    /// The memory limit set, if any.
+    pub fn limit(&self) -> Option<u64> {
+        self.limit.filter(|_| self.v2_memory || self.v1_memory.is_some())
+    }
+
+    /// The `cgroup.procs` files, opened for the child to write itself into.
+    pub fn procs_files(&self) -> io::Result<Vec<OwnedFd>> {
+        self.dirs()
+            .map(|d| {
+                let path = d.join("cgroup.procs");
+                fs::OpenOptions::new()
+                    .write(true)
+                    .open(&path)
+                    .map(OwnedFd::from)
+                    .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", path.display())))
+            })
+            .collect()
+    }
+
+    /// Every process in the run's cgroup (wherever it moved its group or
+    /// session to).
+    pub fn members(&self) -> Vec<i32> {
+        let Some(dir) = self.dirs().next() else {
+            return Vec::new();
+        };
+        fs::read_to_string(dir.join("cgroup.procs"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .collect()
+    }
+
+    /// Sends `signal` to every member.
+    pub fn signal_all(&self, signal: nix::sys::signal::Signal) {
+        for pid in self.members() {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), signal);
+        }
+    }
+
+    /// SIGKILL to every member: `cgroup.kill` on v2 (which no fork can
+    /// race), member by member on v1.
+    pub fn kill_all(&self) {
+        if !self.populated() {
+            return;
+        }
+        if let Some(v2) = &self.v2
+            && write(&v2.join("cgroup.kill"), "1").is_ok()
+        {
+            return;
+        }
+        self.signal_all(nix::sys::signal::Signal::SIGKILL);
+    }
+
+    /// Whether any process is left.
+    pub fn populated(&self) -> bool {
+        match &self.v2 {
+            Some(v2) => read_count(&v2.join("cgroup.events"), "populated") > 0,
+            None => !self.members().is_empty(),
+        }
+    }
+
+    /// Kills until empty, waiting at most `bound`; true when empty.
+    pub fn wait_empty(&self, bound: Duration) -> bool {
+        let deadline = std::time::Instant::now() + bound;
+        let mut pause = Duration::from_micros(200);
+        while self.populated() {
+            if std::time::Instant::now() >= deadline {
+                return false;
+            }
+            self.kill_all();
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(20));
+        }
+        true
+    }
+
+    /// OOM kills inside this run so far.
+    pub fn oom_kills(&self) -> u64 {
+        self.oom_count().saturating_sub(self.oom_base)
+    }
+
+    /// OOM kills the cgroups have counted since they were made.
+    fn oom_count(&self) -> u64 {
+        let v2 = self
+            .v2
+            .as_ref()
+            .filter(|_| self.v2_memory)
+            .map_or(0, |d| read_count(&d.join("memory.events"), "oom_kill"));
+        let v1 = self
+            .v1_memory
+            .as_ref()
+            .map_or(0, |d| read_count(&d.join("memory.oom_control"), "oom_kill"));
+        v2.max(v1)
+    }
+
+    /// Removes the run's directories (they must be empty).
+    pub fn remove(&self) {
+        for dir in self.dirs() {
+            if let Err(e) = fs::remove_dir(dir) {
+                tracing::warn!(cgroup = %dir.display(), error = %e, "cannot remove an instance cgroup");
+            }
+        }
     }
 }
 
-/// Logs once per process how instances are contained.
-pub fn report_once() {
-    static ONCE: Once = Once::new();
-    ONCE.call_once(|| match detect() {
-        CgroupSupport::NotUnified => tracing::info!(
-            "cgroup v2 is not mounted at /sys/fs/cgroup (v1 or hybrid): instances are contained by process groups"
-        ),
-        CgroupSupport::NotDelegated(dir) => tracing::info!(
-            cgroup = %dir,
-            "cgroup v2 subtree is not delegated to the agent: instances are contained by process groups"
-        ),
-        CgroupSupport::Delegated(dir) => tracing::info!(
-            cgroup = %dir,
-            "cgroup v2 is delegated, but per-instance cgroups are not implemented yet: instances are contained by process groups"
-        ),
-    });
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_both_hierarchies_of_a_hybrid_machine() {
+        let mountinfo = "\
+30 25 0:26 / /sys/fs/cgroup rw - tmpfs tmpfs rw,mode=755
+35 30 0:31 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory
+36 30 0:32 / /sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu
+41 30 0:37 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw";
+        let cgroup = "4:memory:/box/a1\n1:cpu:/\n0::/svc/agent.service\n";
+        let h = Hierarchies::parse(mountinfo, cgroup);
+        assert_eq!(
+            h.v2.as_deref(),
+            Some(Path::new("/sys/fs/cgroup/unified/svc/agent.service"))
+        );
+        assert_eq!(
+            h.v1_memory.as_deref(),
+            Some(Path::new("/sys/fs/cgroup/memory/box/a1"))
+        );
+    }
+
+    #[test]
+    fn a_namespaced_mount_root_is_stripped() {
+        let mountinfo = "50 40 0:40 /kubepods/pod1 /sys/fs/cgroup rw - cgroup2 cgroup2 rw";
+        let h = Hierarchies::parse(mountinfo, "0::/kubepods/pod1/c\n");
+        assert_eq!(h.v2.as_deref(), Some(Path::new("/sys/fs/cgroup/c")));
+        assert_eq!(h.v1_memory, None);
+        let root = Hierarchies::parse(mountinfo, "0::/kubepods/pod1\n");
+        assert_eq!(root.v2.as_deref(), Some(Path::new("/sys/fs/cgroup")));
+    }
+
+    #[test]
+    fn counts_are_read_by_key() {
+        let dir = tempfile_dir();
+        let f = dir.join("memory.events");
+        fs::write(&f, "low 0\nhigh 0\nmax 3\noom 1\noom_kill 2\n").expect("write");
+        assert_eq!(read_count(&f, "oom_kill"), 2);
+        assert_eq!(read_count(&f, "oom"), 1);
+        assert_eq!(read_count(&f, "missing"), 0);
+        let _ = fs::remove_dir_all(dir);
+    }
+
+    fn tempfile_dir() -> PathBuf {
+        let d = std::env::temp_dir().join(format!("resident-cg-{}", std::process::id()));
+        fs::create_dir_all(&d).expect("temp dir");
+        d
+    }
 }

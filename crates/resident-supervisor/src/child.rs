@@ -32,6 +32,8 @@ pub struct Prepared {
     envp: Vec<CString>,
     cwd: Option<CString>,
     user: Option<(u32, u32)>,
+    /// `cgroup.procs` of each cgroup the child joins before it execs.
+    cgroups: Vec<OwnedFd>,
 }
 
 fn c_string(s: impl AsRef<[u8]>, what: &str) -> io::Result<CString> {
@@ -103,7 +105,13 @@ impl Prepared {
             envp,
             cwd,
             user,
+            cgroups: Vec::new(),
         })
+    }
+
+    /// Has the child join the cgroups whose `cgroup.procs` these are.
+    pub fn join_cgroups(&mut self, procs: Vec<OwnedFd>) {
+        self.cgroups = procs;
     }
 }
 
@@ -140,6 +148,7 @@ pub fn clone_exec(p: &Prepared) -> io::Result<Spawned> {
         stdout: out_w.as_raw_fd(),
         stderr: err_w.as_raw_fd(),
         report: report_w.as_raw_fd(),
+        cgroups: [0, 1].map(|i| p.cgroups.get(i).map_or(-1, |f| f.as_raw_fd())),
     };
     let parent = nix::unistd::getpid().as_raw();
     let program = p.program.as_ptr();
@@ -189,6 +198,8 @@ struct ChildFds {
     stdout: RawFd,
     stderr: RawFd,
     report: RawFd,
+    /// `cgroup.procs` files to write `0` (this process) to; -1: none.
+    cgroups: [RawFd; 2],
 }
 
 /// The child between clone and exec.
@@ -214,6 +225,12 @@ unsafe fn child_main(
         };
         if libc::setpgid(0, 0) != 0 {
             return fail(fds);
+        }
+        // Into the instance's cgroups before anything of the server runs.
+        for fd in fds.cgroups.into_iter().filter(|fd| *fd >= 0) {
+            if libc::write(fd, b"0".as_ptr().cast(), 1) != 1 {
+                return fail(fds);
+            }
         }
         if libc::dup2(fds.stdin, 0) < 0
             || libc::dup2(fds.stdout, 1) < 0

@@ -10,6 +10,7 @@ use nix::sys::signal::Signal;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::{Instant, sleep, timeout};
 
+use crate::cgroup::{Cgroups, RunCgroup};
 use crate::child::Child;
 use crate::logs::{LogRing, Stream};
 use crate::spawn::{self, Ports, signal_group};
@@ -37,6 +38,25 @@ pub(crate) struct Shared {
     pub(crate) logs: Arc<LogRing>,
     /// The running group's id, 0 when none (read by the memory sampler).
     pub(crate) pgid: AtomicI32,
+    /// The running process's cgroup, if it has one (read by the sampler).
+    pub(crate) cgroup: std::sync::Mutex<Option<Arc<RunCgroup>>>,
+}
+
+impl Shared {
+    pub(crate) fn cgroup(&self) -> Option<Arc<RunCgroup>> {
+        self.cgroup.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn set_cgroup(&self, cg: Option<Arc<RunCgroup>>) {
+        *self.cgroup.lock().unwrap_or_else(|e| e.into_inner()) = cg;
+    }
+}
+
+/// One run of the process: the child, its group and its cgroup.
+struct Run {
+    child: Child,
+    pgid: i32,
+    cgroup: Option<Arc<RunCgroup>>,
 }
 
 impl Shared {
@@ -69,6 +89,8 @@ pub(crate) struct Actor {
     pub(crate) shared: Arc<Shared>,
     pub(crate) stops: mpsc::Receiver<StopRequest>,
     pub(crate) ports: Arc<Ports>,
+    /// Where runs get their cgroups; `None`: process groups only.
+    pub(crate) cgroups: Option<Arc<Cgroups>>,
     /// The tasks reading the current run's stdout and stderr.
     pub(crate) readers: Vec<tokio::task::JoinHandle<()>>,
 }
@@ -83,16 +105,16 @@ impl Actor {
     async fn lifecycle(&mut self) {
         let mut consecutive = 0u32;
         loop {
-            let Some((mut child, pgid)) = self.spawn().await else {
+            let Some(mut run) = self.spawn().await else {
                 return;
             };
             let started = Instant::now();
-            let end = match self.until_ready(&mut child).await {
+            let end = match self.until_ready(&mut run.child).await {
                 Ok(()) => {
                     self.shared.transition(State::Ready, "ready".into(), |_| {});
                     tokio::select! {
                         req = self.stops.recv() => End::Stop(req),
-                        status = child.wait() => End::Exited(exit_of(status)),
+                        status = run.child.wait() => End::Exited(exit_of(status)),
                     }
                 }
                 Err(end) => end,
@@ -100,27 +122,26 @@ impl Actor {
             let exit = match end {
                 End::Stop(req) => {
                     let grace = req.as_ref().map_or(self.spec.stop_grace, |r| r.grace);
-                    let exit = self.terminate(&mut child, pgid, grace).await;
-                    self.drain_logs().await;
-                    self.finish(State::Exited, format!("stopped ({exit})"), Some(exit));
+                    let exit = self.terminate(&mut run, grace).await;
+                    let oom = self.end_run(&run).await;
+                    self.finish(State::Exited, format!("stopped ({exit}{oom})"), Some(exit));
                     return reply(req);
                 }
                 End::NotReady => {
-                    let exit = self.terminate(&mut child, pgid, self.spec.stop_grace).await;
-                    self.drain_logs().await;
+                    let exit = self.terminate(&mut run, self.spec.stop_grace).await;
+                    let oom = self.end_run(&run).await;
                     let limit = self.spec.readiness_timeout;
                     self.finish(
                         State::Failed,
-                        format!("not ready within {limit:?}"),
+                        format!("not ready within {limit:?}{oom}"),
                         Some(exit),
                     );
                     return;
                 }
                 End::Exited(exit) => exit,
             };
-            clear_leftovers(pgid).await;
-            self.drain_logs().await;
-            self.shared.pgid.store(0, Ordering::Relaxed);
+            clear_leftovers(run.pgid, run.cgroup.as_deref()).await;
+            let oom = self.end_run(&run).await;
             let policy = self.spec.restart;
             if started.elapsed() >= policy.stable_after {
                 consecutive = 0;
@@ -131,16 +152,16 @@ impl Actor {
                 } else {
                     State::Failed
                 };
-                return self.finish(state, exit.to_string(), Some(exit));
+                return self.finish(state, format!("{exit}{oom}"), Some(exit));
             }
             if consecutive >= policy.max_restarts {
-                let reason = format!("gave up after {consecutive} restarts: {exit}");
+                let reason = format!("gave up after {consecutive} restarts: {exit}{oom}");
                 return self.finish(State::Failed, reason, Some(exit));
             }
             let delay = policy.delay(consecutive);
             consecutive += 1;
             let reason = format!(
-                "{exit}; restart {consecutive} of {} in {delay:?}",
+                "{exit}{oom}; restart {consecutive} of {} in {delay:?}",
                 policy.max_restarts
             );
             self.shared.transition(State::Backoff, reason, |s| {
@@ -159,7 +180,7 @@ impl Actor {
     }
 
     /// Spawns the process and publishes STARTING; FAILED when it cannot.
-    async fn spawn(&mut self) -> Option<(Child, i32)> {
+    async fn spawn(&mut self) -> Option<Run> {
         let spec = &self.spec;
         let macros = Macros {
             port: self.port,
@@ -168,13 +189,30 @@ impl Actor {
             role: &spec.role,
         };
         let program = spec.argv.first().cloned().unwrap_or_default();
-        let spawned = match command(spec, &macros) {
+        let cgroup = match self.make_cgroup().await {
+            Ok(cg) => cg,
+            Err(e) => {
+                let reason = format!("cannot make the cgroup of {program:?}: {e}");
+                self.finish(State::Failed, reason, None);
+                return None;
+            }
+        };
+        let prepared = command(spec, &macros).and_then(|mut cmd| {
+            if let Some(cg) = &cgroup {
+                cmd.join_cgroups(cg.procs_files()?);
+            }
+            Ok(cmd)
+        });
+        let spawned = match prepared {
             Ok(cmd) => spawn::spawn(cmd).await,
             Err(e) => Err(e),
         };
         let mut child = match spawned {
             Ok(child) => child,
             Err(e) => {
+                if let (Some(cg), Some(cgroups)) = (cgroup, &self.cgroups) {
+                    cgroups.recycle(&cg);
+                }
                 self.finish(
                     State::Failed,
                     format!("cannot start {program:?}: {e}"),
@@ -187,6 +225,7 @@ impl Actor {
         let pid = child.id().unwrap_or_default();
         let pgid = pid as i32;
         self.shared.pgid.store(pgid, Ordering::Relaxed);
+        self.shared.set_cgroup(cgroup.clone());
         if let Some(out) = child.stdout.take() {
             self.readers.push(tokio::spawn(
                 self.shared.logs.clone().capture(Stream::Stdout, out),
@@ -202,7 +241,45 @@ impl Actor {
                 s.pid = Some(pid);
                 s.started_at = Some(std::time::SystemTime::now());
             });
-        Some((child, pgid))
+        Some(Run {
+            child,
+            pgid,
+            cgroup,
+        })
+    }
+
+    /// The cgroup of the next run (made on a blocking thread: mkdir of a
+    /// cgroup can take the kernel a while).
+    async fn make_cgroup(&self) -> std::io::Result<Option<Arc<RunCgroup>>> {
+        let Some(cgroups) = self.cgroups.clone() else {
+            return Ok(None);
+        };
+        let limit = self.spec.memory_limit;
+        tokio::task::spawn_blocking(move || cgroups.create(limit))
+            .await
+            .map_err(std::io::Error::other)?
+            .map(|cg| Some(Arc::new(cg)))
+    }
+
+    /// After a run's processes are gone: reads its output to the end,
+    /// hands its cgroup back, and says whether the OOM killer ended it (a
+    /// text to append to the reason, empty when not).
+    async fn end_run(&mut self, run: &Run) -> String {
+        self.drain_logs().await;
+        self.shared.pgid.store(0, Ordering::Relaxed);
+        self.shared.set_cgroup(None);
+        let (Some(cg), Some(cgroups)) = (&run.cgroup, &self.cgroups) else {
+            self.shared.status.send_modify(|s| s.oom_killed = false);
+            return String::new();
+        };
+        let (kills, limit) = (cg.oom_kills(), cg.limit());
+        cgroups.recycle(cg);
+        self.shared.status.send_modify(|s| s.oom_killed = kills > 0);
+        match (kills, limit) {
+            (0, _) => String::new(),
+            (_, Some(bytes)) => format!(", OOM-killed at its memory limit of {bytes} bytes"),
+            (_, None) => ", OOM-killed".into(),
+        }
     }
 
     /// Ok once ready; otherwise how the run ended first.
@@ -219,20 +296,28 @@ impl Actor {
 
     /// SIGTERM (and SIGCONT, so a stopped process can act on it) to the
     /// group, `grace`, then SIGKILL; returns once the group is gone.
-    async fn terminate(&mut self, child: &mut Child, pgid: i32, grace: Duration) -> Exit {
+    async fn terminate(&mut self, run: &mut Run, grace: Duration) -> Exit {
         let reason = format!("stopping: SIGTERM, SIGKILL after {grace:?}");
         self.shared.transition(State::Stopping, reason, |_| {});
-        let _ = signal_group(pgid, Signal::SIGTERM);
-        let _ = signal_group(pgid, Signal::SIGCONT);
-        let exit = match timeout(grace, child.wait()).await {
+        let cg = run.cgroup.as_deref();
+        for signal in [Signal::SIGTERM, Signal::SIGCONT] {
+            let _ = signal_group(run.pgid, signal);
+            if let Some(cg) = cg {
+                cg.signal_all(signal);
+            }
+        }
+        let exit = match timeout(grace, run.child.wait()).await {
             Ok(status) => exit_of(status),
             Err(_) => {
-                tracing::info!(instance_id = %self.spec.instance, pid = pgid, "grace over, killing the group");
-                let _ = signal_group(pgid, Signal::SIGKILL);
-                exit_of(child.wait().await)
+                tracing::info!(instance_id = %self.spec.instance, pid = run.pgid, "grace over, killing the group");
+                let _ = signal_group(run.pgid, Signal::SIGKILL);
+                if let Some(cg) = cg {
+                    cg.kill_all();
+                }
+                exit_of(run.child.wait().await)
             }
         };
-        clear_leftovers(pgid).await;
+        clear_leftovers(run.pgid, cg).await;
         exit
     }
 
@@ -249,6 +334,7 @@ impl Actor {
 
     fn finish(&self, state: State, reason: String, exit: Option<Exit>) {
         self.shared.pgid.store(0, Ordering::Relaxed);
+        self.shared.set_cgroup(None);
         self.shared.transition(state, reason, |s| {
             s.pid = None;
             s.measured_bytes = 0;
@@ -269,17 +355,24 @@ fn exit_of(status: std::io::Result<std::process::ExitStatus>) -> Exit {
     status.map(Exit::from).unwrap_or(Exit::Code(-1))
 }
 
-/// Kills whatever is left of group `pgid` (helpers the leader forked) and
-/// waits, bounded, until no member exists. Signal 0 probes the group
-/// without a scan of `/proc`.
-pub(crate) async fn clear_leftovers(pgid: i32) {
+/// Kills whatever is left of group `pgid` and of the run's cgroup
+/// (helpers the leader forked, and with a cgroup also those that left the
+/// group) and waits, bounded, until none is left.
+pub(crate) async fn clear_leftovers(pgid: i32, cgroup: Option<&RunCgroup>) {
     if pgid <= 1 {
         return;
     }
-    let _ = signal_group(pgid, Signal::SIGKILL);
     let deadline = Instant::now() + LEFTOVER_BOUND;
-    let mut pause = Duration::from_millis(1);
-    while group_exists(pgid) && Instant::now() < deadline {
+    let mut pause = Duration::from_micros(500);
+    loop {
+        let _ = signal_group(pgid, Signal::SIGKILL);
+        if let Some(cg) = cgroup {
+            cg.kill_all();
+        }
+        let left = group_exists(pgid) || cgroup.is_some_and(RunCgroup::populated);
+        if !left || Instant::now() >= deadline {
+            return;
+        }
         sleep(pause).await;
         pause = (pause * 2).min(Duration::from_millis(50));
     }

@@ -22,5 +22,6 @@ mod supervisor;
 
 pub use logs::{LogLimits, LogLine, LogRing, Stream};
 pub use spec::{LaunchSpec, MACROS, Macros, Readiness, RestartMode, RestartPolicy};
+pub use cgroup::CgroupMode;
 pub use status::{Exit, State, Status};
 pub use supervisor::{Supervisor, SupervisorConfig, SupervisorError};

@@ -104,6 +104,9 @@ pub struct LaunchSpec {
     pub restart: RestartPolicy,
     /// SIGTERM to SIGKILL.
     pub stop_grace: Duration,
+    /// The most memory its cgroup may hold, where cgroups can limit
+    /// memory; `None`: no limit.
+    pub memory_limit: Option<u64>,
     /// An opaque tag the caller chooses (an incarnation number), echoed in
     /// every status, so that a late event of an earlier run of the same id
     /// can be told apart.
@@ -128,6 +131,7 @@ impl LaunchSpec {
             readiness_timeout: Duration::from_secs(120),
             restart: RestartPolicy::default(),
             stop_grace: Duration::from_secs(10),
+            memory_limit: None,
             generation: 0,
         }
     }

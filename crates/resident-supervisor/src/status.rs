@@ -128,4 +128,6 @@ pub struct Status {
     pub generation: u64,
     /// When the current (or last) process was spawned.
     pub started_at: Option<std::time::SystemTime>,
+    /// Whether the OOM killer ended the last run (in its cgroup).
+    pub oom_killed: bool,
 }

@@ -10,6 +10,7 @@ use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinSet;
 
+use crate::cgroup::{CgroupMode, Cgroups};
 use crate::instance::{Actor, Shared, StopRequest};
 use crate::logs::{LogLimits, LogRing};
 use crate::spawn::Ports;
@@ -23,6 +24,8 @@ pub struct SupervisorConfig {
     pub sample_every: Duration,
     /// Bounds of each instance's log ring.
     pub logs: LogLimits,
+    /// Whether instances get cgroups of their own.
+    pub cgroups: CgroupMode,
 }
 
 impl Default for SupervisorConfig {
@@ -30,6 +33,7 @@ impl Default for SupervisorConfig {
         Self {
             sample_every: Duration::from_secs(2),
             logs: LogLimits::default(),
+            cgroups: CgroupMode::Auto,
         }
     }
 }
@@ -70,6 +74,7 @@ struct Inner {
     ports: Arc<Ports>,
     events: mpsc::UnboundedSender<Status>,
     closing: std::sync::atomic::AtomicBool,
+    cgroups: Option<Arc<Cgroups>>,
 }
 
 /// Runs instances as child processes. Cheap to clone; all clones share one
@@ -84,13 +89,18 @@ impl Supervisor {
     /// A supervisor publishing transitions on `events`. Must be called
     /// within a tokio runtime (it starts the memory sampler).
     pub fn new(config: SupervisorConfig, events: mpsc::UnboundedSender<Status>) -> Self {
-        crate::cgroup::report_once();
+        let cgroups = Cgroups::setup(config.cgroups).map(Arc::new);
+        tracing::info!(
+            "instances are contained by {}",
+            crate::cgroup::describe(cgroups.as_deref())
+        );
         let inner = Arc::new(Inner {
             config,
             instances: Mutex::new(HashMap::new()),
             ports: Arc::new(Ports::default()),
             events,
             closing: std::sync::atomic::AtomicBool::new(false),
+            cgroups,
         });
         tokio::spawn(sample_memory(Arc::downgrade(&inner), config.sample_every));
         Self { inner }
@@ -141,6 +151,7 @@ impl Supervisor {
                 reason: "accepted".into(),
                 generation: spec.generation,
                 started_at: None,
+                oom_killed: false,
             };
             let (status_tx, status_rx) = watch::channel(status.clone());
             let shared = Arc::new(Shared {
@@ -148,6 +159,7 @@ impl Supervisor {
                 events: self.inner.events.clone(),
                 logs: old_logs.unwrap_or_else(|| LogRing::new(self.inner.config.logs)),
                 pgid: AtomicI32::new(0),
+                cgroup: Mutex::new(None),
             });
             let _ = self.inner.events.send(status);
             let (stops_tx, stops_rx) = mpsc::channel(4);
@@ -158,6 +170,7 @@ impl Supervisor {
                 shared: shared.clone(),
                 stops: stops_rx,
                 ports: self.inner.ports.clone(),
+                cgroups: self.inner.cgroups.clone(),
                 readers: Vec::new(),
             };
             table.insert(
@@ -261,6 +274,24 @@ impl Supervisor {
             stops.spawn(async move { me.stop(&id, None).await });
         }
         while stops.join_next().await.is_some() {}
+        if let Some(cg) = &self.inner.cgroups {
+            cg.remove();
+        }
+    }
+
+    /// Whether instances get cgroups that can limit their memory.
+    pub fn limits_memory(&self) -> bool {
+        self.inner.cgroups.as_ref().is_some_and(|c| c.limits_memory())
+    }
+
+    /// Whether instances get cgroups at all.
+    pub fn uses_cgroups(&self) -> bool {
+        self.inner.cgroups.is_some()
+    }
+
+    /// Whether instances get cgroups, and where: a line for operators.
+    pub fn containment(&self) -> String {
+        crate::cgroup::describe(self.inner.cgroups.as_deref())
     }
 }
 
@@ -286,9 +317,8 @@ async fn sample_memory(inner: Weak<Inner>, every: Duration) {
         if groups.is_empty() {
             continue;
         }
-        let pgids: Vec<i32> = groups.iter().map(|(p, _)| *p).collect();
-        let Ok(sums) = tokio::task::spawn_blocking(move || crate::procfs::group_rss(&pgids)).await
-        else {
+        let measure = groups.clone();
+        let Ok(sums) = tokio::task::spawn_blocking(move || measure_all(&measure)).await else {
             continue;
         };
         for (pgid, shared) in groups {
@@ -299,4 +329,24 @@ async fn sample_memory(inner: Weak<Inner>, every: Duration) {
             }
         }
     }
+}
+
+/// Resident bytes per running instance, keyed by group id: the members of
+/// its cgroup where it has one (escapees from the group included), else
+/// the members of its process group (one scan of `/proc` for all).
+fn measure_all(groups: &[(i32, Arc<Shared>)]) -> HashMap<i32, u64> {
+    let mut sums = HashMap::new();
+    let mut by_group = Vec::new();
+    for (pgid, shared) in groups {
+        match shared.cgroup() {
+            Some(cg) => {
+                sums.insert(*pgid, crate::procfs::rss_of(&cg.members()));
+            }
+            None => by_group.push(*pgid),
+        }
+    }
+    if !by_group.is_empty() {
+        sums.extend(crate::procfs::group_rss(&by_group));
+    }
+    sums
 }

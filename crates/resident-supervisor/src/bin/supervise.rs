@@ -2,6 +2,7 @@
 //! stops it gracefully. Prints `pid=N` once the child is spawned.
 //!
 //! Usage: `resident-supervise [--ready-http PATH] -- PROGRAM [ARGS...]`
+//! (`RESIDENT_CGROUPS=off` contains it by process group only).
 //!
 //! Handy to try the supervisor by hand, and the tests use it as an agent
 //! they can kill -9.
@@ -30,7 +31,14 @@ async fn main() {
     }
     spec.stop_grace = Duration::from_secs(5);
     let (events, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    let sup = Supervisor::new(SupervisorConfig::default(), events);
+    let config = SupervisorConfig {
+        cgroups: match std::env::var("RESIDENT_CGROUPS").as_deref() {
+            Ok("off") => resident_supervisor::CgroupMode::Off,
+            _ => resident_supervisor::CgroupMode::Auto,
+        },
+        ..SupervisorConfig::default()
+    };
+    let sup = Supervisor::new(config, events);
     tokio::spawn(async move {
         while let Some(s) = rx.recv().await {
             eprintln!("{} {} {}", s.instance, s.state, s.reason);

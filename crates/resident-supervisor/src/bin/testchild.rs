@@ -6,6 +6,10 @@
 //! - `ignore-term`: ignore SIGTERM from now on
 //! - `grandchild`: fork a child that sleeps forever in the same group,
 //!   and print its pid as `grandchild=PID`
+//! - `escapee`: fork a child that leaves the group (`setsid()`) and
+//!   sleeps forever, and print its pid as `escapee=PID`
+//! - `escapee-alloc=MB`: the same, and the escapee allocates MB first
+//! - `setsid`: start a new session (leave the process group)
 //! - `alloc=MB`: allocate and touch MB megabytes, keep them
 //! - `http=PATH,LOADING_MS`: serve `GET PATH` on 127.0.0.1:$PORT, 503
 //!   for LOADING_MS, 200 after; never returns
@@ -28,7 +32,14 @@ fn main() {
             "sleep" => std::thread::sleep(Duration::from_millis(value.parse().unwrap_or(0))),
             "exit" => std::process::exit(value.parse().unwrap_or(1)),
             "ignore-term" => ignore_term(),
-            "grandchild" => grandchild(),
+            "grandchild" => grandchild(&["forever"], "grandchild"),
+            "escapee" => grandchild(&["setsid", "forever"], "escapee"),
+            "escapee-alloc" => {
+                grandchild(&["setsid", &format!("alloc={value}"), "forever"], "escapee")
+            }
+            "setsid" => {
+                let _ = nix::unistd::setsid();
+            }
             "alloc" => kept.push(touch(value.parse().unwrap_or(0))),
             "http" => serve(value),
             "flood" => flood(value),
@@ -61,12 +72,12 @@ fn ignore_term() {
     }
 }
 
-fn grandchild() {
+fn grandchild(steps: &[&str], label: &str) {
     let mut child = std::process::Command::new(std::env::current_exe().expect("own path"))
-        .arg("forever")
+        .args(steps)
         .spawn()
         .expect("fork a grandchild");
-    println!("grandchild={}", child.id());
+    println!("{label}={}", child.id());
     // Not waited for: it must outlive this step.
     let _ = child.stdin.take();
     std::mem::forget(child);

@@ -143,3 +143,47 @@ where
 pub fn alive(pid: i32) -> bool {
     resident_supervisor::procfs::stat(pid).is_some_and(|s| s.state != 'Z' && s.state != 'X')
 }
+
+/// Waits (bounded) until instance `id` logs exactly `line`.
+pub async fn logged_line(sup: &Supervisor, id: &str, line: &str) {
+    let logs = sup.logs(id).expect("a log");
+    let seen = eventually(PATIENCE, || {
+        std::future::ready(logs.tail(50).iter().any(|l| l.line == line))
+    })
+    .await;
+    assert!(seen, "{id} never logged {line:?}");
+}
+
+/// Waits (bounded) until instance `id` logs a line `KEY=N`; returns N.
+pub async fn logged_number(sup: &Supervisor, id: &str, key: &str) -> i32 {
+    let logs = sup.logs(id).expect("a log");
+    let prefix = format!("{key}=");
+    let mut found = None;
+    let seen = eventually(PATIENCE, || {
+        found = logs
+            .tail(50)
+            .iter()
+            .find_map(|l| l.line.strip_prefix(&prefix)?.parse::<i32>().ok());
+        std::future::ready(found.is_some())
+    })
+    .await;
+    assert!(seen, "{id} never logged {key}=N");
+    found.expect("found above")
+}
+
+/// Whether this test process can make cgroups (root, a writable
+/// hierarchy). Tests of cgroup behaviour say so and return early where it
+/// cannot: a plain user on a laptop still runs the rest of the suite.
+pub fn cgroups_usable() -> bool {
+    let h = resident_supervisor::cgroup::Hierarchies::of_self();
+    let writable = |d: &Option<std::path::PathBuf>| {
+        d.as_ref().is_some_and(|d| {
+            nix::unistd::access(d.as_path(), nix::unistd::AccessFlags::W_OK).is_ok()
+        })
+    };
+    let usable = writable(&h.v2) || writable(&h.v1_memory);
+    if !usable {
+        eprintln!("NOTE: no writable cgroup hierarchy here; this cgroup test checks nothing");
+    }
+    usable
+}

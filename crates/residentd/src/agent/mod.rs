@@ -79,6 +79,7 @@ impl Agent {
         let (tx, rx) = mpsc::unbounded_channel();
         let sup_config = SupervisorConfig {
             sample_every: config.node.sample_every,
+            cgroups: config.node.cgroups,
             ..SupervisorConfig::default()
         };
         let ledger = NodeState::new(config.pool_configs(), config.groups.clone());
@@ -337,7 +338,7 @@ impl Agent {
             )));
         }
         let config = self.config();
-        let spec = w.launch(id, generation, config.node.run_as.as_ref());
+        let spec = w.launch(id, generation, &config.node);
         match self.sup.start(spec).await {
             // Failed with no exit: the process never ran (spawn error). A
             // process that ran and already exited is reported as it is.

@@ -30,6 +30,7 @@ fn instance_json(i: &pb::Instance) -> Value {
         "port": i.port,
         "exit_code": i.exit_code,
         "exit_signal": i.exit_signal,
+        "oom_killed": i.oom_killed,
         "restarts": i.restarts,
         "declared_bytes": declared(i),
         "measured_bytes": i.measured_bytes,

@@ -1,0 +1,179 @@
+//! Per-instance cgroups on the real machine: a process that leaves its
+//! group (`setsid()`) is still stopped with its instance, a run over its
+//! memory limit is OOM-killed and reported, and the cgroups a killed agent
+//! left are cleared by the next one.
+
+mod support;
+
+use std::io::BufRead as _;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use resident_supervisor::{CgroupMode, State, SupervisorConfig, procfs};
+use support::*;
+
+fn with_cgroups(mode: CgroupMode) -> Harness {
+    Harness::with(SupervisorConfig {
+        cgroups: mode,
+        ..SupervisorConfig::default()
+    })
+}
+
+#[tokio::test]
+async fn an_escaped_helper_dies_with_its_instance() {
+    if !cgroups_usable() {
+        return;
+    }
+    let h = with_cgroups(CgroupMode::Auto);
+    assert!(h.sup.uses_cgroups(), "{}", h.sup.containment());
+    let status = h
+        .sup
+        .start(child("runner", &["escapee", "forever"]))
+        .await
+        .expect("starts");
+    let pgid = status.pid.expect("a pid") as i32;
+    let escapee = logged_number(&h.sup, "runner", "escapee").await;
+    let left_group = eventually(PATIENCE, || {
+        std::future::ready(procfs::stat(escapee).is_some_and(|s| s.pgrp != pgid))
+    })
+    .await;
+    assert!(left_group, "the helper left the instance's process group");
+    h.sup.stop("runner", None).await.expect("stops");
+    assert!(!alive(escapee), "the escaped helper {escapee} outlived its instance");
+}
+
+#[tokio::test]
+async fn without_cgroups_an_escaped_helper_survives() {
+    // The other side of the test above: it shows that the cgroup, not the
+    // process group, is what caught the helper.
+    let h = with_cgroups(CgroupMode::Off);
+    assert!(!h.sup.uses_cgroups());
+    h.sup
+        .start(child("runner", &["escapee", "forever"]))
+        .await
+        .expect("starts");
+    let escapee = logged_number(&h.sup, "runner", "escapee").await;
+    let escaped = eventually(PATIENCE, || {
+        std::future::ready(procfs::stat(escapee).is_some_and(|s| s.pgrp == escapee))
+    })
+    .await;
+    assert!(escaped, "the helper leads a session of its own");
+    h.sup.stop("runner", None).await.expect("stops");
+    let survived = alive(escapee);
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(escapee),
+        nix::sys::signal::Signal::SIGKILL,
+    );
+    assert!(survived, "process groups alone cannot contain a setsid()");
+}
+
+#[tokio::test]
+async fn a_run_over_its_memory_limit_is_oom_killed_and_reported() {
+    if !cgroups_usable() {
+        return;
+    }
+    let mut h = with_cgroups(CgroupMode::Auto);
+    if !h.sup.limits_memory() {
+        eprintln!("NOTE: no memory controller to write to: {}", h.sup.containment());
+        return;
+    }
+    let mut spec = child("hog", &["alloc=256", "forever"]);
+    spec.memory_limit = Some(128 << 20);
+    h.sup.start(spec).await.expect("starts");
+    let failed = h.until_any("hog", &[State::Failed, State::Exited]).await;
+    assert_eq!(failed.state, State::Failed, "{}", failed.reason);
+    assert!(failed.oom_killed, "{failed:?}");
+    assert_eq!(failed.exit.map(|e| e.code()), Some(128 + 9));
+    assert!(
+        failed
+            .reason
+            .contains(&format!("OOM-killed at its memory limit of {} bytes", 128 << 20)),
+        "{}",
+        failed.reason
+    );
+    // Under the limit, the same program runs.
+    let mut spec = child("fits", &["alloc=64", "print=done", "forever"]);
+    spec.memory_limit = Some(128 << 20);
+    h.sup.start(spec).await.expect("starts");
+    logged_line(&h.sup, "fits", "done").await;
+    let stopped = h.sup.stop("fits", None).await.expect("stops");
+    assert!(!stopped.oom_killed, "{stopped:?}");
+}
+
+#[tokio::test]
+async fn memory_counts_processes_that_left_the_group() {
+    if !cgroups_usable() {
+        return;
+    }
+    let h = Harness::with(SupervisorConfig {
+        sample_every: Duration::from_millis(50),
+        ..SupervisorConfig::default()
+    });
+    // The escapee allocates; the leader holds almost nothing.
+    h.sup
+        .start(child("split", &["escapee-alloc=100", "forever"]))
+        .await
+        .expect("starts");
+    logged_number(&h.sup, "split", "escapee").await;
+    let measured = h
+        .sup
+        .wait_for("split", |s| s.measured_bytes >= 100 << 20)
+        .await;
+    let stopped = h.sup.stop("split", None).await.expect("stops");
+    assert!(
+        measured.is_some(),
+        "measured {} bytes, the escapee holds 100 MB",
+        stopped.measured_bytes
+    );
+}
+
+#[tokio::test]
+async fn the_next_agent_clears_what_a_killed_agent_left_in_its_cgroups() {
+    if !cgroups_usable() {
+        return;
+    }
+    let agent_bin = env!("CARGO_BIN_EXE_resident-supervise");
+    let mut agent = Command::new(agent_bin)
+        .args(["--", TESTCHILD, "escapee", "forever"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start the agent");
+    // The tool prints only the leader's pid; the escapee is found in /proc.
+    let mut line = String::new();
+    std::io::BufReader::new(agent.stdout.take().expect("piped"))
+        .read_line(&mut line)
+        .expect("the agent reports its child");
+    let leader: i32 = line
+        .trim()
+        .strip_prefix("pid=")
+        .and_then(|p| p.parse().ok())
+        .expect(&line);
+    let mut escapee = None;
+    let found = eventually(PATIENCE, || {
+        escapee = procfs::scan()
+            .into_iter()
+            .find(|s| s.pid != leader && s.pgrp == s.pid && parent_of(s.pid) == Some(leader))
+            .map(|s| s.pid);
+        std::future::ready(escapee.is_some())
+    })
+    .await;
+    assert!(found, "the child's escaped helper appeared");
+    let escapee = escapee.expect("found above");
+    agent.kill().expect("kill -9 the agent");
+    agent.wait().expect("reap the agent");
+    // The parent-death signal takes the leader; the escapee has none.
+    let leader_gone = eventually(PATIENCE, || std::future::ready(!alive(leader))).await;
+    assert!(leader_gone);
+    assert!(alive(escapee), "nothing but a cgroup holds the escapee now");
+    // A new supervisor finds the dead agent's cgroups and clears them.
+    let h = with_cgroups(CgroupMode::Auto);
+    assert!(h.sup.uses_cgroups());
+    assert!(!alive(escapee), "the escapee {escapee} survived the next agent's start");
+}
+
+fn parent_of(pid: i32) -> Option<i32> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &text[text.rfind(')')? + 1..];
+    rest.split_whitespace().nth(1)?.parse().ok()
+}
