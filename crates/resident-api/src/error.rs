@@ -39,6 +39,12 @@ pub enum ApiError {
     /// The caller's request was abandoned (e.g. stopped while pending).
     #[error("{0}")]
     Aborted(String),
+    /// The caller may not make this call (not in the node's allowlist).
+    #[error("{0}")]
+    PermissionDenied(String),
+    /// A limit of the agent is reached (`max_instances`).
+    #[error("{0}")]
+    LimitReached(String),
     /// Something the agent could not do (a spawn that failed, I/O).
     #[error("{0}")]
     Internal(String),
@@ -153,6 +159,8 @@ impl From<ApiError> for Status {
             ApiError::Unavailable(m) => Status::unavailable(m),
             ApiError::Aborted(m) => Status::aborted(m),
             ApiError::Internal(m) => Status::internal(m),
+            ApiError::PermissionDenied(m) => Status::permission_denied(m),
+            ApiError::LimitReached(m) => Status::resource_exhausted(m),
         }
     }
 }

@@ -59,6 +59,31 @@ pub struct NodeConfig {
     /// Added to an instance's declared host-memory footprint to make its
     /// cgroup memory limit (`memory_slack`).
     pub memory_slack: u64,
+    /// The group that owns the Unix socket (`socket_group`), resolved.
+    pub socket_group: Option<(String, u32)>,
+    /// Callers allowed to change state over the Unix socket (Start, Stop,
+    /// Touch), by uid or gid; both empty: anyone who can open the socket.
+    pub allow: Allowlist,
+    /// The most instances that may hold memory at once.
+    pub max_instances: usize,
+}
+
+/// Who may call the mutating RPCs.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Allowlist {
+    /// Allowed uids.
+    pub uids: Vec<u32>,
+    /// Allowed gids (the caller's primary gid, as the socket reports it).
+    pub gids: Vec<u32>,
+}
+
+impl Allowlist {
+    /// Whether a caller with `uid` and `gid` may change state.
+    pub fn permits(&self, uid: u32, gid: u32) -> bool {
+        (self.uids.is_empty() && self.gids.is_empty())
+            || self.uids.contains(&uid)
+            || self.gids.contains(&gid)
+    }
 }
 
 /// The PEM files of `[node.tls]`, read when the config loads.
@@ -175,6 +200,9 @@ pub struct Config {
     pub groups: Groups,
     /// `[[workload]]` by name.
     pub workloads: BTreeMap<String, Arc<Workload>>,
+    /// What is allowed but unwise (a workload that would run as root), for
+    /// the operator to read at start and in `--check-config`.
+    pub warnings: Vec<String>,
 }
 
 impl Config {
@@ -184,7 +212,8 @@ impl Config {
     }
 }
 
-/// Reads and validates the file at `path`.
+/// Reads and validates the file at `path`, including that every
+/// workload's program exists, is executable and is not world-writable.
 pub fn load(path: &Path) -> Result<Config, ConfigError> {
     let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
         file: path.to_path_buf(),
@@ -192,10 +221,16 @@ pub fn load(path: &Path) -> Result<Config, ConfigError> {
         key: String::new(),
         message: format!("cannot read: {e}"),
     })?;
-    parse(path, &text)
+    parse_checked(path, &text)
 }
 
-/// Validates `text`, reporting errors against `file`.
+/// Validates `text`, reporting errors against `file`. Programs are not
+/// looked up: the text may describe another machine.
 pub fn parse(file: &Path, text: &str) -> Result<Config, ConfigError> {
-    validate::validate(file, text)
+    validate::validate(file, text, false)
+}
+
+/// As `parse`, and checks the programs on this machine, as `load` does.
+pub fn parse_checked(file: &Path, text: &str) -> Result<Config, ConfigError> {
+    validate::validate(file, text, true)
 }

@@ -43,6 +43,12 @@ pub struct Node {
     pub memory_recovery: Option<Spanned<String>>,
     pub cgroups: Option<Spanned<String>>,
     pub memory_slack: Option<Spanned<Quantity>>,
+    pub socket_group: Option<Spanned<String>>,
+    #[serde(default)]
+    pub allow_uids: Vec<u32>,
+    #[serde(default)]
+    pub allow_gids: Vec<u32>,
+    pub max_instances: Option<Spanned<u32>>,
     pub tls: Option<Spanned<Tls>>,
 }
 

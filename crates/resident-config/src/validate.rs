@@ -20,7 +20,7 @@ use crate::{Config, ConfigError, Listen, NodeConfig, PoolDef, TlsFiles, User, Wo
 
 type Result<T> = std::result::Result<T, ConfigError>;
 
-pub(crate) fn validate(file: &Path, text: &str) -> Result<Config> {
+pub(crate) fn validate(file: &Path, text: &str, check_programs: bool) -> Result<Config> {
     let src = Source { file, text };
     let doc: raw::Document = toml::from_str(text).map_err(|e| ConfigError {
         file: file.to_path_buf(),
@@ -32,13 +32,71 @@ pub(crate) fn validate(file: &Path, text: &str) -> Result<Config> {
     let pools = pools(&src, &doc.pool)?;
     let workloads = workloads(&src, &doc.workload, &pools)?;
     let groups = groups(&src, &doc.group, &workloads)?;
+    if check_programs {
+        for w in &doc.workload {
+            let name = spanned_str(&w.get_ref().name);
+            let command = &w.get_ref().command;
+            program(command.get_ref())
+                .map_err(|m| src.err(command.span(), format!("workload[{name}].command"), m))?;
+        }
+    }
+    let warnings = root_warnings(&node, &workloads);
     Ok(Config {
         source: file.to_path_buf(),
         node,
         pools,
         groups,
         workloads,
+        warnings,
     })
+}
+
+/// Checks that the program of `argv` (a path, or a name on the agent's
+/// PATH) is a file this agent may execute and that nobody else may
+/// replace: not writable by everyone.
+fn program(argv: &[String]) -> std::result::Result<(), String> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let Some(program) = argv.first() else {
+        return Err("empty command".into());
+    };
+    let path = if program.contains('/') {
+        PathBuf::from(program)
+    } else {
+        let dirs = std::env::var("PATH").unwrap_or_else(|_| "/usr/local/bin:/usr/bin:/bin".into());
+        dirs.split(':')
+            .filter(|d| !d.is_empty())
+            .map(|d| Path::new(d).join(program))
+            .find(|p| p.is_file())
+            .ok_or_else(|| format!("program {program:?} is not on PATH"))?
+    };
+    let meta = std::fs::metadata(&path).map_err(|e| format!("program {}: {e}", path.display()))?;
+    if !meta.is_file() {
+        return Err(format!("program {} is not a file", path.display()));
+    }
+    if nix::unistd::access(&path, nix::unistd::AccessFlags::X_OK).is_err() {
+        return Err(format!("program {} is not executable", path.display()));
+    }
+    if meta.permissions().mode() & 0o002 != 0 {
+        return Err(format!(
+            "program {} is writable by every user: anyone could replace what the agent runs",
+            path.display()
+        ));
+    }
+    Ok(())
+}
+
+/// Workloads that would run as root while the agent is root.
+fn root_warnings(node: &NodeConfig, workloads: &BTreeMap<String, Arc<Workload>>) -> Vec<String> {
+    if !nix::unistd::geteuid().is_root() {
+        return Vec::new();
+    }
+    workloads
+        .iter()
+        .filter(|(_, w)| w.run_as.as_ref().or(node.run_as.as_ref()).is_none_or(|u| u.uid == 0))
+        .map(|(name, _)| {
+            format!("workload[{name}] would run as root: set run_as (in [node] or on the workload) to a user of its own")
+        })
+        .collect()
 }
 
 fn spanned_str(s: &Spanned<String>) -> &str {
@@ -98,6 +156,27 @@ fn node(src: &Source<'_>, n: &Spanned<raw::Node>) -> Result<NodeConfig> {
         None => 1_000_000_000,
         Some(q) => bytes(src, q, "node.memory_slack")?,
     };
+    let socket_group = match &n.socket_group {
+        None => None,
+        Some(g) => {
+            let found = nix::unistd::Group::from_name(g.get_ref()).ok().flatten();
+            let group = found.ok_or_else(|| {
+                src.err(
+                    g.span(),
+                    "node.socket_group",
+                    format!("no group {:?} on this machine", g.get_ref()),
+                )
+            })?;
+            Some((g.get_ref().clone(), group.gid.as_raw()))
+        }
+    };
+    let max_instances = match &n.max_instances {
+        None => 256,
+        Some(m) if *m.get_ref() == 0 => {
+            return Err(src.err(m.span(), "node.max_instances", "must be at least 1"));
+        }
+        Some(m) => *m.get_ref() as usize,
+    };
     Ok(NodeConfig {
         name: name.to_string(),
         listen,
@@ -115,6 +194,12 @@ fn node(src: &Source<'_>, n: &Spanned<raw::Node>) -> Result<NodeConfig> {
         tls,
         cgroups,
         memory_slack,
+        socket_group,
+        allow: crate::Allowlist {
+            uids: n.allow_uids.clone(),
+            gids: n.allow_gids.clone(),
+        },
+        max_instances,
     })
 }
 

@@ -129,7 +129,10 @@ fn main() {
         let [floor, forked, groups, cgroups] = cols.map(|c| c.map(median));
         let ratio = |a: Duration, b: Duration| a.as_secs_f64() / b.as_secs_f64();
         println!("{CHILDREN} children of {PROGRAM}, median of {rounds} rounds, side by side");
-        println!("containment of the cgroup column: {}", by_cgroup.containment());
+        println!(
+            "containment of the cgroup column: {}",
+            by_cgroup.containment()
+        );
         println!(
             "{:<26}{:>12}{:>12}{:>8}{:>12}{:>8}{:>12}{:>8}",
             "", "floor", "floor+fork", "ratio", "pgroups", "ratio", "cgroups", "ratio"

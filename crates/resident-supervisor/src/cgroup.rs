@@ -142,10 +142,7 @@ fn make_dir(path: &Path) -> io::Result<()> {
     match fs::create_dir(path) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
-        Err(e) => Err(io::Error::new(
-            e.kind(),
-            format!("{}: {e}", path.display()),
-        )),
+        Err(e) => Err(io::Error::new(e.kind(), format!("{}: {e}", path.display()))),
     }
 }
 
@@ -351,7 +348,9 @@ fn clear_dead_agents(own: &Path) {
                 tracing::warn!(cgroup = %run.path().display(), "a dead agent's instance would not die");
             }
             left.remove();
-            tracing::info!(cgroup = %run.path().display(), processes = killed, "cleared a dead agent's instance cgroup");
+            if killed > 0 {
+                tracing::info!(cgroup = %run.path().display(), processes = killed, "killed what a dead agent left in an instance cgroup");
+            }
         }
         let _ = fs::remove_dir(&base);
     }
@@ -399,7 +398,8 @@ impl RunCgroup {
 
     /// The memory limit set, if any.
     pub fn limit(&self) -> Option<u64> {
-        self.limit.filter(|_| self.v2_memory || self.v1_memory.is_some())
+        self.limit
+            .filter(|_| self.v2_memory || self.v1_memory.is_some())
     }
 
     /// The `cgroup.procs` files, opened for the child to write itself into.

@@ -44,7 +44,10 @@ pub(crate) struct Shared {
 
 impl Shared {
     pub(crate) fn cgroup(&self) -> Option<Arc<RunCgroup>> {
-        self.cgroup.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.cgroup
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     fn set_cgroup(&self, cg: Option<Arc<RunCgroup>>) {

@@ -20,8 +20,8 @@ mod spec;
 mod status;
 mod supervisor;
 
+pub use cgroup::CgroupMode;
 pub use logs::{LogLimits, LogLine, LogRing, Stream};
 pub use spec::{LaunchSpec, MACROS, Macros, Readiness, RestartMode, RestartPolicy};
-pub use cgroup::CgroupMode;
 pub use status::{Exit, State, Status};
 pub use supervisor::{Supervisor, SupervisorConfig, SupervisorError};

@@ -281,7 +281,10 @@ impl Supervisor {
 
     /// Whether instances get cgroups that can limit their memory.
     pub fn limits_memory(&self) -> bool {
-        self.inner.cgroups.as_ref().is_some_and(|c| c.limits_memory())
+        self.inner
+            .cgroups
+            .as_ref()
+            .is_some_and(|c| c.limits_memory())
     }
 
     /// Whether instances get cgroups at all.

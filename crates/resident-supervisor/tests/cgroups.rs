@@ -39,7 +39,10 @@ async fn an_escaped_helper_dies_with_its_instance() {
     .await;
     assert!(left_group, "the helper left the instance's process group");
     h.sup.stop("runner", None).await.expect("stops");
-    assert!(!alive(escapee), "the escaped helper {escapee} outlived its instance");
+    assert!(
+        !alive(escapee),
+        "the escaped helper {escapee} outlived its instance"
+    );
 }
 
 #[tokio::test]
@@ -74,7 +77,10 @@ async fn a_run_over_its_memory_limit_is_oom_killed_and_reported() {
     }
     let mut h = with_cgroups(CgroupMode::Auto);
     if !h.sup.limits_memory() {
-        eprintln!("NOTE: no memory controller to write to: {}", h.sup.containment());
+        eprintln!(
+            "NOTE: no memory controller to write to: {}",
+            h.sup.containment()
+        );
         return;
     }
     let mut spec = child("hog", &["alloc=256", "forever"]);
@@ -85,9 +91,10 @@ async fn a_run_over_its_memory_limit_is_oom_killed_and_reported() {
     assert!(failed.oom_killed, "{failed:?}");
     assert_eq!(failed.exit.map(|e| e.code()), Some(128 + 9));
     assert!(
-        failed
-            .reason
-            .contains(&format!("OOM-killed at its memory limit of {} bytes", 128 << 20)),
+        failed.reason.contains(&format!(
+            "OOM-killed at its memory limit of {} bytes",
+            128 << 20
+        )),
         "{}",
         failed.reason
     );
@@ -169,7 +176,10 @@ async fn the_next_agent_clears_what_a_killed_agent_left_in_its_cgroups() {
     // A new supervisor finds the dead agent's cgroups and clears them.
     let h = with_cgroups(CgroupMode::Auto);
     assert!(h.sup.uses_cgroups());
-    assert!(!alive(escapee), "the escapee {escapee} survived the next agent's start");
+    assert!(
+        !alive(escapee),
+        "the escapee {escapee} survived the next agent's start"
+    );
 }
 
 fn parent_of(pid: i32) -> Option<i32> {

@@ -37,6 +37,9 @@ fn main() -> ExitCode {
     if let Some(path) = &args.check_config {
         return match resident_config::load(path) {
             Ok(c) => {
+                for w in &c.warnings {
+                    eprintln!("residentd: warning: {w}");
+                }
                 println!(
                     "{}: valid ({} pools, {} workloads)",
                     path.display(),
@@ -56,7 +59,12 @@ fn main() -> ExitCode {
         None => default_config(),
     };
     let config = match config {
-        Ok(c) => c,
+        Ok(c) => {
+            for w in &c.warnings {
+                tracing::warn!("{w}");
+            }
+            c
+        }
         Err(e) => {
             eprintln!("residentd: {e}");
             return ExitCode::from(EX_CONFIG);
@@ -99,7 +107,8 @@ fn default_config() -> Result<resident_config::Config, resident_config::ConfigEr
         })
         .join("residentd");
     let text = residentd::DEFAULT_CONFIG.replace("@RUNTIME_DIR@", &dir.display().to_string());
-    let config = resident_config::parse(std::path::Path::new("<embedded laptop example>"), &text)?;
+    let config =
+        resident_config::parse_checked(std::path::Path::new("<embedded laptop example>"), &text)?;
     eprintln!(
         "residentd: running the embedded laptop example; socket {}",
         dir.join("residentd.sock").display()
@@ -112,7 +121,10 @@ fn init_logging(json: bool) {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        // Escape codes only for a person at a terminal, not for journald
+        // or a log file.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     if json {
         builder.json().init();
     } else {

@@ -24,10 +24,13 @@ const DRAIN: Duration = Duration::from_secs(3);
 /// Largest request or response message, in bytes.
 const MAX_MESSAGE: usize = 4 << 20;
 
+/// Most concurrent streams (calls) on one client connection.
+pub const MAX_STREAMS: u32 = 256;
+
 /// Binds the Unix socket at `path`: creates the directory, removes a stale
 /// socket left by a dead agent, refuses to steal a live one, and sets the
 /// mode to 0660.
-pub fn bind_unix(path: &Path) -> anyhow::Result<UnixListener> {
+pub fn bind_unix(path: &Path, group: Option<&(String, u32)>) -> anyhow::Result<UnixListener> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
@@ -43,6 +46,10 @@ pub fn bind_unix(path: &Path) -> anyhow::Result<UnixListener> {
         UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
         .with_context(|| format!("setting the mode of {}", path.display()))?;
+    if let Some((name, gid)) = group {
+        std::os::unix::fs::chown(path, None, Some(*gid))
+            .with_context(|| format!("giving {} to group {name}", path.display()))?;
+    }
     Ok(listener)
 }
 
@@ -64,7 +71,7 @@ pub async fn serve(agent: Arc<Agent>) -> anyhow::Result<()> {
     let service = NodeAgentServer::new(Service::new(agent.clone()))
         .max_decoding_message_size(MAX_MESSAGE)
         .max_encoding_message_size(MAX_MESSAGE);
-    let mut builder = Server::builder();
+    let mut builder = Server::builder().max_concurrent_streams(MAX_STREAMS);
     if let (Listen::Tcp(_), Some(tls)) = (&config.node.listen, &config.node.tls) {
         // Client certificates are required: a client without one, or with
         // one from another CA, fails the handshake.
@@ -125,7 +132,7 @@ pub async fn serve(agent: Arc<Agent>) -> anyhow::Result<()> {
     start_watchdog();
     match &config.node.listen {
         Listen::Unix(path) => {
-            let listener = bind_unix(path)?;
+            let listener = bind_unix(path, config.node.socket_group.as_ref())?;
             tracing::info!(socket = %path.display(), node = %config.node.name, "serving");
             let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
             router

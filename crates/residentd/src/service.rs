@@ -62,6 +62,48 @@ fn workload_name(field: &str, value: &str) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// Who is calling, as the Unix socket reports it (SO_PEERCRED): uid, gid
+/// and pid. None over TCP, where the client certificate is the identity.
+fn peer<T>(req: &Request<T>) -> Option<(u32, u32, Option<i32>)> {
+    let info = req
+        .extensions()
+        .get::<tonic::transport::server::UdsConnectInfo>()?;
+    let cred = info.peer_cred?;
+    Some((cred.uid(), cred.gid(), cred.pid()))
+}
+
+impl Service {
+    /// Logs who makes a mutating call and checks the node's allowlist.
+    /// Touch is frequent (every use of a model), so it logs at debug.
+    fn authorize<T>(&self, req: &Request<T>, rpc: &'static str) -> Result<(), Status> {
+        let Some((uid, gid, pid)) = peer(req) else {
+            let addr = req.remote_addr();
+            tracing::debug!(rpc, peer = ?addr, "mutating call over TCP (mutual TLS)");
+            return Ok(());
+        };
+        let pid = pid.unwrap_or(0);
+        if rpc == "Touch" {
+            tracing::debug!(rpc, uid, gid, pid, "caller");
+        } else {
+            tracing::info!(rpc, uid, gid, pid, "caller");
+        }
+        if self.agent.config().node.allow.permits(uid, gid) {
+            return Ok(());
+        }
+        tracing::warn!(
+            rpc,
+            uid,
+            gid,
+            pid,
+            "refused: caller not in allow_uids / allow_gids"
+        );
+        Err(ApiError::PermissionDenied(format!(
+            "{rpc} is not allowed for uid {uid} gid {gid}: not in the node's allow_uids or allow_gids"
+        ))
+        .into())
+    }
+}
+
 /// A required instance id, validated.
 fn instance_id(field: &str, value: &str) -> Result<InstanceId, ApiError> {
     InstanceId::new(value).map_err(|e| ApiError::invalid(field, e.to_string()))
@@ -74,6 +116,7 @@ impl pb::node_agent_server::NodeAgent for Service {
         req: Request<pb::StartRequest>,
     ) -> Result<Response<pb::StartResponse>, Status> {
         let _timer = self.agent.metrics().time("Start");
+        self.authorize(&req, "Start")?;
         let r = req.into_inner();
         let mut bad = Vec::new();
         if let Err(ApiError::InvalidArgument(v)) = workload_name("workload", &r.workload) {
@@ -121,6 +164,7 @@ impl pb::node_agent_server::NodeAgent for Service {
         req: Request<pb::StopRequest>,
     ) -> Result<Response<pb::StopResponse>, Status> {
         let _timer = self.agent.metrics().time("Stop");
+        self.authorize(&req, "Stop")?;
         let r = req.into_inner();
         let id = instance_id("instance_id", &r.instance_id)?;
         let grace = (r.grace_ms > 0).then(|| Duration::from_millis(r.grace_ms));
@@ -165,6 +209,7 @@ impl pb::node_agent_server::NodeAgent for Service {
         req: Request<pb::TouchRequest>,
     ) -> Result<Response<pb::Instance>, Status> {
         let _timer = self.agent.metrics().time("Touch");
+        self.authorize(&req, "Touch")?;
         let r = req.into_inner();
         let id = instance_id("instance_id", &r.instance_id)?;
         let _span = tracing::info_span!("touch", instance_id = %id).entered();

@@ -247,6 +247,14 @@ impl Agent {
                 );
                 return Err(ApiError::AlreadyExists(msg));
             }
+            let max = config.node.max_instances;
+            if books.ledger.resident(id.as_str()).is_none()
+                && books.ledger.residents().count() >= max
+            {
+                return Err(ApiError::LimitReached(format!(
+                    "the node already holds max_instances = {max} instances; stop one first"
+                )));
+            }
             match books
                 .ledger
                 .admit(&id, w.spec.clone(), policy, self.now_ms())
@@ -426,6 +434,9 @@ impl Agent {
     pub fn reload(&self) -> Result<(), resident_config::ConfigError> {
         let old = self.config();
         let new = resident_config::load(&old.source)?;
+        for w in &new.warnings {
+            tracing::warn!("{w}");
+        }
         if new.node.listen != old.node.listen || new.node.state_dir != old.node.state_dir {
             tracing::warn!("listen and state_dir changes take effect at the next restart");
         }
