@@ -1,0 +1,425 @@
+//! Chaos against the real agent: seeded random operations from several
+//! clients while children are killed, stopped and continued, crash during
+//! readiness and restart under mixed policies; then, at quiescence, the
+//! books must equal what runs. And a kill -9 of the agent in the middle of
+//! a start storm.
+//!
+//! `CHAOS_SEED=N cargo test -p residentd --test chaos` replays a run; the
+//! seed is printed at the start and in every failure.
+
+mod support;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use resident_api::pb;
+use support::*;
+use tokio_stream::StreamExt as _;
+
+const OPS: usize = 500;
+const CLIENTS: usize = 4;
+const IDS: usize = 12;
+const GB: u64 = 1_000_000_000;
+
+/// A small deterministic generator (xorshift64*), so a seed replays.
+#[derive(Clone)]
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+fn seed() -> u64 {
+    std::env::var("CHAOS_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(20261130)
+}
+
+/// Workloads with every restart policy; the pool fits about three.
+fn roster() -> String {
+    let pool = "[[pool]]\nname = \"ram\"\nbudget = \"10GB\"\n\n";
+    let w = |name: &str, gb: u64, command: &str, extra: &str| {
+        format!(
+            "[[workload]]\nname = \"{name}\"\ncommand = {command}\nstop_grace = \"1s\"\n{extra}\n[workload.memory.ram]\nweights = \"{gb}GB\"\n"
+        )
+    };
+    let restart = |policy: &str, max: u32| {
+        format!(
+            "[workload.restart]\npolicy = \"{policy}\"\nmax_restarts = {max}\nbackoff = \"20ms\"\nbackoff_max = \"100ms\"\n"
+        )
+    };
+    let mut text = pool.to_string();
+    text += &w(
+        "steady",
+        3,
+        "[\"/bin/sleep\", \"3600\"]",
+        &restart("on-failure", 50),
+    );
+    text += &w(
+        "always",
+        2,
+        "[\"/bin/sleep\", \"3600\"]",
+        &restart("always", 50),
+    );
+    // Crashes a moment after it starts; gives up after two restarts.
+    text += &w(
+        "crashy",
+        2,
+        "[\"/bin/sh\", \"-c\", \"sleep 0.05; exit 3\"]",
+        &restart("on-failure", 2),
+    );
+    // Exits during its readiness probe: nothing ever listens on its port.
+    text += &w(
+        "never-ready",
+        1,
+        "[\"/bin/sh\", \"-c\", \"sleep 0.1; exit 1\"]",
+        &format!(
+            "{}[workload.readiness]\ntcp = true\ntimeout = \"2s\"\n",
+            restart("never", 0)
+        ),
+    );
+    text
+}
+
+const WORKLOADS: [(&str, u64); 4] = [
+    ("steady", 3),
+    ("always", 2),
+    ("crashy", 2),
+    ("never-ready", 1),
+];
+
+/// Every event a watcher received, and every pid it saw.
+#[derive(Default)]
+struct Seen {
+    revisions: Vec<u64>,
+    pids: BTreeSet<i32>,
+    last_state: BTreeMap<String, i32>,
+}
+
+fn watch_all(
+    mut client: pb::node_agent_client::NodeAgentClient<tonic::transport::Channel>,
+    seen: Arc<Mutex<Seen>>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut since = 0;
+        loop {
+            let Ok(stream) = client
+                .watch(pb::WatchRequest {
+                    since_revision: since,
+                })
+                .await
+            else {
+                return;
+            };
+            let mut stream = stream.into_inner();
+            while let Some(item) = stream.next().await {
+                let Ok(e) = item else { break };
+                since = e.revision;
+                let mut s = seen.lock().expect("seen");
+                s.revisions.push(e.revision);
+                if let Some(i) = e.instance {
+                    if i.pid != 0 {
+                        s.pids.insert(i.pid as i32);
+                    }
+                    s.last_state.insert(i.instance_id, i.state);
+                }
+            }
+        }
+    })
+}
+
+/// What the clients did, to show the run exercised something.
+#[derive(Default, Debug)]
+struct Tally {
+    admitted: usize,
+    refused: usize,
+    stopped: usize,
+    killed: usize,
+    paused: usize,
+}
+
+async fn client_ops(socket: std::path::PathBuf, mut rng: Rng, ops: usize) -> Tally {
+    let mut t = Tally::default();
+    let mut c = resident_api::connect_unix(&socket).await.expect("connect");
+    for _ in 0..ops {
+        // Spread the operations over the lifecycles they disturb.
+        tokio::time::sleep(Duration::from_millis(rng.below(8) as u64)).await;
+        let id = format!("i{}", rng.below(IDS));
+        let (workload, _) = WORKLOADS[rng.below(WORKLOADS.len())];
+        let policy = [pb::Policy::Refuse, pb::Policy::Evict][rng.below(2)] as i32;
+        match rng.below(10) {
+            0..=3 => {
+                let mut req = start_req(workload, &id);
+                req.on_full = policy;
+                // Refusals, ALREADY_EXISTS and aborted starts are all fine
+                // here; the books are checked at the end.
+                match c.start(req).await {
+                    Ok(r) if r.get_ref().created => t.admitted += 1,
+                    Err(e) if e.code() == tonic::Code::ResourceExhausted => t.refused += 1,
+                    _ => {}
+                }
+            }
+            4 => {
+                let grace_ms = [0, 50, 500][rng.below(3)];
+                if c.stop(pb::StopRequest {
+                    instance_id: id,
+                    grace_ms,
+                })
+                .await
+                .is_ok()
+                {
+                    t.stopped += 1;
+                }
+            }
+            5 => {
+                let _ = c
+                    .place(pb::PlaceRequest {
+                        workload: workload.into(),
+                        on_full: policy,
+                    })
+                    .await;
+            }
+            6 => {
+                let hold_ms = [0, 200][rng.below(2)];
+                let _ = c
+                    .touch(pb::TouchRequest {
+                        instance_id: id,
+                        hold_ms,
+                    })
+                    .await;
+            }
+            7 => {
+                if let Ok(i) = c.get(pb::GetRequest { instance_id: id }).await
+                    && i.get_ref().pid != 0
+                {
+                    let _ = kill(Pid::from_raw(i.get_ref().pid as i32), Signal::SIGKILL);
+                    t.killed += 1;
+                }
+            }
+            _ => {
+                if let Ok(i) = c.get(pb::GetRequest { instance_id: id }).await
+                    && i.get_ref().pid != 0
+                {
+                    let pid = Pid::from_raw(i.get_ref().pid as i32);
+                    let _ = kill(pid, Signal::SIGSTOP);
+                    tokio::time::sleep(Duration::from_millis(rng.below(20) as u64)).await;
+                    let _ = kill(pid, Signal::SIGCONT);
+                    t.paused += 1;
+                }
+            }
+        }
+    }
+    t
+}
+
+fn settled(state: i32) -> bool {
+    [pb::State::Ready, pb::State::Exited, pb::State::Failed]
+        .iter()
+        .any(|s| *s as i32 == state)
+}
+
+fn holds_memory(state: i32) -> bool {
+    !(state == pb::State::Exited as i32 || state == pb::State::Failed as i32)
+}
+
+/// Live processes whose parent is `parent`.
+fn children_of(parent: i32) -> BTreeSet<i32> {
+    resident_supervisor::procfs::scan()
+        .into_iter()
+        .filter(|s| parent_of(s.pid) == Some(parent))
+        .map(|s| s.pid)
+        .collect()
+}
+
+fn parent_of(pid: i32) -> Option<i32> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &text[text.rfind(')')? + 1..];
+    rest.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// Waits (bounded) until no instance is on its way anywhere; returns them.
+async fn quiescent(d: &mut Daemon, seed: u64) -> Vec<pb::Instance> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let list = d.client.list(pb::ListRequest {}).await.expect("list");
+        let list = list.into_inner().instances;
+        // A crashy instance is READY only until its next crash.
+        let crashing =
+            |i: &pb::Instance| i.workload == "crashy" && i.state == pb::State::Ready as i32;
+        if list.iter().all(|i| settled(i.state) && !crashing(i)) {
+            return list;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "seed {seed}: never quiescent: {list:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The books at quiescence: the pool holds exactly the footprints of the
+/// instances that hold memory, each such instance runs, and the agent has
+/// no other child.
+async fn check_books(d: &mut Daemon, seed: u64, budget: u64) -> Vec<pb::Instance> {
+    let list = quiescent(d, seed).await;
+    let declared: u64 = list
+        .iter()
+        .filter(|i| holds_memory(i.state))
+        .flat_map(|i| i.demand.iter())
+        .map(|dm| dm.weights_bytes + dm.kv_budget_bytes)
+        .sum();
+    let node = d.client.node(pb::NodeRequest {}).await.expect("node");
+    let used = node.into_inner().pools[0].used_bytes;
+    assert_eq!(used, declared, "seed {seed}: ledger vs instances {list:?}");
+    assert!(used <= budget, "seed {seed}: over budget");
+    let running: BTreeSet<i32> = list
+        .iter()
+        .filter(|i| holds_memory(i.state))
+        .map(|i| i.pid as i32)
+        .collect();
+    assert!(
+        !running.contains(&0),
+        "seed {seed}: a READY instance without a pid"
+    );
+    for pid in &running {
+        assert!(alive(*pid), "seed {seed}: READY pid {pid} is gone");
+    }
+    assert_eq!(
+        children_of(d.pid()),
+        running,
+        "seed {seed}: the agent's children are exactly its live instances"
+    );
+    list
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_operations_leave_the_books_straight() {
+    let seed = seed();
+    eprintln!("chaos seed {seed} (replay with CHAOS_SEED={seed})");
+    let mut d = Daemon::start(&roster()).await;
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let watcher = watch_all(d.client.clone(), seen.clone());
+    let mut rng = Rng(seed.max(1));
+    let clients: Vec<_> = (0..CLIENTS)
+        .map(|_| {
+            let child_rng = Rng(rng.next() | 1);
+            tokio::spawn(client_ops(d.socket.clone(), child_rng, OPS / CLIENTS))
+        })
+        .collect();
+    let mut total = Tally::default();
+    for c in clients {
+        let t = c.await.expect("a client panicked");
+        total.admitted += t.admitted;
+        total.refused += t.refused;
+        total.stopped += t.stopped;
+        total.killed += t.killed;
+        total.paused += t.paused;
+    }
+    eprintln!("seed {seed}: {total:?}");
+    // A run that did none of these tested nothing.
+    assert!(
+        total.admitted > 20 && total.killed > 3 && total.paused > 3,
+        "seed {seed}: too little happened: {total:?}"
+    );
+    let list = check_books(&mut d, seed, 10 * GB).await;
+
+    // The watcher saw every revision, in order, and ends where List is.
+    let node = d.client.node(pb::NodeRequest {}).await.expect("node");
+    drop(node);
+    let caught_up = eventually(PATIENCE, || {
+        let s = seen.lock().expect("seen");
+        list.iter()
+            .all(|i| s.last_state.get(&i.instance_id) == Some(&i.state))
+    })
+    .await;
+    let s = seen.lock().expect("seen");
+    assert!(
+        caught_up,
+        "seed {seed}: the watcher's last states differ from List"
+    );
+    let expected: Vec<u64> = (1..=s.revisions.len() as u64).collect();
+    assert_eq!(
+        s.revisions, expected,
+        "seed {seed}: revisions with a gap or out of order"
+    );
+    let pids = s.pids.clone();
+    drop(s);
+    watcher.abort();
+
+    // Everything stopped: nothing held, no process of any run left.
+    for i in &list {
+        let stop = pb::StopRequest {
+            instance_id: i.instance_id.clone(),
+            grace_ms: 0,
+        };
+        d.client.stop(stop).await.expect("stop");
+    }
+    let node = d.client.node(pb::NodeRequest {}).await.expect("node");
+    assert_eq!(node.into_inner().pools[0].used_bytes, 0, "seed {seed}");
+    let left: Vec<i32> = pids.into_iter().filter(|p| alive(*p)).collect();
+    assert!(left.is_empty(), "seed {seed}: processes left: {left:?}");
+    assert!(children_of(d.pid()).is_empty(), "seed {seed}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_during_a_start_storm_leaves_no_orphan_and_reserves_once() {
+    let pool = "[[pool]]\nname = \"ram\"\nbudget = \"100GB\"\n\n";
+    let mut d = Daemon::start(&format!("{pool}{}", sleeper("nap", "ram", 1, ""))).await;
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let watcher = watch_all(d.client.clone(), seen.clone());
+    let storm: Vec<_> = (0..CLIENTS)
+        .map(|c| {
+            let socket = d.socket.clone();
+            tokio::spawn(async move {
+                let mut client = resident_api::connect_unix(&socket).await.expect("connect");
+                for n in 0..20 {
+                    let id = format!("s{c}-{n}");
+                    if client.start(start_req("nap", &id)).await.is_err() {
+                        return; // the agent is gone
+                    }
+                }
+            })
+        })
+        .collect();
+    // Crash the agent once the storm is well under way.
+    let under_way = eventually(PATIENCE, || seen.lock().expect("seen").pids.len() >= 25).await;
+    assert!(under_way, "the storm got going");
+    let mut agent = d.child.take().expect("running");
+    agent.kill().expect("kill -9");
+    agent.wait().expect("reaped");
+    for s in storm {
+        s.await.expect("a client panicked");
+    }
+    watcher.abort();
+    let before = seen.lock().expect("seen").pids.clone();
+    let mut d = d.restart().await;
+    let list = check_books(&mut d, 0, 100 * GB).await;
+    // Nothing of the crashed run survives: every restored instance runs
+    // under a new pid.
+    let orphans: Vec<i32> = before.iter().copied().filter(|p| alive(*p)).collect();
+    assert!(
+        orphans.is_empty(),
+        "orphans of the crashed agent: {orphans:?}"
+    );
+    let ids: BTreeSet<&str> = list.iter().map(|i| i.instance_id.as_str()).collect();
+    assert_eq!(ids.len(), list.len(), "each instance once");
+    assert!(
+        list.len() >= 20,
+        "the journal brought back what was started: {}",
+        list.len()
+    );
+    assert!(list.iter().all(|i| i.state == pb::State::Ready as i32));
+}
