@@ -337,26 +337,25 @@ async fn random_operations_leave_the_books_straight() {
     let list = check_books(&mut d, seed, 10 * GB).await;
 
     // The watcher saw every revision, in order, and ends where List is.
-    let node = d.client.node(pb::NodeRequest {}).await.expect("node");
-    drop(node);
     let caught_up = eventually(PATIENCE, || {
         let s = seen.lock().expect("seen");
         list.iter()
             .all(|i| s.last_state.get(&i.instance_id) == Some(&i.state))
     })
     .await;
-    let s = seen.lock().expect("seen");
-    assert!(
-        caught_up,
-        "seed {seed}: the watcher's last states differ from List"
-    );
-    let expected: Vec<u64> = (1..=s.revisions.len() as u64).collect();
-    assert_eq!(
-        s.revisions, expected,
-        "seed {seed}: revisions with a gap or out of order"
-    );
-    let pids = s.pids.clone();
-    drop(s);
+    let pids = {
+        let s = seen.lock().expect("seen");
+        assert!(
+            caught_up,
+            "seed {seed}: the watcher's last states differ from List"
+        );
+        let expected: Vec<u64> = (1..=s.revisions.len() as u64).collect();
+        assert_eq!(
+            s.revisions, expected,
+            "seed {seed}: revisions with a gap or out of order"
+        );
+        s.pids.clone()
+    };
     watcher.abort();
 
     // Everything stopped: nothing held, no process of any run left.
