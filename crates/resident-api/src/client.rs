@@ -20,7 +20,16 @@ pub async fn connect_unix(
 /// A channel over the Unix socket at `path` (the URI's authority is only a
 /// placeholder; every connection goes to the socket).
 pub async fn channel_unix(path: PathBuf) -> Result<Channel, tonic::transport::Error> {
-    Endpoint::from_static("http://localhost")
+    endpoint_unix(Endpoint::from_static("http://localhost"), path).await
+}
+
+/// A channel over the Unix socket at `path` with the settings of
+/// `endpoint` (windows, timeouts); its URI is only a placeholder.
+pub async fn endpoint_unix(
+    endpoint: Endpoint,
+    path: PathBuf,
+) -> Result<Channel, tonic::transport::Error> {
+    endpoint
         .connect_with_connector(tower::service_fn(move |_: Uri| {
             let path = path.clone();
             async move { Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(path).await?)) }

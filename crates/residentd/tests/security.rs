@@ -223,3 +223,78 @@ async fn an_oversized_message_is_refused_and_the_agent_goes_on() {
     assert_eq!(err.code(), Code::OutOfRange, "{err:?}");
     d.started("nap", "after").await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watcher_that_does_not_read_is_cut_off_and_resumes_without_a_gap() {
+    use tokio_stream::StreamExt as _;
+    // Every start of "whale" is refused, and every refusal is an event.
+    let text = format!("{POOL}{}", sleeper("whale", "ram", 200, ""));
+    let mut d = Daemon::start(&text).await;
+    // A connection of its own with a small stream window, so the server's
+    // buffers, not the client's, fill up.
+    let endpoint = tonic::transport::Endpoint::from_static("http://localhost")
+        .initial_stream_window_size(Some(65_535));
+    let channel = resident_api::endpoint_unix(endpoint, d.socket.clone())
+        .await
+        .expect("connect");
+    let mut slow = pb::node_agent_client::NodeAgentClient::new(channel);
+    let mut stuck = slow
+        .watch(pb::WatchRequest { since_revision: 0 })
+        .await
+        .expect("watch")
+        .into_inner();
+    // Far more events than the agent buffers for one watcher; every call
+    // is answered while nobody reads the watch.
+    let events = 3000u64;
+    let refusals: Vec<_> = (0..4)
+        .map(|_| {
+            let mut c = d.client.clone();
+            tokio::spawn(async move {
+                for _ in 0..events / 4 {
+                    let err = c.start(start_req("whale", "")).await.expect_err("refused");
+                    assert_eq!(err.code(), Code::ResourceExhausted);
+                }
+            })
+        })
+        .collect();
+    for r in refusals {
+        r.await.expect("the refusing client");
+    }
+    // Now read: what was buffered, then the cut-off with its resume point.
+    let mut last = 0;
+    let cut = loop {
+        match tokio::time::timeout(PATIENCE, stuck.next()).await {
+            Ok(Some(Ok(e))) => {
+                assert_eq!(e.revision, last + 1, "in order, no gap");
+                last = e.revision;
+            }
+            Ok(Some(Err(status))) => break status,
+            Ok(None) => panic!("the stream ended without a status after {last}"),
+            Err(_) => panic!("the stream neither went on nor ended after {last}"),
+        }
+    };
+    assert_eq!(cut.code(), Code::ResourceExhausted, "{cut:?}");
+    assert!(last < events, "the slow watcher was cut off before the end");
+    assert!(
+        cut.message()
+            .contains(&format!("resume with since_revision = {last}")),
+        "{cut:?}"
+    );
+    let mut resumed = d
+        .client
+        .watch(pb::WatchRequest {
+            since_revision: last,
+        })
+        .await
+        .expect("resume")
+        .into_inner();
+    while last < events {
+        let e = tokio::time::timeout(PATIENCE, resumed.next())
+            .await
+            .expect("in time")
+            .expect("open")
+            .expect("ok");
+        assert_eq!(e.revision, last + 1, "the resumed watch continues exactly");
+        last = e.revision;
+    }
+}
