@@ -10,6 +10,7 @@ pub mod journal;
 pub mod metrics;
 pub mod server;
 pub mod service;
+pub mod validate;
 
 /// The example configuration `residentd` runs when given no `--config`:
 /// a small real demo workload that works on any laptop with Python 3.

@@ -3,10 +3,8 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
 
 use resident_api::{ApiError, pb};
-use resident_core::{InstanceId, Policy};
 use tokio::sync::broadcast::error::RecvError;
 use tokio::sync::mpsc;
 use tokio_stream::Stream;
@@ -16,11 +14,7 @@ use tracing::Instrument as _;
 
 use crate::agent::Agent;
 use crate::events::Resume;
-
-/// Longest accepted workload name or instance id in a request.
-const MAX_ID: usize = 128;
-/// Most log lines one `Logs` call may ask for.
-const MAX_TAIL: u32 = 100_000;
+use crate::validate;
 
 /// The gRPC face of the agent.
 #[derive(Debug, Clone)]
@@ -36,31 +30,6 @@ impl Service {
 }
 
 type Streamed<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
-
-fn policy(field: &str, value: i32) -> Result<Option<Policy>, ApiError> {
-    match pb::Policy::try_from(value) {
-        Ok(pb::Policy::Unspecified) => Ok(None),
-        Ok(pb::Policy::Refuse) => Ok(Some(Policy::Refuse)),
-        Ok(pb::Policy::Evict) => Ok(Some(Policy::Evict)),
-        Err(_) => Err(ApiError::invalid(field, format!("{value} is not a Policy"))),
-    }
-}
-
-fn workload_name(field: &str, value: &str) -> Result<(), ApiError> {
-    if value.is_empty() {
-        return Err(ApiError::invalid(
-            field,
-            "must name a workload of the roster",
-        ));
-    }
-    if value.len() > MAX_ID {
-        return Err(ApiError::invalid(
-            field,
-            format!("longer than {MAX_ID} bytes"),
-        ));
-    }
-    Ok(())
-}
 
 /// Who is calling, as the Unix socket reports it (SO_PEERCRED): uid, gid
 /// and pid. None over TCP, where the client certificate is the identity.
@@ -104,11 +73,6 @@ impl Service {
     }
 }
 
-/// A required instance id, validated.
-fn instance_id(field: &str, value: &str) -> Result<InstanceId, ApiError> {
-    InstanceId::new(value).map_err(|e| ApiError::invalid(field, e.to_string()))
-}
-
 #[tonic::async_trait]
 impl pb::node_agent_server::NodeAgent for Service {
     async fn start(
@@ -118,33 +82,7 @@ impl pb::node_agent_server::NodeAgent for Service {
         let _timer = self.agent.metrics().time("Start");
         self.authorize(&req, "Start")?;
         let r = req.into_inner();
-        let mut bad = Vec::new();
-        if let Err(ApiError::InvalidArgument(v)) = workload_name("workload", &r.workload) {
-            bad.extend(v);
-        }
-        let id = if r.instance_id.is_empty() {
-            None
-        } else {
-            match instance_id("instance_id", &r.instance_id) {
-                Ok(id) => Some(id),
-                Err(ApiError::InvalidArgument(v)) => {
-                    bad.extend(v);
-                    None
-                }
-                Err(e) => return Err(e.into()),
-            }
-        };
-        let on_full = match policy("on_full", r.on_full) {
-            Ok(p) => p,
-            Err(ApiError::InvalidArgument(v)) => {
-                bad.extend(v);
-                None
-            }
-            Err(e) => return Err(e.into()),
-        };
-        if !bad.is_empty() {
-            return Err(ApiError::InvalidArgument(bad).into());
-        }
+        let (id, on_full) = validate::start(&r)?;
         let span =
             tracing::info_span!("start", workload = %r.workload, instance_id = %r.instance_id);
         let started = self
@@ -166,8 +104,7 @@ impl pb::node_agent_server::NodeAgent for Service {
         let _timer = self.agent.metrics().time("Stop");
         self.authorize(&req, "Stop")?;
         let r = req.into_inner();
-        let id = instance_id("instance_id", &r.instance_id)?;
-        let grace = (r.grace_ms > 0).then(|| Duration::from_millis(r.grace_ms));
+        let (id, grace) = validate::stop(&r)?;
         let span = tracing::info_span!("stop", instance_id = %id);
         let instance = self.agent.stop(id.as_str(), grace).instrument(span).await?;
         Ok(Response::new(pb::StopResponse {
@@ -177,7 +114,7 @@ impl pb::node_agent_server::NodeAgent for Service {
 
     async fn get(&self, req: Request<pb::GetRequest>) -> Result<Response<pb::Instance>, Status> {
         let _timer = self.agent.metrics().time("Get");
-        let id = instance_id("instance_id", &req.get_ref().instance_id)?;
+        let id = validate::instance_id("instance_id", &req.get_ref().instance_id)?;
         let _span = tracing::info_span!("get", instance_id = %id).entered();
         Ok(Response::new(self.agent.get(id.as_str())?))
     }
@@ -198,9 +135,8 @@ impl pb::node_agent_server::NodeAgent for Service {
     ) -> Result<Response<pb::Placement>, Status> {
         let _timer = self.agent.metrics().time("Place");
         let r = req.into_inner();
-        workload_name("workload", &r.workload)?;
+        let on_full = validate::place(&r)?;
         let _span = tracing::info_span!("place", workload = %r.workload).entered();
-        let on_full = policy("on_full", r.on_full)?;
         Ok(Response::new(self.agent.place(&r.workload, on_full)?))
     }
 
@@ -211,7 +147,7 @@ impl pb::node_agent_server::NodeAgent for Service {
         let _timer = self.agent.metrics().time("Touch");
         self.authorize(&req, "Touch")?;
         let r = req.into_inner();
-        let id = instance_id("instance_id", &r.instance_id)?;
+        let id = validate::instance_id("instance_id", &r.instance_id)?;
         let _span = tracing::info_span!("touch", instance_id = %id).entered();
         Ok(Response::new(self.agent.touch(id.as_str(), r.hold_ms)?))
     }
@@ -281,11 +217,8 @@ impl pb::node_agent_server::NodeAgent for Service {
     ) -> Result<Response<Self::LogsStream>, Status> {
         let _timer = self.agent.metrics().time("Logs");
         let r = req.into_inner();
-        let id = instance_id("instance_id", &r.instance_id)?;
+        let id = validate::logs(&r)?;
         let _span = tracing::info_span!("logs", instance_id = %id).entered();
-        if r.tail > MAX_TAIL {
-            return Err(ApiError::invalid("tail", format!("at most {MAX_TAIL} lines")).into());
-        }
         self.agent.get(id.as_str())?;
         let Some(ring) = self.agent.supervisor().logs(id.as_str()) else {
             return Ok(Response::new(Box::pin(tokio_stream::empty())));

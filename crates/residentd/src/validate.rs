@@ -1,0 +1,101 @@
+//! Validation of requests, before anything is looked up: every field a
+//! client sends is checked here, and every violation of a request is
+//! reported together (`google.rpc.BadRequest`). Kept apart from the
+//! service so that the fuzz targets and property tests reach it.
+
+use std::time::Duration;
+
+use resident_api::{ApiError, pb};
+use resident_core::{InstanceId, Policy};
+
+/// Longest accepted workload name or instance id in a request.
+pub const MAX_ID: usize = 128;
+/// Most log lines one `Logs` call may ask for.
+pub const MAX_TAIL: u32 = 100_000;
+
+/// A `Policy` enum value: unspecified means the node's default.
+pub fn policy(field: &str, value: i32) -> Result<Option<Policy>, ApiError> {
+    match pb::Policy::try_from(value) {
+        Ok(pb::Policy::Unspecified) => Ok(None),
+        Ok(pb::Policy::Refuse) => Ok(Some(Policy::Refuse)),
+        Ok(pb::Policy::Evict) => Ok(Some(Policy::Evict)),
+        Err(_) => Err(ApiError::invalid(field, format!("{value} is not a Policy"))),
+    }
+}
+
+/// A workload name: non-empty and bounded (the roster decides the rest).
+pub fn workload_name(field: &str, value: &str) -> Result<(), ApiError> {
+    if value.is_empty() {
+        return Err(ApiError::invalid(
+            field,
+            "must name a workload of the roster",
+        ));
+    }
+    if value.len() > MAX_ID {
+        return Err(ApiError::invalid(
+            field,
+            format!("longer than {MAX_ID} bytes"),
+        ));
+    }
+    Ok(())
+}
+
+/// A required instance id, validated.
+pub fn instance_id(field: &str, value: &str) -> Result<InstanceId, ApiError> {
+    InstanceId::new(value).map_err(|e| ApiError::invalid(field, e.to_string()))
+}
+
+/// A Start: the instance id (generated when empty) and the policy.
+pub fn start(r: &pb::StartRequest) -> Result<(Option<InstanceId>, Option<Policy>), ApiError> {
+    let mut bad = Vec::new();
+    let mut keep = |e: ApiError| match e {
+        ApiError::InvalidArgument(v) => bad.extend(v),
+        other => bad.push(("request".into(), other.to_string())),
+    };
+    if let Err(e) = workload_name("workload", &r.workload) {
+        keep(e);
+    }
+    let id = if r.instance_id.is_empty() {
+        None
+    } else {
+        instance_id("instance_id", &r.instance_id)
+            .map_err(&mut keep)
+            .ok()
+    };
+    let on_full = policy("on_full", r.on_full)
+        .map_err(&mut keep)
+        .ok()
+        .flatten();
+    if bad.is_empty() {
+        Ok((id, on_full))
+    } else {
+        Err(ApiError::InvalidArgument(bad))
+    }
+}
+
+/// A Stop: the instance and the grace asked for (its own when 0).
+pub fn stop(r: &pb::StopRequest) -> Result<(InstanceId, Option<Duration>), ApiError> {
+    let id = instance_id("instance_id", &r.instance_id)?;
+    Ok((
+        id,
+        (r.grace_ms > 0).then(|| Duration::from_millis(r.grace_ms)),
+    ))
+}
+
+/// A Place: the policy.
+pub fn place(r: &pb::PlaceRequest) -> Result<Option<Policy>, ApiError> {
+    workload_name("workload", &r.workload)?;
+    policy("on_full", r.on_full)
+}
+
+/// A Logs call: the instance.
+pub fn logs(r: &pb::LogsRequest) -> Result<InstanceId, ApiError> {
+    let id = instance_id("instance_id", &r.instance_id)?;
+    if r.tail > MAX_TAIL {
+        return Err(ApiError::invalid(
+            "tail",
+            format!("at most {MAX_TAIL} lines"),
+        ));
+    }
+    Ok(id)
+}

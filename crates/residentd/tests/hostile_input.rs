@@ -1,0 +1,215 @@
+//! The fuzz targets' properties on the stable toolchain (proptest), so the
+//! suite checks them on every run: the config parser, the unit parser and
+//! request validation never panic and accept only what the contract
+//! allows; and random messages against a live agent never break it, while
+//! an INVALID_ARGUMENT changes nothing.
+
+mod support;
+
+use std::path::Path;
+
+use proptest::prelude::*;
+use resident_api::pb;
+use residentd::validate;
+use support::*;
+
+const BRIEF: &str = include_str!("../../../examples/brief.toml");
+
+/// Strings that look like what the parsers meet: ids, units, TOML bits.
+fn texty() -> impl Strategy<Value = String> {
+    prop_oneof![
+        any::<String>(),
+        "[a-zA-Z0-9._/ -]{0,140}",
+        "[0-9]{0,25}(\\.[0-9]{0,5})?[ ]?(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB|XB|gb)?",
+    ]
+}
+
+fn id_ok(id: &str) -> bool {
+    (1..=validate::MAX_ID).contains(&id.len())
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    #[test]
+    fn any_text_is_a_config_or_an_error_naming_the_file(text in any::<String>()) {
+        if let Err(e) = resident_config::parse(Path::new("in.toml"), &text) {
+            prop_assert!(e.to_string().starts_with("in.toml"), "{}", e);
+        }
+    }
+
+    #[test]
+    fn a_mangled_brief_is_a_config_or_an_error_naming_the_file(
+        at in 0usize..BRIEF.len(),
+        cut in 0usize..40,
+        insert in texty(),
+    ) {
+        let at = (0..=at).rev().find(|i| BRIEF.is_char_boundary(*i)).unwrap_or(0);
+        let end = (at + cut).min(BRIEF.len());
+        let end = (end..=BRIEF.len()).find(|i| BRIEF.is_char_boundary(*i)).unwrap_or(BRIEF.len());
+        let text = format!("{}{}{}", &BRIEF[..at], insert, &BRIEF[end..]);
+        if let Err(e) = resident_config::parse(Path::new("in.toml"), &text) {
+            prop_assert!(e.to_string().starts_with("in.toml"), "{}", e);
+        }
+    }
+
+    #[test]
+    fn byte_quantities_parse_or_fail_and_round_trip(text in texty()) {
+        if let Ok(bytes) = resident_core::parse_bytes(&text) {
+            prop_assert_eq!(resident_core::parse_bytes(&bytes.to_string()), Ok(bytes));
+        }
+    }
+
+    #[test]
+    fn validation_accepts_only_the_contract(
+        workload in texty(),
+        id in texty(),
+        on_full in any::<i32>(),
+        tail in any::<u32>(),
+    ) {
+        let start = pb::StartRequest {
+            workload: workload.clone(),
+            instance_id: id.clone(),
+            on_full,
+            wait_ready: false,
+        };
+        match validate::start(&start) {
+            Ok((got, _)) => {
+                prop_assert!(!workload.is_empty() && workload.len() <= validate::MAX_ID);
+                prop_assert!(got.is_none_or(|g| id_ok(g.as_str())));
+                prop_assert!((0..=2).contains(&on_full));
+            }
+            Err(resident_api::ApiError::InvalidArgument(v)) => prop_assert!(!v.is_empty()),
+            Err(e) => prop_assert!(false, "not an invalid argument: {e}"),
+        }
+        let logs = pb::LogsRequest { instance_id: id.clone(), tail, follow: false };
+        if validate::logs(&logs).is_ok() {
+            prop_assert!(id_ok(&id) && tail <= validate::MAX_TAIL);
+        }
+    }
+}
+
+/// One random request against the live agent.
+#[derive(Debug, Clone)]
+enum Call {
+    Start(String, String, i32),
+    Stop(String, u64),
+    Place(String, i32),
+    Touch(String, u64),
+    Get(String),
+}
+
+fn call() -> impl Strategy<Value = Call> {
+    // Mostly real names, so valid calls happen too.
+    let workload = prop_oneof![Just("nap".to_string()), Just("big".to_string()), texty()];
+    let id = prop_oneof![Just("n1".to_string()), Just(String::new()), texty()];
+    let policy = prop_oneof![0..3i32, any::<i32>()];
+    prop_oneof![
+        (workload.clone(), id.clone(), policy.clone()).prop_map(|(w, i, p)| Call::Start(w, i, p)),
+        (id.clone(), any::<u64>()).prop_map(|(i, g)| Call::Stop(i, g % 5000)),
+        (workload, policy).prop_map(|(w, p)| Call::Place(w, p)),
+        (id.clone(), any::<u64>()).prop_map(|(i, h)| Call::Touch(i, h)),
+        id.prop_map(Call::Get),
+    ]
+}
+
+type Client = pb::node_agent_client::NodeAgentClient<tonic::transport::Channel>;
+
+async fn books(c: &mut Client) -> (Vec<pb::Instance>, Vec<pb::PoolStatus>) {
+    let list = c.list(pb::ListRequest {}).await.expect("list").into_inner();
+    let node = c.node(pb::NodeRequest {}).await.expect("node").into_inner();
+    // The transient fields of a live instance (sampled memory) may move on
+    // their own; what an invalid call must not change is the rest.
+    let stable = list
+        .instances
+        .into_iter()
+        .map(|mut i| {
+            i.measured_bytes = 0;
+            i
+        })
+        .collect();
+    (stable, node.pools)
+}
+
+async fn send(c: &mut Client, call: Call) -> Result<(), tonic::Status> {
+    match call {
+        Call::Start(workload, instance_id, on_full) => c
+            .start(pb::StartRequest {
+                workload,
+                instance_id,
+                on_full,
+                wait_ready: false,
+            })
+            .await
+            .map(drop),
+        Call::Stop(instance_id, grace_ms) => c
+            .stop(pb::StopRequest {
+                instance_id,
+                grace_ms,
+            })
+            .await
+            .map(drop),
+        Call::Place(workload, on_full) => c
+            .place(pb::PlaceRequest { workload, on_full })
+            .await
+            .map(drop),
+        Call::Touch(instance_id, hold_ms) => c
+            .touch(pb::TouchRequest {
+                instance_id,
+                hold_ms,
+            })
+            .await
+            .map(drop),
+        Call::Get(instance_id) => c.get(pb::GetRequest { instance_id }).await.map(drop),
+    }
+}
+
+#[test]
+fn random_messages_never_break_the_agent_and_invalid_ones_change_nothing() {
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let pool = "[[pool]]\nname = \"ram\"\nbudget = \"10GB\"\n\n";
+    let roster = format!(
+        "{pool}{}{}",
+        sleeper("nap", "ram", 1, ""),
+        sleeper("big", "ram", 20, "")
+    );
+    let mut d = rt.block_on(Daemon::start(&roster));
+    let invalid = std::cell::Cell::new(0usize);
+    let client = d.client.clone();
+    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig::with_cases(300));
+    let result = runner.run(&call(), |call| {
+        let mut c = client.clone();
+        rt.block_on(async {
+            let before = books(&mut c).await;
+            match send(&mut c, call.clone()).await {
+                Err(s) if s.code() == tonic::Code::InvalidArgument => {
+                    invalid.set(invalid.get() + 1);
+                    let after = books(&mut c).await;
+                    prop_assert_eq!(before, after, "{:?} changed the books", call);
+                }
+                Err(s) => prop_assert!(
+                    s.code() != tonic::Code::Internal && s.code() != tonic::Code::Unknown,
+                    "{call:?}: {s:?}"
+                ),
+                Ok(()) => {}
+            }
+            Ok(())
+        })
+    });
+    result.expect("every random call");
+    let invalid = invalid.get();
+    assert!(
+        invalid > 50,
+        "too few invalid calls to show anything: {invalid}"
+    );
+    // Still serving.
+    rt.block_on(async {
+        d.client
+            .node(pb::NodeRequest {})
+            .await
+            .expect("the agent answers after all of it");
+    });
+}
