@@ -107,3 +107,37 @@ async fn children_do_not_inherit_the_agents_oom_protection() {
         "the model starts from the default score, not the agent's"
     );
 }
+
+#[test]
+fn the_packaged_config_runs_models_as_a_dedicated_user() {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../systemd/residentd.toml");
+    let text = std::fs::read_to_string(&path).expect("the packaged config");
+    let unit = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../systemd/residentd.service");
+    let unit = std::fs::read_to_string(&unit).expect("the unit");
+    assert!(unit.contains("User=residentd"));
+    assert!(text.contains("run_as = \"residentd\""));
+    assert!(text.contains("socket_group = \"residentd\""));
+    // The residentd user and group exist only where the agent is installed;
+    // validate the rest with an account every machine has.
+    let root = nix::unistd::Group::from_gid(0.into())
+        .ok()
+        .flatten()
+        .expect("group 0")
+        .name;
+    let here = text
+        .replace("run_as = \"residentd\"", "run_as = \"nobody\"")
+        .replace(
+            "socket_group = \"residentd\"",
+            &format!("socket_group = \"{root}\""),
+        );
+    let c = resident_config::parse(&path, &here).expect("the packaged config is valid");
+    assert_eq!(
+        c.node.run_as.as_ref().map(|u| u.name.as_str()),
+        Some("nobody")
+    );
+    assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+    assert_eq!(
+        c.node.listen,
+        resident_config::Listen::Unix("/run/residentd/residentd.sock".into())
+    );
+}
