@@ -416,6 +416,11 @@ impl RunCgroup {
             .collect()
     }
 
+    /// The `cgroup.procs` that lists the run's processes.
+    pub fn procs_path(&self) -> Option<PathBuf> {
+        self.dirs().next().map(|d| d.join("cgroup.procs"))
+    }
+
     /// Every process in the run's cgroup (wherever it moved its group or
     /// session to).
     pub fn members(&self) -> Vec<i32> {

@@ -15,6 +15,7 @@ mod instance;
 mod logs;
 pub mod procfs;
 mod readiness;
+mod sampler;
 mod spawn;
 mod spec;
 mod status;

@@ -6,7 +6,7 @@
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
-use tokio::io::{AsyncRead, AsyncReadExt};
+use tokio::net::unix::pipe;
 use tokio::sync::broadcast;
 
 /// Which pipe a line came from.
@@ -58,6 +58,10 @@ struct Ring {
     lines: VecDeque<LogLine>,
     bytes: usize,
     next_seq: u64,
+    /// Made when the first follower comes, dropped when the last has gone:
+    /// its buffer is allocated whole, which a node of hundreds of quiet
+    /// instances should not pay for.
+    followers: Option<broadcast::Sender<LogLine>>,
 }
 
 /// The log of one instance.
@@ -65,17 +69,17 @@ struct Ring {
 pub struct LogRing {
     limits: LogLimits,
     ring: Mutex<Ring>,
-    followers: broadcast::Sender<LogLine>,
 }
+
+/// Bytes read from a pipe at a time.
+const CHUNK: usize = 16 << 10;
 
 impl LogRing {
     /// An empty ring.
     pub fn new(limits: LogLimits) -> Arc<Self> {
-        let (followers, _) = broadcast::channel(limits.follow_buffer.max(1));
         Arc::new(Self {
             limits,
             ring: Mutex::new(Ring::default()),
-            followers,
         })
     }
 
@@ -88,15 +92,21 @@ impl LogRing {
             line,
         };
         ring.bytes += entry.line.len();
-        ring.lines.push_back(entry.clone());
+        // Sent under the lock so followers see lines in seq order.
+        match &ring.followers {
+            Some(tx) if tx.receiver_count() > 0 => {
+                let _ = tx.send(entry.clone());
+            }
+            Some(_) => ring.followers = None,
+            None => {}
+        }
+        ring.lines.push_back(entry);
         while ring.lines.len() > self.limits.lines || ring.bytes > self.limits.bytes {
             match ring.lines.pop_front() {
                 Some(old) => ring.bytes -= old.line.len(),
                 None => break,
             }
         }
-        // Sent under the lock so followers see lines in seq order.
-        let _ = self.followers.send(entry);
     }
 
     /// The last `n` lines, oldest first.
@@ -109,8 +119,12 @@ impl LogRing {
     /// The last `n` lines and a subscription to every later line, with no
     /// gap and no repeat between the two.
     pub fn tail_and_follow(&self, n: usize) -> (Vec<LogLine>, broadcast::Receiver<LogLine>) {
-        let ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());
-        let rx = self.followers.subscribe();
+        let mut ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());
+        let buffer = self.limits.follow_buffer.max(1);
+        let rx = ring
+            .followers
+            .get_or_insert_with(|| broadcast::channel(buffer).0)
+            .subscribe();
         let skip = ring.lines.len().saturating_sub(n);
         (ring.lines.iter().skip(skip).cloned().collect(), rx)
     }
@@ -120,48 +134,103 @@ impl LogRing {
         self.ring.lock().unwrap_or_else(|e| e.into_inner()).bytes
     }
 
-    /// Reads `pipe` to its end, line by line, into the ring.
-    pub async fn capture(self: Arc<Self>, stream: Stream, mut pipe: impl AsyncRead + Unpin) {
-        let max = self.limits.max_line.max(1);
-        let mut chunk = vec![0u8; 64 << 10];
-        let mut pending: Vec<u8> = Vec::with_capacity(max);
+    /// Reads `pipe` to its end, line by line, into the ring. Nothing is
+    /// held for the pipe while it is quiet: the read buffer lives on the
+    /// stack of the call that drains what is ready.
+    pub async fn capture(self: Arc<Self>, stream: Stream, pipe: pipe::Receiver) {
+        let mut lines = Lines::new(self.limits.max_line);
         loop {
-            let n = match pipe.read(&mut chunk).await {
-                Ok(0) | Err(_) => break,
-                Ok(n) => n,
-            };
-            let mut rest = &chunk[..n];
-            while !rest.is_empty() {
-                let room = max - pending.len();
-                let window = &rest[..rest.len().min(room)];
-                match window.iter().position(|b| *b == b'\n') {
-                    Some(i) => {
-                        pending.extend_from_slice(&window[..i]);
-                        self.emit(stream, &mut pending);
-                        rest = &rest[i + 1..];
-                    }
-                    None => {
-                        pending.extend_from_slice(window);
-                        rest = &rest[window.len()..];
-                        if pending.len() == max {
-                            self.emit(stream, &mut pending);
-                        }
+            if pipe.readable().await.is_err() {
+                break;
+            }
+            match self.drain_ready(&pipe, stream, &mut lines) {
+                Ok(true) => {}
+                Ok(false) | Err(_) => break,
+            }
+        }
+        lines.finish(&self, stream);
+    }
+
+    /// Reads what `pipe` has now; false at its end.
+    fn drain_ready(
+        &self,
+        pipe: &pipe::Receiver,
+        stream: Stream,
+        lines: &mut Lines,
+    ) -> std::io::Result<bool> {
+        let mut chunk = [0u8; CHUNK];
+        loop {
+            match pipe.try_read(&mut chunk) {
+                Ok(0) => return Ok(false),
+                Ok(n) => lines.feed(self, stream, &chunk[..n]),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(true),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Adds the lines of `bytes` (a last line without a newline included).
+    pub fn push_bytes(&self, stream: Stream, bytes: &[u8]) {
+        let mut lines = Lines::new(self.limits.max_line);
+        lines.feed(self, stream, bytes);
+        lines.finish(self, stream);
+    }
+}
+
+/// Cuts a byte stream into lines of at most `max` bytes.
+#[derive(Debug)]
+struct Lines {
+    pending: Vec<u8>,
+    max: usize,
+}
+
+impl Lines {
+    fn new(max: usize) -> Self {
+        Self {
+            pending: Vec::new(),
+            max: max.max(1),
+        }
+    }
+
+    fn feed(&mut self, ring: &LogRing, stream: Stream, mut rest: &[u8]) {
+        while !rest.is_empty() {
+            let room = self.max - self.pending.len();
+            let window = &rest[..rest.len().min(room)];
+            match window.iter().position(|b| *b == b'\n') {
+                Some(i) => {
+                    self.pending.extend_from_slice(&window[..i]);
+                    self.emit(ring, stream);
+                    rest = &rest[i + 1..];
+                }
+                None => {
+                    self.pending.extend_from_slice(window);
+                    rest = &rest[window.len()..];
+                    if self.pending.len() == self.max {
+                        self.emit(ring, stream);
                     }
                 }
             }
         }
-        if !pending.is_empty() {
-            self.emit(stream, &mut pending);
+        if self.pending.is_empty() && self.pending.capacity() > 1024 {
+            // A long line passed; a quiet instance keeps no big buffer.
+            self.pending = Vec::new();
         }
     }
 
-    fn emit(&self, stream: Stream, pending: &mut Vec<u8>) {
-        if pending.last() == Some(&b'\r') {
-            pending.pop();
+    fn finish(&mut self, ring: &LogRing, stream: Stream) {
+        if !self.pending.is_empty() {
+            self.emit(ring, stream);
         }
-        let line = String::from_utf8_lossy(pending).into_owned();
-        pending.clear();
-        self.push(stream, line);
+    }
+
+    fn emit(&mut self, ring: &LogRing, stream: Stream) {
+        if self.pending.last() == Some(&b'\r') {
+            self.pending.pop();
+        }
+        let line = String::from_utf8_lossy(&self.pending).into_owned();
+        self.pending.clear();
+        ring.push(stream, line);
     }
 }
 
@@ -179,7 +248,7 @@ mod tests {
     }
 
     async fn feed(r: &Arc<LogRing>, input: &[u8]) {
-        r.clone().capture(Stream::Stdout, input).await;
+        r.push_bytes(Stream::Stdout, input);
     }
 
     fn texts(lines: Vec<LogLine>) -> Vec<String> {

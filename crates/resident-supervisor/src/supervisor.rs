@@ -298,11 +298,12 @@ impl Supervisor {
     }
 }
 
-/// Samples the resident bytes of every running group, with one scan of
-/// `/proc` per period, until the supervisor is dropped.
+/// Samples the resident bytes of every running group, until the
+/// supervisor is dropped.
 async fn sample_memory(inner: Weak<Inner>, every: Duration) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut sampler = Some(crate::sampler::Sampler::default());
     loop {
         tick.tick().await;
         let Some(inner) = inner.upgrade() else {
@@ -320,36 +321,26 @@ async fn sample_memory(inner: Weak<Inner>, every: Duration) {
         if groups.is_empty() {
             continue;
         }
-        let measure = groups.clone();
-        let Ok(sums) = tokio::task::spawn_blocking(move || measure_all(&measure)).await else {
+        let targets: Vec<_> = groups.iter().map(|(p, s)| (*p, s.cgroup())).collect();
+        let Some(mut s) = sampler.take() else {
+            return;
+        };
+        let Ok((sums, s)) = tokio::task::spawn_blocking(move || (s.sample(&targets), s)).await
+        else {
+            sampler = Some(crate::sampler::Sampler::default());
             continue;
         };
+        sampler = Some(s);
         for (pgid, shared) in groups {
             let bytes = sums.get(&pgid).copied().unwrap_or(0);
             // The group may have ended during the scan; keep 0 then.
             if shared.pgid.load(Ordering::Relaxed) == pgid {
-                shared.status.send_modify(|s| s.measured_bytes = bytes);
+                shared.status.send_if_modified(|s| {
+                    let changed = s.measured_bytes != bytes;
+                    s.measured_bytes = bytes;
+                    changed
+                });
             }
         }
     }
-}
-
-/// Resident bytes per running instance, keyed by group id: the members of
-/// its cgroup where it has one (escapees from the group included), else
-/// the members of its process group (one scan of `/proc` for all).
-fn measure_all(groups: &[(i32, Arc<Shared>)]) -> HashMap<i32, u64> {
-    let mut sums = HashMap::new();
-    let mut by_group = Vec::new();
-    for (pgid, shared) in groups {
-        match shared.cgroup() {
-            Some(cg) => {
-                sums.insert(*pgid, crate::procfs::rss_of(&cg.members()));
-            }
-            None => by_group.push(*pgid),
-        }
-    }
-    if !by_group.is_empty() {
-        sums.extend(crate::procfs::group_rss(&by_group));
-    }
-    sums
 }

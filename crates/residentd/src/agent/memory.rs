@@ -27,13 +27,18 @@ impl Agent {
         } else {
             self.host.available()
         };
-        let measured: Vec<(String, u64)> = self
-            .sup
-            .list()
-            .into_iter()
-            .map(|s| (s.instance, s.measured_bytes))
-            .collect();
         let device_use = self.device_use();
+        // Only host-bound pools count measured bytes; a node without one
+        // skips the copy of every status (this runs every second).
+        let measured: Vec<(String, u64)> = if host_pools.is_empty() {
+            Vec::new()
+        } else {
+            self.sup
+                .list()
+                .into_iter()
+                .map(|s| (s.instance, s.measured_bytes))
+                .collect()
+        };
         let mut books = self.books();
         for (pool, available) in devices {
             books.ledger.set_available(&pool, available);

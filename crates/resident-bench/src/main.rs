@@ -1,0 +1,353 @@
+//! `resident-bench`: residentd side by side with its floors and its peer,
+//! in one run on one machine, printed as one table of ratios.
+//!
+//! 1. Place latency (p50, p99) and throughput with 1, 16 and 64 clients,
+//!    against a zero-work tonic service on the same transport.
+//! 2. Start of 100 instances until all run, and their stop, against a plain
+//!    spawn loop / kill + wait and against supervisord.
+//! 3. kill -9 of a child until a Watch client hears of it, against
+//!    supervisord's XML-RPC report.
+//! 4. The agent's CPU and peak RSS with 200 idle children, against
+//!    supervisord's.
+//! 5. Admission under churn: random Start/Stop/Place from 16 clients, then
+//!    a check that nothing was over-committed.
+//!
+//! Run by `scripts/bench` (which builds the release binaries and the
+//! supervisord venv); `--quick` is a smoke run of a few iterations.
+
+mod floor;
+mod measure;
+mod report;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use resident_api::pb;
+use resident_api::pb::node_agent_client::NodeAgentClient;
+use tonic::transport::Channel;
+
+use crate::report::{Row, Table};
+
+/// Sizes of one run.
+#[derive(Debug, Clone, Copy)]
+struct Plan {
+    place_secs: f64,
+    place_clients: &'static [usize],
+    children: usize,
+    start_rounds: usize,
+    crash_rounds: usize,
+    idle_children: usize,
+    idle_secs: f64,
+    churn_calls: usize,
+}
+
+const FULL: Plan = Plan {
+    place_secs: 3.0,
+    place_clients: &[1, 16, 64],
+    children: 100,
+    start_rounds: 10,
+    crash_rounds: 40,
+    idle_children: 200,
+    idle_secs: 30.0,
+    churn_calls: 10_000,
+};
+
+const QUICK: Plan = Plan {
+    place_secs: 0.2,
+    place_clients: &[1, 16],
+    children: 10,
+    start_rounds: 1,
+    crash_rounds: 3,
+    idle_children: 10,
+    idle_secs: 0.5,
+    churn_calls: 400,
+};
+
+/// A process of ours that is killed when dropped.
+struct Server {
+    child: Child,
+    socket: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+        let _ = self.child.wait();
+    }
+}
+
+impl Server {
+    fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+}
+
+const AGENT_CONFIG: &str = r#"[node]
+name = "bench"
+listen = "unix://@DIR@/agent.sock"
+state_dir = "@DIR@/state"
+max_instances = 1000
+
+[[pool]]
+name = "ram"
+budget = "1000GB"
+
+[[pool]]
+name = "small"
+budget = "40GB"
+
+[[workload]]
+name = "trivial"
+command = ["/bin/sleep", "3600"]
+stop_grace = "10s"
+[workload.memory.ram]
+weights = "1GB"
+[workload.restart]
+policy = "never"
+
+[[workload]]
+name = "churn"
+command = ["/bin/sleep", "3600"]
+stop_grace = "10s"
+[workload.memory.small]
+weights = "4GB"
+[workload.restart]
+policy = "never"
+"#;
+
+fn spawn_agent(residentd: &Path) -> anyhow::Result<Server> {
+    let dir = tempfile::tempdir()?;
+    let config = dir.path().join("residentd.toml");
+    let text = AGENT_CONFIG.replace("@DIR@", &dir.path().display().to_string());
+    std::fs::write(&config, text)?;
+    let child = Command::new(residentd)
+        .arg("--config")
+        .arg(&config)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .with_context(|| format!("starting {}", residentd.display()))?;
+    Ok(Server {
+        child,
+        socket: dir.path().join("agent.sock"),
+        _dir: dir,
+    })
+}
+
+fn spawn_floor() -> anyhow::Result<Server> {
+    let dir = tempfile::tempdir()?;
+    let socket = dir.path().join("floor.sock");
+    let child = Command::new(std::env::current_exe()?)
+        .arg("--serve-floor")
+        .arg(&socket)
+        .spawn()?;
+    Ok(Server {
+        child,
+        socket,
+        _dir: dir,
+    })
+}
+
+async fn connect(socket: &Path) -> anyhow::Result<NodeAgentClient<Channel>> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if socket.exists()
+            && let Ok(c) = resident_api::connect_unix(socket).await
+        {
+            return Ok(c);
+        }
+        if Instant::now() > deadline {
+            bail!("nothing answers on {}", socket.display());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn sibling_binary(name: &str) -> anyhow::Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    let path = exe.with_file_name(name);
+    if !path.exists() {
+        bail!(
+            "{} not found beside {} (build it: cargo build --release -p residentd)",
+            name,
+            exe.display()
+        );
+    }
+    Ok(path)
+}
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if let [flag, socket] = args.as_slice()
+        && flag == "--serve-floor"
+    {
+        return floor::serve(Path::new(socket));
+    }
+    let quick = args.iter().any(|a| a == "--quick");
+    let supervisord = args
+        .iter()
+        .position(|a| a == "--supervisord-python")
+        .and_then(|i| args.get(i + 1))
+        .map(PathBuf::from);
+    let plan = if quick { QUICK } else { FULL };
+    let residentd = sibling_binary("residentd")?;
+    let script =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/bench_supervisord.py");
+    let peer = supervisord.map(|python| measure::Peer { python, script });
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let mut table = Table::default();
+    rt.block_on(async {
+        place_rows(&plan, &residentd, &mut table).await?;
+        lifecycle_rows(&plan, &residentd, peer.as_ref(), &mut table).await?;
+        churn_row(&plan, &residentd, &mut table).await
+    })?;
+    table.print(quick, nproc());
+    Ok(())
+}
+
+fn nproc() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+async fn place_rows(plan: &Plan, residentd: &Path, table: &mut Table) -> anyhow::Result<()> {
+    let agent = spawn_agent(residentd)?;
+    let floor = spawn_floor()?;
+    let mut c = connect(&agent.socket).await?;
+    connect(&floor.socket).await?;
+    // Ten residents, so a plan has a ledger to look at.
+    for i in 0..10 {
+        c.start(start("trivial", &format!("resident-{i}"))).await?;
+    }
+    for &clients in plan.place_clients {
+        // Alternate, so drift of the machine hits both alike.
+        let ours = measure::place(&agent.socket, clients, plan.place_secs).await?;
+        let base = measure::place(&floor.socket, clients, plan.place_secs).await?;
+        table.push(Row::latency(
+            format!("Place p50, {clients} clients"),
+            ours.p50,
+            base.p50,
+            None,
+            "<= 1.3x floor",
+        ));
+        table.push(Row::latency(
+            format!("Place p99, {clients} clients"),
+            ours.p99,
+            base.p99,
+            None,
+            "",
+        ));
+        table.push(Row::rate(
+            format!("Place calls/s, {clients} clients"),
+            ours.per_sec,
+            base.per_sec,
+            ">= 0.7x floor",
+        ));
+    }
+    Ok(())
+}
+
+async fn lifecycle_rows(
+    plan: &Plan,
+    residentd: &Path,
+    peer: Option<&measure::Peer>,
+    table: &mut Table,
+) -> anyhow::Result<()> {
+    let agent = spawn_agent(residentd)?;
+    let mut c = connect(&agent.socket).await?;
+    let (mut starts, mut stops, mut fstarts, mut fstops) = (vec![], vec![], vec![], vec![]);
+    for round in 0..plan.start_rounds {
+        let (a, b) = measure::floor_spawn(plan.children).await?;
+        fstarts.push(a);
+        fstops.push(b);
+        let (a, b) = measure::agent_startstop(&mut c, plan.children, round).await?;
+        starts.push(a);
+        stops.push(b);
+    }
+    let theirs = match peer {
+        Some(p) => Some(p.startstop(plan.children, plan.start_rounds)?),
+        None => None,
+    };
+    let n = plan.children;
+    table.push(Row::latency(
+        format!("start {n} until all run"),
+        measure::median(starts),
+        measure::median(fstarts),
+        theirs.map(|t| t.0),
+        "<= 1.5x floor, < supervisord",
+    ));
+    table.push(Row::latency(
+        format!("stop {n} until all gone"),
+        measure::median(stops),
+        measure::median(fstops),
+        theirs.map(|t| t.1),
+        "<= 2x floor, < supervisord",
+    ));
+
+    let ours = measure::crash_detection(&mut c, plan.crash_rounds).await?;
+    let theirs = match peer {
+        Some(p) => Some(p.crash(plan.crash_rounds)?),
+        None => None,
+    };
+    table.push(Row::peer_latency(
+        "kill -9 to Watch event (median)",
+        ours,
+        theirs,
+        "<= 1 ms, <= supervisord",
+    ));
+
+    let (cpu, rss) = measure::idle(&mut c, agent.pid(), plan.idle_children, plan.idle_secs).await?;
+    let theirs = match peer {
+        Some(p) => Some(p.idle(plan.idle_children, plan.idle_secs)?),
+        None => None,
+    };
+    let n = plan.idle_children;
+    table.push(Row::fraction(
+        format!("CPU with {n} idle children"),
+        cpu,
+        theirs.map(|t| t.0),
+        "<= 0.1% of a core, < supervisord",
+    ));
+    table.push(Row::bytes(
+        format!("peak RSS with {n} idle children"),
+        rss,
+        theirs.map(|t| t.1),
+        "<= 15 MB, < supervisord",
+    ));
+    Ok(())
+}
+
+async fn churn_row(plan: &Plan, residentd: &Path, table: &mut Table) -> anyhow::Result<()> {
+    let agent = spawn_agent(residentd)?;
+    let mut c = connect(&agent.socket).await?;
+    let churn = measure::churn(&agent.socket, plan.churn_calls, 16).await?;
+    measure::check_books(&mut c, "small", 40_000_000_000).await?;
+    table.push(Row::note(
+        format!("churn: {} calls from 16 clients", plan.churn_calls),
+        format!(
+            "{:.0} calls/s, p99 {}, {} admitted, {} refused; books checked",
+            churn.per_sec,
+            report::duration(churn.p99),
+            churn.admitted,
+            churn.refused
+        ),
+    ));
+    Ok(())
+}
+
+fn start(workload: &str, id: &str) -> pb::StartRequest {
+    pb::StartRequest {
+        workload: workload.into(),
+        instance_id: id.into(),
+        on_full: 0,
+        wait_ready: true,
+    }
+}

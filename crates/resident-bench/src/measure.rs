@@ -1,0 +1,420 @@
+//! The measurements, each a function that runs one job and returns what it
+//! took.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use resident_api::pb;
+use resident_api::pb::node_agent_client::NodeAgentClient;
+use tokio_stream::StreamExt as _;
+use tonic::transport::Channel;
+
+type Client = NodeAgentClient<Channel>;
+
+/// The median of `v` (which must not be empty).
+pub fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+/// Latency and rate of a batch of calls.
+#[derive(Debug, Clone, Copy)]
+pub struct Calls {
+    pub p50: Duration,
+    pub p99: Duration,
+    pub per_sec: f64,
+}
+
+fn summarize(mut lat: Vec<Duration>, elapsed: Duration) -> Calls {
+    lat.sort();
+    Calls {
+        p50: percentile(&lat, 0.5),
+        p99: percentile(&lat, 0.99),
+        per_sec: lat.len() as f64 / elapsed.as_secs_f64(),
+    }
+}
+
+/// Place from `clients` connections of their own, each calling in a loop
+/// for `secs` after a short warm-up.
+pub async fn place(socket: &Path, clients: usize, secs: f64) -> anyhow::Result<Calls> {
+    let mut conns = Vec::new();
+    for _ in 0..clients {
+        conns.push(resident_api::connect_unix(socket).await?);
+    }
+    let req = pb::PlaceRequest {
+        workload: "trivial".into(),
+        on_full: 0,
+    };
+    let run = |secs: f64| {
+        let tasks: Vec<_> = conns
+            .iter()
+            .cloned()
+            .map(|mut c| {
+                let req = req.clone();
+                tokio::spawn(async move {
+                    let end = Instant::now() + Duration::from_secs_f64(secs);
+                    let mut lat = Vec::new();
+                    while Instant::now() < end {
+                        let t0 = Instant::now();
+                        c.place(req.clone()).await?;
+                        lat.push(t0.elapsed());
+                    }
+                    Ok::<_, tonic::Status>(lat)
+                })
+            })
+            .collect();
+        async move {
+            let t0 = Instant::now();
+            let mut all = Vec::new();
+            for t in tasks {
+                all.extend(t.await??);
+            }
+            Ok::<_, anyhow::Error>((all, t0.elapsed()))
+        }
+    };
+    run(secs / 5.0).await?;
+    let (lat, elapsed) = run(secs).await?;
+    Ok(summarize(lat, elapsed))
+}
+
+/// The floor of start and stop: a plain loop of tokio spawn of
+/// `/bin/sleep` in its own process group, then SIGTERM and wait for each.
+pub async fn floor_spawn(n: usize) -> anyhow::Result<(Duration, Duration)> {
+    let t0 = Instant::now();
+    let mut children = Vec::with_capacity(n);
+    for _ in 0..n {
+        let mut cmd = tokio::process::Command::new("/bin/sleep");
+        cmd.arg("3600").process_group(0);
+        children.push(cmd.spawn()?);
+    }
+    let started = t0.elapsed();
+    let t1 = Instant::now();
+    for c in &children {
+        if let Some(pid) = c.id() {
+            kill(Pid::from_raw(pid as i32), Signal::SIGTERM)?;
+        }
+    }
+    for c in &mut children {
+        c.wait().await?;
+    }
+    Ok((started, t1.elapsed()))
+}
+
+/// Start `n` instances side by side until every one runs (readiness none,
+/// so READY), then stop them all side by side.
+pub async fn agent_startstop(
+    c: &mut Client,
+    n: usize,
+    round: usize,
+) -> anyhow::Result<(Duration, Duration)> {
+    let ids: Vec<String> = (0..n).map(|i| format!("r{round}-{i}")).collect();
+    let t0 = Instant::now();
+    let starts: Vec<_> = ids
+        .iter()
+        .map(|id| {
+            let mut c = c.clone();
+            let req = crate::start("trivial", id);
+            tokio::spawn(async move { c.start(req).await })
+        })
+        .collect();
+    for s in starts {
+        let r = s.await??.into_inner();
+        let state = r.instance.map(|i| i.state);
+        if state != Some(pb::State::Ready as i32) {
+            bail!("a start did not end READY: {state:?}");
+        }
+    }
+    let started = t0.elapsed();
+    let t1 = Instant::now();
+    let stops: Vec<_> = ids
+        .iter()
+        .map(|id| {
+            let mut c = c.clone();
+            let req = pb::StopRequest {
+                instance_id: id.clone(),
+                grace_ms: 0,
+            };
+            tokio::spawn(async move { c.stop(req).await })
+        })
+        .collect();
+    for s in stops {
+        s.await??;
+    }
+    Ok((started, t1.elapsed()))
+}
+
+/// kill -9 of a running child until a subscribed Watch client receives
+/// the instance's exit; the median over `rounds`.
+pub async fn crash_detection(c: &mut Client, rounds: usize) -> anyhow::Result<Duration> {
+    let mut stream = c
+        .watch(pb::WatchRequest { since_revision: 0 })
+        .await?
+        .into_inner();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let reader = tokio::spawn(async move {
+        while let Some(Ok(e)) = stream.next().await {
+            if tx.send((Instant::now(), e)).is_err() {
+                return;
+            }
+        }
+    });
+    let ended = [pb::State::Exited as i32, pb::State::Failed as i32];
+    let mut took = Vec::new();
+    for round in 0..rounds {
+        let id = format!("crash-{round}");
+        let i = c
+            .start(crate::start("trivial", &id))
+            .await?
+            .into_inner()
+            .instance
+            .context("an instance")?;
+        while rx.try_recv().is_ok() {}
+        let t0 = Instant::now();
+        kill(Pid::from_raw(i.pid as i32), Signal::SIGKILL)?;
+        let arrived = loop {
+            let (at, e) = tokio::time::timeout(Duration::from_secs(10), rx.recv())
+                .await
+                .context("no event within 10 s")?
+                .context("the watch ended")?;
+            if e.instance
+                .as_ref()
+                .is_some_and(|x| x.instance_id == id && ended.contains(&x.state))
+            {
+                break at;
+            }
+        };
+        took.push(arrived - t0);
+    }
+    reader.abort();
+    Ok(median(took))
+}
+
+/// CPU time of every live thread of `pid`, in nanoseconds.
+pub fn cpu_ns(pid: i32) -> u64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return 0;
+    };
+    tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum()
+}
+
+/// The peak resident set of `pid` (VmHWM), in bytes.
+pub fn peak_rss(pid: i32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// With `n` idle children: the agent's CPU (fraction of one core) over
+/// `secs`, and its peak RSS.
+pub async fn idle(c: &mut Client, pid: i32, n: usize, secs: f64) -> anyhow::Result<(f64, u64)> {
+    for i in 0..n {
+        c.start(crate::start("trivial", &format!("idle-{i}")))
+            .await?;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let c0 = cpu_ns(pid);
+    tokio::time::sleep(Duration::from_secs_f64(secs)).await;
+    let used = cpu_ns(pid).saturating_sub(c0);
+    let rss = peak_rss(pid);
+    for i in 0..n {
+        let req = pb::StopRequest {
+            instance_id: format!("idle-{i}"),
+            grace_ms: 0,
+        };
+        c.stop(req).await?;
+    }
+    Ok((used as f64 / (secs * 1e9), rss))
+}
+
+/// What the churn did.
+#[derive(Debug)]
+pub struct Churn {
+    pub per_sec: f64,
+    pub p99: Duration,
+    pub admitted: usize,
+    pub refused: usize,
+}
+
+/// `calls` random Start / Stop / Place calls from `clients` connections.
+pub async fn churn(socket: &Path, calls: usize, clients: usize) -> anyhow::Result<Churn> {
+    let t0 = Instant::now();
+    let mut tasks = Vec::new();
+    for k in 0..clients {
+        let mut c = resident_api::connect_unix(socket).await?;
+        let mut rng = 0x9E37_79B9_7F4A_7C15u64 ^ (k as u64 + 1);
+        tasks.push(tokio::spawn(async move {
+            let mut next = move || {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                rng
+            };
+            let (mut lat, mut admitted, mut refused) = (Vec::new(), 0, 0);
+            for _ in 0..calls / clients {
+                let id = format!("c{}", next() % 64);
+                let policy = (next() % 2 + 1) as i32;
+                let t = Instant::now();
+                match next() % 3 {
+                    0 => {
+                        let req = pb::StartRequest {
+                            workload: "churn".into(),
+                            instance_id: id,
+                            on_full: policy,
+                            wait_ready: false,
+                        };
+                        match c.start(req).await {
+                            Ok(r) if r.get_ref().created => admitted += 1,
+                            Ok(_) => {}
+                            Err(s) if s.code() == tonic::Code::ResourceExhausted => refused += 1,
+                            // Stopped before it was spawned, or being evicted.
+                            Err(s)
+                                if matches!(
+                                    s.code(),
+                                    tonic::Code::Aborted | tonic::Code::Unavailable
+                                ) => {}
+                            Err(s) => return Err(anyhow::anyhow!("start: {s}")),
+                        }
+                    }
+                    1 => {
+                        let req = pb::StopRequest {
+                            instance_id: id,
+                            grace_ms: 0,
+                        };
+                        match c.stop(req).await {
+                            Ok(_) => {}
+                            Err(s) if s.code() == tonic::Code::NotFound => {}
+                            Err(s) => return Err(anyhow::anyhow!("stop: {s}")),
+                        }
+                    }
+                    _ => {
+                        let req = pb::PlaceRequest {
+                            workload: "churn".into(),
+                            on_full: policy,
+                        };
+                        c.place(req).await?;
+                    }
+                }
+                lat.push(t.elapsed());
+            }
+            Ok((lat, admitted, refused))
+        }));
+    }
+    let (mut lat, mut admitted, mut refused) = (Vec::new(), 0, 0);
+    for t in tasks {
+        let (l, a, r) = t.await??;
+        lat.extend(l);
+        admitted += a;
+        refused += r;
+    }
+    let s = summarize(lat, t0.elapsed());
+    Ok(Churn {
+        per_sec: s.per_sec,
+        p99: s.p99,
+        admitted,
+        refused,
+    })
+}
+
+/// After the churn: the pool never holds more than its budget, and holds
+/// exactly the footprints of the instances that hold memory.
+pub async fn check_books(c: &mut Client, pool: &str, budget: u64) -> anyhow::Result<()> {
+    // Starts still spawning settle first.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let settled = [pb::State::Ready, pb::State::Exited, pb::State::Failed].map(|s| s as i32);
+    let list = loop {
+        let list = c.list(pb::ListRequest {}).await?.into_inner().instances;
+        if list.iter().all(|i| settled.contains(&i.state)) {
+            break list;
+        }
+        if Instant::now() > deadline {
+            bail!("the churn never settled");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let held: u64 = list
+        .iter()
+        .filter(|i| i.state == pb::State::Ready as i32)
+        .flat_map(|i| &i.demand)
+        .filter(|d| d.pool == pool)
+        .map(|d| d.weights_bytes + d.kv_budget_bytes)
+        .sum();
+    let node = c.node(pb::NodeRequest {}).await?.into_inner();
+    let used = node
+        .pools
+        .iter()
+        .find(|p| p.name == pool)
+        .map(|p| p.used_bytes)
+        .context("the pool")?;
+    if used != held || used > budget {
+        bail!(
+            "books off after the churn: pool {pool} uses {used}, instances hold {held}, budget {budget}"
+        );
+    }
+    Ok(())
+}
+
+/// supervisord, driven by `scripts/bench_supervisord.py` in its venv.
+#[derive(Debug)]
+pub struct Peer {
+    pub python: PathBuf,
+    pub script: PathBuf,
+}
+
+impl Peer {
+    fn run(&self, args: &[String]) -> anyhow::Result<serde_json::Value> {
+        let out = std::process::Command::new(&self.python)
+            .arg(&self.script)
+            .args(args)
+            .output()
+            .with_context(|| format!("running {}", self.script.display()))?;
+        if !out.status.success() {
+            bail!(
+                "supervisord {args:?} failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Ok(serde_json::from_slice(&out.stdout)?)
+    }
+
+    fn secs(v: &serde_json::Value, key: &str) -> anyhow::Result<Duration> {
+        let s = v[key].as_f64().with_context(|| format!("{key} in {v}"))?;
+        Ok(Duration::from_secs_f64(s))
+    }
+
+    /// Median start and stop of `n` programs.
+    pub fn startstop(&self, n: usize, rounds: usize) -> anyhow::Result<(Duration, Duration)> {
+        let v = self.run(&["startstop".into(), n.to_string(), rounds.to_string()])?;
+        Ok((Self::secs(&v, "start_s")?, Self::secs(&v, "stop_s")?))
+    }
+
+    /// Median kill -9 to report.
+    pub fn crash(&self, rounds: usize) -> anyhow::Result<Duration> {
+        let v = self.run(&["crash".into(), rounds.to_string()])?;
+        Self::secs(&v, "median_s")
+    }
+
+    /// CPU fraction and peak RSS with `n` idle programs.
+    pub fn idle(&self, n: usize, secs: f64) -> anyhow::Result<(f64, u64)> {
+        let v = self.run(&["idle".into(), n.to_string(), secs.to_string()])?;
+        let cpu = v["cpu_fraction"].as_f64().context("cpu_fraction")?;
+        let rss = v["peak_rss_bytes"].as_u64().context("peak_rss_bytes")?;
+        Ok((cpu, rss))
+    }
+}

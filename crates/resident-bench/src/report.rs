@@ -1,0 +1,192 @@
+//! The one table the harness prints: each row residentd's figure, the
+//! floor's and supervisord's where there is one, and the ratios.
+
+use std::time::Duration;
+
+/// A figure in its unit.
+#[derive(Debug, Clone, Copy)]
+enum Value {
+    Time(Duration),
+    Rate(f64),
+    Fraction(f64),
+    Bytes(u64),
+}
+
+impl Value {
+    fn number(self) -> f64 {
+        match self {
+            Self::Time(d) => d.as_secs_f64(),
+            Self::Rate(r) | Self::Fraction(r) => r,
+            Self::Bytes(b) => b as f64,
+        }
+    }
+
+    fn text(self) -> String {
+        match self {
+            Self::Time(d) => duration(d),
+            Self::Rate(r) => format!("{r:.0}/s"),
+            Self::Fraction(f) => format!("{:.3}%", f * 100.0),
+            Self::Bytes(b) => format!("{:.1} MB", b as f64 / 1e6),
+        }
+    }
+}
+
+/// A duration with a unit that suits it.
+pub fn duration(d: Duration) -> String {
+    let us = d.as_secs_f64() * 1e6;
+    if us < 1000.0 {
+        format!("{us:.0} µs")
+    } else {
+        format!("{:.2} ms", us / 1000.0)
+    }
+}
+
+/// One line of the table.
+#[derive(Debug)]
+pub struct Row {
+    name: String,
+    ours: Option<Value>,
+    floor: Option<Value>,
+    peer: Option<Value>,
+    target: String,
+    note: Option<String>,
+}
+
+impl Row {
+    fn new(
+        name: String,
+        ours: Value,
+        floor: Option<Value>,
+        peer: Option<Value>,
+        target: &str,
+    ) -> Self {
+        Self {
+            name,
+            ours: Some(ours),
+            floor,
+            peer,
+            target: target.into(),
+            note: None,
+        }
+    }
+
+    /// A time against the floor and, where measured, supervisord.
+    pub fn latency(
+        name: String,
+        ours: Duration,
+        floor: Duration,
+        peer: Option<Duration>,
+        target: &str,
+    ) -> Self {
+        let t = Value::Time;
+        Self::new(name, t(ours), Some(t(floor)), peer.map(t), target)
+    }
+
+    /// A rate against the floor.
+    pub fn rate(name: String, ours: f64, floor: f64, target: &str) -> Self {
+        Self::new(
+            name,
+            Value::Rate(ours),
+            Some(Value::Rate(floor)),
+            None,
+            target,
+        )
+    }
+
+    /// A time against supervisord only.
+    pub fn peer_latency(name: &str, ours: Duration, peer: Option<Duration>, target: &str) -> Self {
+        Self::new(
+            name.into(),
+            Value::Time(ours),
+            None,
+            peer.map(Value::Time),
+            target,
+        )
+    }
+
+    /// A fraction of a core against supervisord.
+    pub fn fraction(name: String, ours: f64, peer: Option<f64>, target: &str) -> Self {
+        Self::new(
+            name,
+            Value::Fraction(ours),
+            None,
+            peer.map(Value::Fraction),
+            target,
+        )
+    }
+
+    /// Bytes against supervisord.
+    pub fn bytes(name: String, ours: u64, peer: Option<u64>, target: &str) -> Self {
+        Self::new(
+            name,
+            Value::Bytes(ours),
+            None,
+            peer.map(Value::Bytes),
+            target,
+        )
+    }
+
+    /// A line of text.
+    pub fn note(name: String, text: String) -> Self {
+        Self {
+            name,
+            ours: None,
+            floor: None,
+            peer: None,
+            target: String::new(),
+            note: Some(text),
+        }
+    }
+}
+
+/// Every row, in the order measured.
+#[derive(Debug, Default)]
+pub struct Table {
+    rows: Vec<Row>,
+}
+
+fn ratio(ours: Option<Value>, other: Option<Value>) -> String {
+    match (ours, other) {
+        (Some(a), Some(b)) if b.number() > 0.0 => format!("{:.2}x", a.number() / b.number()),
+        _ => String::new(),
+    }
+}
+
+fn text(v: Option<Value>) -> String {
+    v.map(Value::text).unwrap_or_default()
+}
+
+impl Table {
+    /// Adds a row.
+    pub fn push(&mut self, row: Row) {
+        self.rows.push(row);
+    }
+
+    /// Prints the table (Markdown, so it can go into docs/benchmarks.md).
+    pub fn print(&self, quick: bool, cores: usize) {
+        let kind = if quick {
+            "quick smoke run (few iterations; figures mean little)"
+        } else {
+            "full run"
+        };
+        println!("residentd benchmarks, {kind}, {cores} cores, one run side by side\n");
+        println!("| row | residentd | floor | vs floor | supervisord | vs supervisord | target |");
+        println!("|---|---|---|---|---|---|---|");
+        for r in &self.rows {
+            if let Some(note) = &r.note {
+                println!("| {} | {note} | | | | | |", r.name);
+                continue;
+            }
+            println!(
+                "| {} | {} | {} | {} | {} | {} | {} |",
+                r.name,
+                text(r.ours),
+                text(r.floor),
+                ratio(r.ours, r.floor),
+                text(r.peer),
+                ratio(r.ours, r.peer),
+                r.target
+            );
+        }
+    }
+}
