@@ -93,6 +93,7 @@ name = "bench"
 listen = "unix://@DIR@/agent.sock"
 state_dir = "@DIR@/state"
 max_instances = 1000
+@NODE@
 
 [[pool]]
 name = "ram"
@@ -122,9 +123,16 @@ policy = "never"
 "#;
 
 fn spawn_agent(residentd: &Path) -> anyhow::Result<Server> {
+    spawn_agent_with(residentd, "")
+}
+
+/// An agent with `node` added to its `[node]` table.
+fn spawn_agent_with(residentd: &Path, node: &str) -> anyhow::Result<Server> {
     let dir = tempfile::tempdir()?;
     let config = dir.path().join("residentd.toml");
-    let text = AGENT_CONFIG.replace("@DIR@", &dir.path().display().to_string());
+    let text = AGENT_CONFIG
+        .replace("@DIR@", &dir.path().display().to_string())
+        .replace("@NODE@", node);
     std::fs::write(&config, text)?;
     let child = Command::new(residentd)
         .arg("--config")
@@ -197,6 +205,14 @@ fn main() -> anyhow::Result<()> {
         .and_then(|i| args.get(i + 1))
         .map(PathBuf::from);
     let plan = if quick { QUICK } else { FULL };
+    // `--only place|startstop|crash|idle|churn` runs one part, for working
+    // on it.
+    let only = args
+        .iter()
+        .position(|a| a == "--only")
+        .and_then(|i| args.get(i + 1))
+        .cloned();
+    let runs = |part: &str| only.as_deref().is_none_or(|o| o == part);
     let residentd = sibling_binary("residentd")?;
     let script =
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/bench_supervisord.py");
@@ -206,9 +222,22 @@ fn main() -> anyhow::Result<()> {
         .build()?;
     let mut table = Table::default();
     rt.block_on(async {
-        place_rows(&plan, &residentd, &mut table).await?;
-        lifecycle_rows(&plan, &residentd, peer.as_ref(), &mut table).await?;
-        churn_row(&plan, &residentd, &mut table).await
+        if runs("place") {
+            place_rows(&plan, &residentd, &mut table).await?;
+        }
+        if runs("startstop") {
+            startstop_rows(&plan, &residentd, peer.as_ref(), &mut table).await?;
+        }
+        if runs("crash") {
+            crash_row(&plan, &residentd, peer.as_ref(), &mut table).await?;
+        }
+        if runs("idle") {
+            idle_rows(&plan, &residentd, peer.as_ref(), &mut table).await?;
+        }
+        if runs("churn") {
+            churn_row(&plan, &residentd, &mut table).await?;
+        }
+        Ok::<_, anyhow::Error>(())
     })?;
     table.print(quick, nproc());
     Ok(())
@@ -255,7 +284,67 @@ async fn place_rows(plan: &Plan, residentd: &Path, table: &mut Table) -> anyhow:
     Ok(())
 }
 
-async fn lifecycle_rows(
+/// Start and stop of many children: the agent as deployed (a cgroup per
+/// run where the machine allows) and with process groups only, beside the
+/// spawn-loop floor and supervisord.
+async fn startstop_rows(
+    plan: &Plan,
+    residentd: &Path,
+    peer: Option<&measure::Peer>,
+    table: &mut Table,
+) -> anyhow::Result<()> {
+    let with_cgroups = spawn_agent(residentd)?;
+    let without = spawn_agent_with(residentd, "cgroups = \"off\"")?;
+    let mut a = connect(&with_cgroups.socket).await?;
+    let mut b = connect(&without.socket).await?;
+    let mut samples: [Vec<Duration>; 6] = Default::default();
+    for round in 0..plan.start_rounds {
+        let runs = [
+            measure::floor_spawn(plan.children).await?,
+            measure::agent_startstop(&mut a, plan.children, round).await?,
+            measure::agent_startstop(&mut b, plan.children, round).await?,
+        ];
+        for (k, (start, stop)) in runs.into_iter().enumerate() {
+            samples[2 * k].push(start);
+            samples[2 * k + 1].push(stop);
+        }
+    }
+    let [
+        floor_start,
+        floor_stop,
+        cg_start,
+        cg_stop,
+        pg_start,
+        pg_stop,
+    ] = samples.map(measure::median);
+    let theirs = match peer {
+        Some(p) => Some(p.startstop(plan.children, plan.start_rounds)?),
+        None => None,
+    };
+    let n = plan.children;
+    for (what, start, stop) in [
+        ("cgroups", cg_start, cg_stop),
+        ("process groups", pg_start, pg_stop),
+    ] {
+        table.push(Row::latency(
+            format!("start {n} until all run ({what})"),
+            start,
+            floor_start,
+            theirs.map(|t| t.0),
+            "<= 1.5x floor, < supervisord",
+        ));
+        table.push(Row::latency(
+            format!("stop {n} until all gone ({what})"),
+            stop,
+            floor_stop,
+            theirs.map(|t| t.1),
+            "<= 2x floor, < supervisord",
+        ));
+    }
+    Ok(())
+}
+
+async fn crash_row(
     plan: &Plan,
     residentd: &Path,
     peer: Option<&measure::Peer>,
@@ -263,35 +352,6 @@ async fn lifecycle_rows(
 ) -> anyhow::Result<()> {
     let agent = spawn_agent(residentd)?;
     let mut c = connect(&agent.socket).await?;
-    let (mut starts, mut stops, mut fstarts, mut fstops) = (vec![], vec![], vec![], vec![]);
-    for round in 0..plan.start_rounds {
-        let (a, b) = measure::floor_spawn(plan.children).await?;
-        fstarts.push(a);
-        fstops.push(b);
-        let (a, b) = measure::agent_startstop(&mut c, plan.children, round).await?;
-        starts.push(a);
-        stops.push(b);
-    }
-    let theirs = match peer {
-        Some(p) => Some(p.startstop(plan.children, plan.start_rounds)?),
-        None => None,
-    };
-    let n = plan.children;
-    table.push(Row::latency(
-        format!("start {n} until all run"),
-        measure::median(starts),
-        measure::median(fstarts),
-        theirs.map(|t| t.0),
-        "<= 1.5x floor, < supervisord",
-    ));
-    table.push(Row::latency(
-        format!("stop {n} until all gone"),
-        measure::median(stops),
-        measure::median(fstops),
-        theirs.map(|t| t.1),
-        "<= 2x floor, < supervisord",
-    ));
-
     let ours = measure::crash_detection(&mut c, plan.crash_rounds).await?;
     let theirs = match peer {
         Some(p) => Some(p.crash(plan.crash_rounds)?),
@@ -303,7 +363,17 @@ async fn lifecycle_rows(
         theirs,
         "<= 1 ms, <= supervisord",
     ));
+    Ok(())
+}
 
+async fn idle_rows(
+    plan: &Plan,
+    residentd: &Path,
+    peer: Option<&measure::Peer>,
+    table: &mut Table,
+) -> anyhow::Result<()> {
+    let agent = spawn_agent(residentd)?;
+    let mut c = connect(&agent.socket).await?;
     let (cpu, rss) = measure::idle(&mut c, agent.pid(), plan.idle_children, plan.idle_secs).await?;
     let theirs = match peer {
         Some(p) => Some(p.idle(plan.idle_children, plan.idle_secs)?),

@@ -197,16 +197,34 @@ pub async fn crash_detection(c: &mut Client, rounds: usize) -> anyhow::Result<Du
     Ok(median(took))
 }
 
-/// CPU time of every live thread of `pid`, in nanoseconds.
-pub fn cpu_ns(pid: i32) -> u64 {
+/// CPU time of each live thread of `pid`, in nanoseconds, by thread id.
+pub fn thread_cpu_ns(pid: i32) -> std::collections::HashMap<i32, u64> {
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-        return 0;
+        return Default::default();
     };
     tasks
         .flatten()
-        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
-        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
-        .sum()
+        .filter_map(|t| {
+            let tid = t.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(t.path().join("schedstat")).ok()?;
+            Some((tid, stat.split_whitespace().next()?.parse().ok()?))
+        })
+        .collect()
+}
+
+/// The CPU `pid` used between two readings of `thread_cpu_ns`; an error
+/// when a thread ended in between (its time would be lost).
+pub fn cpu_between(
+    before: &std::collections::HashMap<i32, u64>,
+    after: &std::collections::HashMap<i32, u64>,
+) -> anyhow::Result<u64> {
+    if let Some(gone) = before.keys().find(|t| !after.contains_key(t)) {
+        bail!("thread {gone} ended during the window; its CPU time is lost");
+    }
+    Ok(after
+        .iter()
+        .map(|(tid, ns)| ns.saturating_sub(before.get(tid).copied().unwrap_or(0)))
+        .sum())
 }
 
 /// The peak resident set of `pid` (VmHWM), in bytes.
@@ -222,24 +240,21 @@ pub fn peak_rss(pid: i32) -> u64 {
 }
 
 /// With `n` idle children: the agent's CPU (fraction of one core) over
-/// `secs`, and its peak RSS.
+/// `secs`, and its peak RSS over the same window. The window starts once
+/// the threads that served the starts have retired (tokio keeps an idle
+/// blocking thread 10 s), and the peak is reset at its start
+/// (`clear_refs` 5), so the start-up storm is not what is measured.
 pub async fn idle(c: &mut Client, pid: i32, n: usize, secs: f64) -> anyhow::Result<(f64, u64)> {
     for i in 0..n {
         c.start(crate::start("trivial", &format!("idle-{i}")))
             .await?;
     }
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let c0 = cpu_ns(pid);
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    std::fs::write(format!("/proc/{pid}/clear_refs"), "5").context("resetting the peak RSS")?;
+    let before = thread_cpu_ns(pid);
     tokio::time::sleep(Duration::from_secs_f64(secs)).await;
-    let used = cpu_ns(pid).saturating_sub(c0);
+    let used = cpu_between(&before, &thread_cpu_ns(pid))?;
     let rss = peak_rss(pid);
-    for i in 0..n {
-        let req = pb::StopRequest {
-            instance_id: format!("idle-{i}"),
-            grace_ms: 0,
-        };
-        c.stop(req).await?;
-    }
     Ok((used as f64 / (secs * 1e9), rss))
 }
 

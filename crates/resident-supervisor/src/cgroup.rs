@@ -215,6 +215,12 @@ impl Cgroups {
     pub fn create(&self, limit: Option<u64>) -> io::Result<RunCgroup> {
         let spare = self.spares().pop();
         let mut run = match spare {
+            // The same limit as its last run: nothing to write.
+            Some(run) if run.limit == limit => {
+                let mut run = run;
+                run.oom_base = run.oom_count();
+                return Ok(run);
+            }
             Some(run) => run,
             None => self.make()?,
         };
@@ -229,6 +235,12 @@ impl Cgroups {
         }
         run.oom_base = run.oom_count();
         Ok(run)
+    }
+
+    /// Whether an emptied cgroup waits for reuse (then `create` makes no
+    /// directory and is quick enough to call from async code).
+    pub fn has_spare(&self) -> bool {
+        !self.spares().is_empty()
     }
 
     fn make(&self) -> io::Result<RunCgroup> {
@@ -257,11 +269,12 @@ impl Cgroups {
         Ok(run)
     }
 
-    /// Takes back the cgroups of a run whose processes are all gone, for
-    /// reuse; removes them when enough are spare or one is not empty.
-    pub fn recycle(&self, run: &RunCgroup) {
+    /// Takes back the cgroups of a run whose processes are all gone (the
+    /// caller may know they are: `known_empty`), for reuse; removes them
+    /// when enough are spare, or tries to when one is not empty.
+    pub fn recycle(&self, run: &RunCgroup, known_empty: bool) {
         let mut spares = self.spares();
-        if spares.len() < SPARES && !run.populated() {
+        if spares.len() < SPARES && (known_empty || !run.populated()) {
             spares.push(run.clone());
         } else {
             drop(spares);
@@ -434,25 +447,24 @@ impl RunCgroup {
             .collect()
     }
 
-    /// Sends `signal` to every member.
-    pub fn signal_all(&self, signal: nix::sys::signal::Signal) {
+    /// Sends each of `signals` to every member.
+    pub fn signal_all(&self, signals: &[nix::sys::signal::Signal]) {
         for pid in self.members() {
-            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), signal);
+            for signal in signals {
+                let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), *signal);
+            }
         }
     }
 
     /// SIGKILL to every member: `cgroup.kill` on v2 (which no fork can
     /// race), member by member on v1.
     pub fn kill_all(&self) {
-        if !self.populated() {
-            return;
-        }
         if let Some(v2) = &self.v2
             && write(&v2.join("cgroup.kill"), "1").is_ok()
         {
             return;
         }
-        self.signal_all(nix::sys::signal::Signal::SIGKILL);
+        self.signal_all(&[nix::sys::signal::Signal::SIGKILL]);
     }
 
     /// Whether any process is left.
@@ -468,10 +480,10 @@ impl RunCgroup {
         let deadline = std::time::Instant::now() + bound;
         let mut pause = Duration::from_micros(200);
         while self.populated() {
+            self.kill_all();
             if std::time::Instant::now() >= deadline {
                 return false;
             }
-            self.kill_all();
             std::thread::sleep(pause);
             pause = (pause * 2).min(Duration::from_millis(20));
         }

@@ -60,6 +60,8 @@ struct Run {
     child: Child,
     pgid: i32,
     cgroup: Option<Arc<RunCgroup>>,
+    /// Whether every process of the run is known to be gone.
+    cleared: bool,
 }
 
 impl Shared {
@@ -143,7 +145,7 @@ impl Actor {
                 }
                 End::Exited(exit) => exit,
             };
-            clear_leftovers(run.pgid, run.cgroup.as_deref()).await;
+            run.cleared = clear_leftovers(run.pgid, run.cgroup.as_deref()).await;
             let oom = self.end_run(&run).await;
             let policy = self.spec.restart;
             if started.elapsed() >= policy.stable_after {
@@ -214,7 +216,7 @@ impl Actor {
             Ok(child) => child,
             Err(e) => {
                 if let (Some(cg), Some(cgroups)) = (cgroup, &self.cgroups) {
-                    cgroups.recycle(&cg);
+                    cgroups.recycle(&cg, false);
                 }
                 self.finish(
                     State::Failed,
@@ -248,6 +250,7 @@ impl Actor {
             child,
             pgid,
             cgroup,
+            cleared: false,
         })
     }
 
@@ -258,6 +261,9 @@ impl Actor {
             return Ok(None);
         };
         let limit = self.spec.memory_limit;
+        if cgroups.has_spare() {
+            return cgroups.create(limit).map(|cg| Some(Arc::new(cg)));
+        }
         tokio::task::spawn_blocking(move || cgroups.create(limit))
             .await
             .map_err(std::io::Error::other)?
@@ -276,7 +282,7 @@ impl Actor {
             return String::new();
         };
         let (kills, limit) = (cg.oom_kills(), cg.limit());
-        cgroups.recycle(cg);
+        cgroups.recycle(cg, run.cleared);
         self.shared.status.send_modify(|s| s.oom_killed = kills > 0);
         match (kills, limit) {
             (0, _) => String::new(),
@@ -303,12 +309,11 @@ impl Actor {
         let reason = format!("stopping: SIGTERM, SIGKILL after {grace:?}");
         self.shared.transition(State::Stopping, reason, |_| {});
         let cg = run.cgroup.as_deref();
-        for signal in [Signal::SIGTERM, Signal::SIGCONT] {
-            let _ = signal_group(run.pgid, signal);
-            if let Some(cg) = cg {
-                cg.signal_all(signal);
-            }
-        }
+        // The group gets the graceful stop; a process that left it
+        // (setsid) is killed with the rest of the cgroup once the group is
+        // done, which spares every stop a read of the cgroup's members.
+        let _ = signal_group(run.pgid, Signal::SIGTERM);
+        let _ = signal_group(run.pgid, Signal::SIGCONT);
         let exit = match timeout(grace, run.child.wait()).await {
             Ok(status) => exit_of(status),
             Err(_) => {
@@ -320,7 +325,7 @@ impl Actor {
                 exit_of(run.child.wait().await)
             }
         };
-        clear_leftovers(run.pgid, cg).await;
+        run.cleared = clear_leftovers(run.pgid, cg).await;
         exit
     }
 
@@ -360,21 +365,26 @@ fn exit_of(status: std::io::Result<std::process::ExitStatus>) -> Exit {
 
 /// Kills whatever is left of group `pgid` and of the run's cgroup
 /// (helpers the leader forked, and with a cgroup also those that left the
-/// group) and waits, bounded, until none is left.
-pub(crate) async fn clear_leftovers(pgid: i32, cgroup: Option<&RunCgroup>) {
+/// group) and waits, bounded, until none is left; false when some are
+/// still there at the bound.
+pub(crate) async fn clear_leftovers(pgid: i32, cgroup: Option<&RunCgroup>) -> bool {
     if pgid <= 1 {
-        return;
+        return true;
     }
     let deadline = Instant::now() + LEFTOVER_BOUND;
     let mut pause = Duration::from_micros(500);
     loop {
         let _ = signal_group(pgid, Signal::SIGKILL);
-        if let Some(cg) = cgroup {
+        let in_cgroup = cgroup.filter(|cg| cg.populated());
+        if let Some(cg) = in_cgroup {
             cg.kill_all();
         }
-        let left = group_exists(pgid) || cgroup.is_some_and(RunCgroup::populated);
-        if !left || Instant::now() >= deadline {
-            return;
+        let left = in_cgroup.is_some() || group_exists(pgid);
+        if !left {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
         }
         sleep(pause).await;
         pause = (pause * 2).min(Duration::from_millis(50));

@@ -67,6 +67,8 @@ pub struct Agent {
     journal: Journal,
     /// Wakes the journal writer; writes coalesce.
     journal_dirty: tokio::sync::Notify,
+    /// One journal write at a time (see `write_journal_now`).
+    journal_lock: Mutex<()>,
     metrics: crate::metrics::Metrics,
 }
 
@@ -99,6 +101,7 @@ impl Agent {
             closed: tokio::sync::watch::Sender::new(false),
             journal,
             journal_dirty: tokio::sync::Notify::new(),
+            journal_lock: Mutex::new(()),
             metrics: crate::metrics::Metrics::new(),
         });
         agent.open_device_probes();
@@ -465,10 +468,8 @@ impl Agent {
     /// The journal keeps what ran at shutdown, so the next start of the
     /// agent (an upgrade, a restart) brings the same instances back.
     pub async fn shutdown(&self) {
-        if let Err(e) = self.journal.write(&self.journal_entries()) {
-            tracing::error!(error = %e, "cannot write the journal");
-        }
         self.closing.store(true, Ordering::Release);
+        self.write_journal_now(true);
         self.closed.send_replace(true);
         self.sup.shutdown().await;
         let ids: Vec<String> = self.books().records.keys().cloned().collect();

@@ -60,6 +60,20 @@ impl Agent {
             self.journal_dirty.notify_one();
         }
     }
+
+    /// Writes the journal now (blocking: it fsyncs). Serialized with every
+    /// other write; once `closing` is set only the sealing write (at
+    /// shutdown) goes through, so a late background write can never
+    /// replace what shutdown wrote.
+    pub(super) fn write_journal_now(&self, sealing: bool) {
+        let _one_writer = self.journal_lock.lock().unwrap_or_else(|e| e.into_inner());
+        if !sealing && self.closing.load(Ordering::Acquire) {
+            return;
+        }
+        if let Err(e) = self.journal.write(&self.journal_entries()) {
+            tracing::error!(error = %e, "cannot write the journal");
+        }
+    }
     /// What the journal should hold now: resident, not evicted instances in
     /// admission order, with their running group.
     pub(super) fn journal_entries(&self) -> Vec<journal::Entry> {
@@ -91,8 +105,12 @@ impl Agent {
     }
 }
 
-/// Rewrites the journal whenever it is marked out of date; bursts of
-/// changes coalesce into one write.
+/// How long changes gather before the journal is written: a burst of
+/// starts costs one write and one fsync, not one each.
+const GATHER: Duration = Duration::from_millis(20);
+
+/// Rewrites the journal whenever it is marked out of date, on a blocking
+/// thread (the write fsyncs); bursts of changes coalesce into one write.
 pub(super) async fn write_journal(agent: std::sync::Weak<Agent>) {
     loop {
         let Some(strong) = agent.upgrade() else {
@@ -107,12 +125,8 @@ pub(super) async fn write_journal(agent: std::sync::Weak<Agent>) {
             drop(strong);
             continue;
         }
-        if strong.closing.load(Ordering::Acquire) {
-            continue;
-        }
-        let entries = strong.journal_entries();
-        if let Err(e) = strong.journal.write(&entries) {
-            tracing::error!(error = %e, "cannot write the journal");
-        }
+        tokio::time::sleep(GATHER).await;
+        let writer = strong.clone();
+        let _ = tokio::task::spawn_blocking(move || writer.write_journal_now(false)).await;
     }
 }
