@@ -119,8 +119,8 @@ pub(super) async fn write_journal(agent: std::sync::Weak<Agent>) {
         let notified = async {
             strong.journal_dirty.notified().await;
         };
-        // Wake at least every second, to notice when the agent is gone.
-        let wait = tokio::time::timeout(Duration::from_secs(1), notified);
+        // Wake now and then, to notice when the agent is gone.
+        let wait = tokio::time::timeout(Duration::from_secs(10), notified);
         if wait.await.is_err() {
             drop(strong);
             continue;
