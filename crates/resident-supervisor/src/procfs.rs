@@ -9,6 +9,8 @@ use std::fs;
 pub struct ProcStat {
     /// Process id.
     pub pid: i32,
+    /// Parent process.
+    pub ppid: i32,
     /// Process group.
     pub pgrp: i32,
     /// Single-letter state (`R`, `S`, `Z`, ...).
@@ -28,6 +30,7 @@ pub fn parse_stat(pid: i32, text: &str) -> Option<ProcStat> {
     Some(ProcStat {
         pid,
         state: fields.first()?.chars().next()?,
+        ppid: fields.get(1)?.parse().ok()?,
         pgrp: fields.get(2)?.parse().ok()?,
         start_ticks: fields.get(19)?.parse().ok()?,
         rss_pages: fields.get(21)?.parse().ok()?,
@@ -103,8 +106,8 @@ mod tests {
         let text = "4242 (a) b (c)) S 1 4242 4242 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 5555 1000000 250 18446744073709551615";
         let s = parse_stat(4242, text).expect("parses");
         assert_eq!(
-            (s.state, s.pgrp, s.start_ticks, s.rss_pages),
-            ('S', 4242, 5555, 250)
+            (s.state, s.ppid, s.pgrp, s.start_ticks, s.rss_pages),
+            ('S', 1, 4242, 5555, 250)
         );
         assert!(parse_stat(1, "garbage").is_none());
     }

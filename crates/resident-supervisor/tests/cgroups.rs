@@ -5,8 +5,6 @@
 
 mod support;
 
-use std::io::BufRead as _;
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use resident_supervisor::{CgroupMode, State, SupervisorConfig, procfs};
@@ -139,28 +137,12 @@ async fn the_next_agent_clears_what_a_killed_agent_left_in_its_cgroups() {
     if !cgroups_usable() {
         return;
     }
-    let agent_bin = env!("CARGO_BIN_EXE_resident-supervise");
-    let mut agent = Command::new(agent_bin)
-        .args(["--", TESTCHILD, "escapee", "forever"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start the agent");
-    // The tool prints only the leader's pid; the escapee is found in /proc.
-    let mut line = String::new();
-    std::io::BufReader::new(agent.stdout.take().expect("piped"))
-        .read_line(&mut line)
-        .expect("the agent reports its child");
-    let leader: i32 = line
-        .trim()
-        .strip_prefix("pid=")
-        .and_then(|p| p.parse().ok())
-        .expect(&line);
+    let (mut agent, leader) = supervise(&[TESTCHILD, "escapee", "forever"]);
     let mut escapee = None;
     let found = eventually(PATIENCE, || {
         escapee = procfs::scan()
             .into_iter()
-            .find(|s| s.pid != leader && s.pgrp == s.pid && parent_of(s.pid) == Some(leader))
+            .find(|s| s.pid != leader && s.pgrp == s.pid && s.ppid == leader)
             .map(|s| s.pid);
         std::future::ready(escapee.is_some())
     })
@@ -180,10 +162,4 @@ async fn the_next_agent_clears_what_a_killed_agent_left_in_its_cgroups() {
         !alive(escapee),
         "the escapee {escapee} survived the next agent's start"
     );
-}
-
-fn parent_of(pid: i32) -> Option<i32> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let rest = &text[text.rfind(')')? + 1..];
-    rest.split_whitespace().nth(1)?.parse().ok()
 }

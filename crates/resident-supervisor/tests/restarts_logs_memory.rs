@@ -3,8 +3,6 @@
 
 mod support;
 
-use std::io::BufRead;
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use resident_supervisor::{Exit, LogLimits, RestartMode, RestartPolicy, State, SupervisorConfig};
@@ -194,23 +192,7 @@ async fn measured_bytes_track_the_group_resident_memory() {
 
 #[tokio::test]
 async fn killing_the_agent_takes_its_children_within_a_second() {
-    let agent_bin = env!("CARGO_BIN_EXE_resident-supervise");
-    let mut agent = Command::new(agent_bin)
-        .args(["--", TESTCHILD, "forever"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start the agent");
-    let stdout = agent.stdout.take().expect("piped");
-    let mut line = String::new();
-    std::io::BufReader::new(stdout)
-        .read_line(&mut line)
-        .expect("the agent reports its child");
-    let pid: i32 = line
-        .trim()
-        .strip_prefix("pid=")
-        .and_then(|p| p.parse().ok())
-        .expect(&line);
+    let (mut agent, pid) = supervise(&[TESTCHILD, "forever"]);
     assert!(alive(pid));
     agent.kill().expect("kill -9 the agent");
     agent.wait().expect("reap the agent");

@@ -239,15 +239,9 @@ fn holds_memory(state: i32) -> bool {
 fn children_of(parent: i32) -> BTreeSet<i32> {
     resident_supervisor::procfs::scan()
         .into_iter()
-        .filter(|s| parent_of(s.pid) == Some(parent))
+        .filter(|s| s.ppid == parent)
         .map(|s| s.pid)
         .collect()
-}
-
-fn parent_of(pid: i32) -> Option<i32> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let rest = &text[text.rfind(')')? + 1..];
-    rest.split_whitespace().nth(1)?.parse().ok()
 }
 
 /// Waits (bounded) until no instance is on its way anywhere; returns them.

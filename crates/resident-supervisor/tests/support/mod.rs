@@ -139,6 +139,29 @@ where
     }
 }
 
+/// Starts `resident-supervise` (an agent the test can kill -9) on
+/// `command`; returns it and its child's pid once the child runs.
+pub fn supervise(command: &[&str]) -> (std::process::Child, i32) {
+    use std::io::BufRead as _;
+    let mut agent = std::process::Command::new(env!("CARGO_BIN_EXE_resident-supervise"))
+        .arg("--")
+        .args(command)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start the agent");
+    let mut line = String::new();
+    std::io::BufReader::new(agent.stdout.take().expect("piped"))
+        .read_line(&mut line)
+        .expect("the agent reports its child");
+    let pid = line
+        .trim()
+        .strip_prefix("pid=")
+        .and_then(|p| p.parse().ok())
+        .expect(&line);
+    (agent, pid)
+}
+
 /// Whether a live (not zombie) process `pid` exists.
 pub fn alive(pid: i32) -> bool {
     resident_supervisor::procfs::stat(pid).is_some_and(|s| s.state != 'Z' && s.state != 'X')
