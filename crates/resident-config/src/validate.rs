@@ -36,7 +36,8 @@ pub(crate) fn validate(file: &Path, text: &str, check_programs: bool) -> Result<
         for w in &doc.workload {
             let name = spanned_str(&w.get_ref().name);
             let command = &w.get_ref().command;
-            program(command.get_ref())
+            let path = w.get_ref().env.get("PATH").map(|p| p.get_ref().as_str());
+            program(command.get_ref(), path)
                 .map_err(|m| src.err(command.span(), format!("workload[{name}].command"), m))?;
         }
     }
@@ -51,10 +52,11 @@ pub(crate) fn validate(file: &Path, text: &str, check_programs: bool) -> Result<
     })
 }
 
-/// Checks that the program of `argv` (a path, or a name on the agent's
-/// PATH) is a file this agent may execute and that nobody else may
+/// Checks that the program of `argv` (a path, or a name on the PATH the
+/// child will have: the workload's own `env.PATH`, else the agent's) is a
+/// file this agent may execute and that nobody else may
 /// replace: not writable by everyone.
-fn program(argv: &[String]) -> std::result::Result<(), String> {
+fn program(argv: &[String], path: Option<&str>) -> std::result::Result<(), String> {
     use std::os::unix::fs::PermissionsExt as _;
     let Some(program) = argv.first() else {
         return Err("empty command".into());
@@ -62,7 +64,9 @@ fn program(argv: &[String]) -> std::result::Result<(), String> {
     let path = if program.contains('/') {
         PathBuf::from(program)
     } else {
-        let dirs = std::env::var("PATH").unwrap_or_else(|_| "/usr/local/bin:/usr/bin:/bin".into());
+        let dirs = path.map(str::to_string).unwrap_or_else(|| {
+            std::env::var("PATH").unwrap_or_else(|_| "/usr/local/bin:/usr/bin:/bin".into())
+        });
         dirs.split(':')
             .filter(|d| !d.is_empty())
             .map(|d| Path::new(d).join(program))

@@ -161,6 +161,17 @@ fn programs_are_checked_when_the_config_loads() {
         assert!(err.contains("workload[w].command"), "{err}");
         assert!(err.contains(want), "{program}: {err}");
     }
+    // A name is looked up on the PATH the child gets: its own, if it sets one.
+    let bin = dir.path().join("bin");
+    std::fs::create_dir(&bin).expect("mkdir");
+    std::fs::copy("/bin/true", bin.join("own-server")).expect("copy a program");
+    let own_path = workload("own-server").replace(
+        "name = \"w\"\n",
+        &format!("name = \"w\"\nenv = {{ PATH = \"{}\" }}\n", bin.display()),
+    );
+    let out = check_config(dir.path(), &own_path);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
     let out = check_config(dir.path(), &workload("/bin/true"));
     assert_eq!(out.status.code(), Some(0));
     let err = String::from_utf8_lossy(&out.stderr);
