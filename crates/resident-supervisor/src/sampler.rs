@@ -171,7 +171,7 @@ mod tests {
         let before = s.resident_pages(me).expect("own statm");
         assert!(before > 0);
         // Touch 16 MiB; the same open file shows it.
-        let big = vec![1u8; 16 << 20];
+        let big = std::hint::black_box(vec![1u8; 16 << 20]);
         let after = s.resident_pages(me).expect("own statm");
         assert!(
             after >= before + (12 << 20) / crate::procfs::page_size(),
