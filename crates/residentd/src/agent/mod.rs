@@ -482,20 +482,22 @@ impl Agent {
     /// Stops instances unused for longer than their workload's idle TTL.
     async fn expire_idle(self: &Arc<Self>) {
         let now = self.now_ms();
+        // Runs every second: only instances of workloads with a TTL are
+        // looked at, so a node without TTLs does no per-instance work.
         let expired: Vec<String> = {
             let books = self.books();
             books
-                .ledger
-                .residents()
-                .filter(|r| !r.evicting && !r.held(now))
-                .filter(|r| {
-                    let ttl = books
-                        .records
-                        .get(r.id.as_str())
-                        .and_then(|rec| rec.workload.idle_ttl);
-                    ttl.is_some_and(|ttl| now.saturating_sub(r.last_used) >= ttl.as_millis() as u64)
+                .records
+                .iter()
+                .filter_map(|(id, rec)| Some((id, rec.workload.idle_ttl?)))
+                .filter(|(id, ttl)| {
+                    books.ledger.resident(id).is_some_and(|r| {
+                        !r.evicting
+                            && !r.held(now)
+                            && now.saturating_sub(r.last_used) >= ttl.as_millis() as u64
+                    })
                 })
-                .map(|r| r.id.to_string())
+                .map(|(id, _)| id.clone())
                 .collect()
         };
         for id in expired {
