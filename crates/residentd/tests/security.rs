@@ -309,3 +309,51 @@ async fn a_watcher_that_does_not_read_is_cut_off_and_resumes_without_a_gap() {
         last = e.revision;
     }
 }
+
+#[tokio::test]
+async fn ended_instances_beyond_the_cap_are_forgotten_oldest_first() {
+    use tokio_stream::StreamExt as _;
+    let mut d = Daemon::start(&format!("max_instances = 2\n{}", roster())).await;
+    let mut watch = d
+        .client
+        .watch(pb::WatchRequest { since_revision: 0 })
+        .await
+        .expect("watch")
+        .into_inner();
+    // Five ids, each started and stopped: a table that only grew would
+    // hold all five.
+    for n in 1..=5 {
+        let id = format!("e{n}");
+        d.started("nap", &id).await;
+        let stop = pb::StopRequest {
+            instance_id: id,
+            grace_ms: 0,
+        };
+        d.client.stop(stop).await.expect("stops");
+    }
+    d.started("nap", "live").await;
+    // Two ended ones are kept (the newest), plus the live one.
+    assert_eq!(d.ids().await, ["e4", "e5", "live"]);
+    let gone = d
+        .client
+        .get(pb::GetRequest {
+            instance_id: "e1".into(),
+        })
+        .await
+        .expect_err("forgotten");
+    assert_eq!(gone.code(), Code::NotFound);
+    let mut forgotten = Vec::new();
+    while forgotten.len() < 3 {
+        let e = tokio::time::timeout(PATIENCE, watch.next())
+            .await
+            .expect("in time")
+            .expect("open")
+            .expect("ok");
+        if e.kind == pb::EventKind::Forgotten as i32 {
+            let i = e.instance.expect("the instance");
+            assert_eq!(i.state, pb::State::Exited as i32, "its last state");
+            forgotten.push(i.instance_id);
+        }
+    }
+    assert_eq!(forgotten, ["e1", "e2", "e3"]);
+}

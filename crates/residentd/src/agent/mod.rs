@@ -288,6 +288,11 @@ impl Agent {
                         cancelled: false,
                     };
                     books.records.insert(id.to_string(), record);
+                    let forgotten = self.prune_ended(&mut books, config.node.max_instances);
+                    drop(books);
+                    for gone in forgotten {
+                        self.forgotten(gone);
+                    }
                     self.persist();
                     self.metrics.admitted(workload, a.evict.len());
                     (a, generation)
@@ -398,6 +403,45 @@ impl Agent {
     }
 
     /// Releases `id`'s reservation if `generation` is still its current run.
+    /// Keeps at most `keep` ended instances (the newest): without a bound,
+    /// a caller that starts and stops ever-new ids would grow the table
+    /// for good. Returns the records dropped.
+    fn prune_ended(&self, books: &mut Books, keep: usize) -> Vec<pb::Instance> {
+        let mut ended: Vec<(u64, String)> = books
+            .records
+            .iter()
+            .filter(|(id, _)| books.ledger.resident(id).is_none())
+            .map(|(id, r)| (r.generation, id.clone()))
+            .collect();
+        if ended.len() <= keep {
+            return Vec::new();
+        }
+        ended.sort_unstable();
+        let excess = ended.len() - keep;
+        let mut gone = Vec::new();
+        for (_, id) in ended.into_iter().take(excess) {
+            let Some(record) = books.records.get(&id) else {
+                continue;
+            };
+            let last = self.view(&id, record);
+            if self.sup.forget(&id) || self.sup.status(&id).is_none() {
+                books.records.remove(&id);
+                gone.push(last);
+            }
+        }
+        gone
+    }
+
+    /// Tells watchers that an ended instance was dropped.
+    fn forgotten(&self, last: pb::Instance) {
+        tracing::debug!(instance_id = %last.instance_id, "forgot an ended instance");
+        self.events.publish(pb::Event {
+            instance: Some(last),
+            kind: pb::EventKind::Forgotten as i32,
+            ..Default::default()
+        });
+    }
+
     fn release(&self, id: &str, generation: u64) {
         let mut books = self.books();
         if books
