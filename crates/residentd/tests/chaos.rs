@@ -369,8 +369,9 @@ async fn random_operations_leave_the_books_straight() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_during_a_start_storm_leaves_no_orphan_and_reserves_once() {
-    let pool = "[[pool]]\nname = \"ram\"\nbudget = \"100GB\"\n\n";
+    let pool = "[[pool]]\nname = \"ram\"\nbudget = \"1000GB\"\n\n";
     let mut d = Daemon::start(&format!("{pool}{}", sleeper("nap", "ram", 1, ""))).await;
+    const PER_CLIENT: usize = 60;
     let seen = Arc::new(Mutex::new(Seen::default()));
     let watcher = watch_all(d.client.clone(), seen.clone());
     let storm: Vec<_> = (0..CLIENTS)
@@ -378,28 +379,46 @@ async fn kill_9_during_a_start_storm_leaves_no_orphan_and_reserves_once() {
             let socket = d.socket.clone();
             tokio::spawn(async move {
                 let mut client = resident_api::connect_unix(&socket).await.expect("connect");
-                for n in 0..20 {
+                for n in 0..PER_CLIENT {
                     let id = format!("s{c}-{n}");
                     if client.start(start_req("nap", &id)).await.is_err() {
-                        return; // the agent is gone
+                        return n; // the agent is gone
                     }
                 }
+                PER_CLIENT
             })
         })
         .collect();
-    // Crash the agent once the storm is well under way.
+    // Crash the agent once the storm is well under way and the journal
+    // (written in the background, changes gathered) holds a good part of it.
     let under_way = eventually(PATIENCE, || seen.lock().expect("seen").pids.len() >= 25).await;
     assert!(under_way, "the storm got going");
+    let journal = d.dir.path().join("state/instances.journal");
+    let journaled = || {
+        std::fs::read_to_string(&journal)
+            .map(|j| {
+                j.lines()
+                    .map(|l| l.split('\t').next().unwrap_or("").to_string())
+                    .collect()
+            })
+            .unwrap_or_else(|_| BTreeSet::new())
+    };
+    let recorded = eventually(PATIENCE, || journaled().len() >= 20).await;
+    assert!(recorded, "the journal caught up with the storm");
     let mut agent = d.child.take().expect("running");
     agent.kill().expect("kill -9");
     agent.wait().expect("reaped");
+    let mut done = 0;
     for s in storm {
-        s.await.expect("a client panicked");
+        done += s.await.expect("a client panicked");
     }
+    assert!(done < CLIENTS * PER_CLIENT, "the kill came after the storm");
     watcher.abort();
     let before = seen.lock().expect("seen").pids.clone();
+    // What the crashed agent had recorded is what should run again.
+    let should_run: BTreeSet<String> = journaled();
     let mut d = d.restart().await;
-    let list = check_books(&mut d, 0, 100 * GB).await;
+    let list = check_books(&mut d, 0, 1000 * GB).await;
     // Nothing of the crashed run survives: every restored instance runs
     // under a new pid.
     let orphans: Vec<i32> = before.iter().copied().filter(|p| alive(*p)).collect();
@@ -407,12 +426,12 @@ async fn kill_9_during_a_start_storm_leaves_no_orphan_and_reserves_once() {
         orphans.is_empty(),
         "orphans of the crashed agent: {orphans:?}"
     );
-    let ids: BTreeSet<&str> = list.iter().map(|i| i.instance_id.as_str()).collect();
+    let ids: BTreeSet<String> = list.iter().map(|i| i.instance_id.clone()).collect();
     assert_eq!(ids.len(), list.len(), "each instance once");
-    assert!(
-        list.len() >= 20,
-        "the journal brought back what was started: {}",
-        list.len()
+    assert!(should_run.len() >= 20, "{should_run:?}");
+    assert_eq!(
+        ids, should_run,
+        "the journal brought back exactly what it recorded"
     );
     assert!(list.iter().all(|i| i.state == pb::State::Ready as i32));
 }
