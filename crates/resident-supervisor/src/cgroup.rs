@@ -554,7 +554,7 @@ mod tests {
 
     #[test]
     fn counts_are_read_by_key() {
-        let dir = tempfile_dir();
+        let dir = tempfile_dir("counts");
         let f = dir.join("memory.events");
         fs::write(&f, "low 0\nhigh 0\nmax 3\noom 1\noom_kill 2\n").expect("write");
         assert_eq!(read_count(&f, "oom_kill"), 2);
@@ -563,8 +563,51 @@ mod tests {
         let _ = fs::remove_dir_all(dir);
     }
 
-    fn tempfile_dir() -> PathBuf {
-        let d = std::env::temp_dir().join(format!("resident-cg-{}", std::process::id()));
+    #[test]
+    fn a_v2_tree_with_the_memory_controller_gets_limits() {
+        // A stand-in for a delegated cgroup v2 directory (no machine here
+        // has the v2 memory controller): plain files where the kernel would
+        // have interface files, so the writes can be read back.
+        let own = tempfile_dir("v2").join("delegated");
+        fs::create_dir_all(&own).expect("own");
+        fs::write(own.join("cgroup.controllers"), "cpu io memory pids\n").expect("write");
+        fs::write(own.join("cgroup.subtree_control"), "").expect("write");
+        let h = Hierarchies {
+            v2: Some(own.clone()),
+            v1_memory: None,
+        };
+        let cg = Cgroups::setup_in(&h).expect("a writable tree");
+        assert!(cg.limits_memory(), "{}", describe(Some(&cg)));
+        let base = cg.v2.clone().expect("a v2 base");
+        let read = |p: &Path| fs::read_to_string(p).expect("read");
+        assert_eq!(read(&own.join("cgroup.subtree_control")), "+memory");
+        assert_eq!(read(&base.join("cgroup.subtree_control")), "+memory");
+        let run = cg.create(Some(128 << 20)).expect("a run cgroup");
+        let dir = run.v2.clone().expect("v2 dir");
+        assert_eq!(read(&dir.join("memory.max")), (128u64 << 20).to_string());
+        assert_eq!(read(&dir.join("memory.oom.group")), "1");
+        // The kernel's memory.events, as an OOM kill leaves it.
+        fs::write(
+            dir.join("memory.events"),
+            "low 0\nhigh 0\nmax 9\noom 1\noom_kill 1\n",
+        )
+        .expect("write");
+        assert_eq!(run.oom_kills(), 1);
+        assert_eq!(run.limit(), Some(128 << 20));
+        // Reused for a run without a limit: the limit is lifted, and the
+        // earlier OOM kill is not this run's.
+        fs::write(dir.join("cgroup.events"), "populated 0\nfrozen 0\n").expect("write");
+        cg.recycle(&run, true);
+        let again = cg.create(None).expect("the spare");
+        assert_eq!(again.v2, run.v2, "the emptied cgroup is reused");
+        assert_eq!(read(&dir.join("memory.max")), "max");
+        assert_eq!(again.oom_kills(), 0);
+        let _ = fs::remove_dir_all(tempfile_dir("v2"));
+    }
+
+    /// A directory of this test's own (tests run side by side).
+    fn tempfile_dir(test: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("resident-cg-{}-{test}", std::process::id()));
         fs::create_dir_all(&d).expect("temp dir");
         d
     }
