@@ -92,11 +92,7 @@ async fn callers_outside_the_allowlist_change_nothing() {
 async fn mutating_calls_log_the_callers_credentials() {
     let mut d = Daemon::start(&roster()).await;
     d.started("nap", "n1").await;
-    let stop = pb::StopRequest {
-        instance_id: "n1".into(),
-        grace_ms: 0,
-    };
-    d.client.stop(stop).await.expect("stops");
+    d.stopped("n1").await;
     let (uid, gid) = (nix::unistd::getuid(), nix::unistd::getgid());
     let want = format!("uid={uid} gid={gid} pid={}", std::process::id());
     let log = d.log();
@@ -214,11 +210,7 @@ async fn the_instance_count_is_capped() {
         .expect("same id");
     assert!(!again.into_inner().created);
     assert_eq!(d.ids().await, ["a", "b"]);
-    let stop = pb::StopRequest {
-        instance_id: "b".into(),
-        grace_ms: 0,
-    };
-    d.client.stop(stop).await.expect("stops");
+    d.stopped("b").await;
     d.started("nap", "c").await;
 }
 
@@ -314,22 +306,13 @@ async fn a_watcher_that_does_not_read_is_cut_off_and_resumes_without_a_gap() {
 async fn ended_instances_beyond_the_cap_are_forgotten_oldest_first() {
     use tokio_stream::StreamExt as _;
     let mut d = Daemon::start(&format!("max_instances = 2\n{}", roster())).await;
-    let mut watch = d
-        .client
-        .watch(pb::WatchRequest { since_revision: 0 })
-        .await
-        .expect("watch")
-        .into_inner();
+    let mut watch = d.watch(0).await;
     // Five ids, each started and stopped: a table that only grew would
     // hold all five.
     for n in 1..=5 {
         let id = format!("e{n}");
         d.started("nap", &id).await;
-        let stop = pb::StopRequest {
-            instance_id: id,
-            grace_ms: 0,
-        };
-        d.client.stop(stop).await.expect("stops");
+        d.stopped(&id).await;
     }
     d.started("nap", "live").await;
     // Two ended ones are kept (the newest), plus the live one.

@@ -80,6 +80,22 @@ impl Daemon {
             .expect("an instance")
     }
 
+    /// Stops `id` with its own grace; returns the instance (panics on error).
+    pub async fn stopped(&mut self, id: &str) -> pb::Instance {
+        let req = pb::StopRequest {
+            instance_id: id.into(),
+            grace_ms: 0,
+        };
+        let r = self.client.stop(req).await.expect("the stop");
+        r.into_inner().instance.expect("an instance")
+    }
+
+    /// A Watch from `since_revision`.
+    pub async fn watch(&mut self, since_revision: u64) -> tonic::Streaming<pb::Event> {
+        let req = pb::WatchRequest { since_revision };
+        self.client.watch(req).await.expect("watch").into_inner()
+    }
+
     /// One instance now.
     pub async fn get(&mut self, id: &str) -> pb::Instance {
         let req = pb::GetRequest {
