@@ -61,18 +61,10 @@ fn program(argv: &[String], path: Option<&str>) -> std::result::Result<(), Strin
     let Some(program) = argv.first() else {
         return Err("empty command".into());
     };
-    let path = if program.contains('/') {
-        PathBuf::from(program)
-    } else {
-        let dirs = path.map(str::to_string).unwrap_or_else(|| {
-            std::env::var("PATH").unwrap_or_else(|_| "/usr/local/bin:/usr/bin:/bin".into())
-        });
-        dirs.split(':')
-            .filter(|d| !d.is_empty())
-            .map(|d| Path::new(d).join(program))
-            .find(|p| p.is_file())
-            .ok_or_else(|| format!("program {program:?} is not on PATH"))?
-    };
+    // The lookup the supervisor makes when it spawns.
+    let agents = std::env::var("PATH").ok();
+    let path = resident_supervisor::find_program(program, path.or(agents.as_deref()))
+        .map_err(|_| format!("program {program:?} is not on PATH"))?;
     let meta = std::fs::metadata(&path).map_err(|e| format!("program {}: {e}", path.display()))?;
     if !meta.is_file() {
         return Err(format!("program {} is not a file", path.display()));

@@ -282,14 +282,21 @@ impl Cgroups {
         }
     }
 
-    /// Removes this supervisor's directories (each must be empty).
+    /// Removes this supervisor's directories (each must be empty), saying
+    /// so when one cannot go.
     pub fn remove(&self) {
-        for run in std::mem::take(&mut *self.spares()) {
-            run.remove();
-        }
-        for base in self.bases() {
-            if let Err(e) = fs::remove_dir(base) {
-                tracing::warn!(cgroup = %base.display(), error = %e, "cannot remove the supervisor's cgroup");
+        self.remove_dirs(true);
+    }
+
+    fn remove_dirs(&self, loud: bool) {
+        let spares = std::mem::take(&mut *self.spares());
+        let dirs = spares.iter().flat_map(RunCgroup::dirs).chain(self.bases());
+        for dir in dirs {
+            if let Err(e) = fs::remove_dir(dir)
+                && loud
+                && e.kind() != io::ErrorKind::NotFound
+            {
+                tracing::warn!(cgroup = %dir.display(), error = %e, "cannot remove a cgroup");
             }
         }
     }
@@ -297,16 +304,9 @@ impl Cgroups {
 
 impl Drop for Cgroups {
     fn drop(&mut self) {
-        // Best effort: a supervisor dropped without a shutdown may still
-        // have runs; the next agent clears those.
-        for run in std::mem::take(&mut *self.spares()) {
-            for dir in run.dirs() {
-                let _ = fs::remove_dir(dir);
-            }
-        }
-        for base in self.bases() {
-            let _ = fs::remove_dir(base);
-        }
+        // Quietly: a supervisor dropped without a shutdown may still have
+        // runs; the next agent clears those.
+        self.remove_dirs(false);
     }
 }
 
@@ -437,23 +437,14 @@ impl RunCgroup {
     /// Every process in the run's cgroup (wherever it moved its group or
     /// session to).
     pub fn members(&self) -> Vec<i32> {
-        let Some(dir) = self.dirs().next() else {
+        let Some(procs) = self.procs_path() else {
             return Vec::new();
         };
-        fs::read_to_string(dir.join("cgroup.procs"))
+        fs::read_to_string(procs)
             .unwrap_or_default()
             .lines()
             .filter_map(|l| l.trim().parse().ok())
             .collect()
-    }
-
-    /// Sends each of `signals` to every member.
-    pub fn signal_all(&self, signals: &[nix::sys::signal::Signal]) {
-        for pid in self.members() {
-            for signal in signals {
-                let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), *signal);
-            }
-        }
     }
 
     /// SIGKILL to every member: `cgroup.kill` on v2 (which no fork can
@@ -464,7 +455,12 @@ impl RunCgroup {
         {
             return;
         }
-        self.signal_all(&[nix::sys::signal::Signal::SIGKILL]);
+        for pid in self.members() {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
     }
 
     /// Whether any process is left.

@@ -45,8 +45,9 @@ fn c_string(s: impl AsRef<[u8]>, what: &str) -> io::Result<CString> {
     })
 }
 
-/// Finds `program` on `path` (colon-separated) unless it names a path.
-fn resolve(program: &str, path: Option<&str>) -> io::Result<PathBuf> {
+/// Finds `program` on `path` (colon-separated; a default system PATH when
+/// `None`) unless it names a path: the executable file a spawn would run.
+pub fn resolve(program: &str, path: Option<&str>) -> io::Result<PathBuf> {
     if program.contains('/') {
         return Ok(PathBuf::from(program));
     }

@@ -22,6 +22,7 @@ mod status;
 mod supervisor;
 
 pub use cgroup::CgroupMode;
+pub use child::resolve as find_program;
 pub use logs::{LogLimits, LogLine, LogRing, Stream};
 pub use spec::{LaunchSpec, MACROS, Macros, Readiness, RestartMode, RestartPolicy};
 pub use status::{Exit, State, Status};

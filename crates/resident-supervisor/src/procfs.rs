@@ -87,16 +87,6 @@ pub fn group_rss(pgids: &[i32]) -> HashMap<i32, u64> {
     sums
 }
 
-/// Resident bytes of these processes together (those that are gone count
-/// nothing).
-pub fn rss_of(pids: &[i32]) -> u64 {
-    let page = page_size();
-    pids.iter()
-        .filter_map(|p| stat(*p))
-        .map(|s| s.rss_pages.saturating_mul(page))
-        .fold(0, u64::saturating_add)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

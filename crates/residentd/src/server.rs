@@ -25,7 +25,7 @@ const DRAIN: Duration = Duration::from_secs(3);
 const MAX_MESSAGE: usize = 4 << 20;
 
 /// Most concurrent streams (calls) on one client connection.
-pub const MAX_STREAMS: u32 = 256;
+const MAX_STREAMS: u32 = 256;
 
 /// Binds the Unix socket at `path`: creates the directory, removes a stale
 /// socket left by a dead agent, refuses to steal a live one, and sets the
