@@ -1,7 +1,9 @@
-"""A client residentd did not write: Python grpcio from PyPI, with no copy
-of our proto file. It finds the service through server reflection, builds
-its messages from the descriptors the server sends, checks health, and
-decodes a refused Start's rich error details.
+"""A client residentd did not write: Python grpcio from PyPI, with its
+default options (grpc-core sends the socket path as :authority) and no
+copy of our proto file. It finds the service through server reflection,
+builds its messages from the descriptors the server sends, checks health,
+follows Watch, decodes a refused Start's rich error details, and sends
+oversized input.
 
 Usage: grpc_client.py SOCKET
 Exits non-zero on the first failed check; prints one line per check.
@@ -39,9 +41,7 @@ def reflect(channel):
 
 
 def main(socket):
-    # grpc-core would send the socket path as :authority, which is not a
-    # valid HTTP/2 authority; name localhost, as grpcurl's -authority does.
-    channel = grpc.insecure_channel(f"unix://{socket}", options=[("grpc.default_authority", "localhost")])
+    channel = grpc.insecure_channel(f"unix://{socket}")
     health = health_pb2_grpc.HealthStub(channel)
     for name in ("", SERVICE):
         reply = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=10)
@@ -50,6 +50,13 @@ def main(socket):
     pool = reflect(channel)
     msg = lambda name: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"resident.v1.{name}"))
     StartRequest, StartResponse, Placement = msg("StartRequest"), msg("StartResponse"), msg("Placement")
+    WatchRequest, Event = msg("WatchRequest"), msg("Event")
+    watch = channel.unary_stream(
+        f"/{SERVICE}/Watch",
+        request_serializer=WatchRequest.SerializeToString,
+        response_deserializer=Event.FromString,
+    )
+    events = watch(WatchRequest(since_revision=0), timeout=30)
     start = channel.unary_unary(
         f"/{SERVICE}/Start",
         request_serializer=StartRequest.SerializeToString,
@@ -79,6 +86,34 @@ def main(socket):
         check(placement is not None and not placement.admitted, "the Placement decodes")
         holders = [(h.instance_id, h.bytes) for h in placement.refusals[0].over_budget.holders]
         check(holders == [("py-a", 55_000_000_000), ("py-b", 9_000_000_000)], f"the holders are named: {holders}")
+
+    seen = set()
+    for event in events:
+        if event.HasField("instance"):
+            seen.add(event.instance.instance_id)
+        if {"py-a", "py-b"} <= seen:
+            break
+    events.cancel()
+    check({"py-a", "py-b"} <= seen, f"Watch streams the starts ({sorted(seen)})")
+
+    # Oversized input is refused by the agent, not by the client's own
+    # metadata limit: INVALID_ARGUMENT with a short message.
+    try:
+        start(StartRequest(workload="w" * (1 << 20), instance_id="i" * 10_000), timeout=30)
+        check(False, "the oversized Start is refused")
+    except grpc.RpcError as err:
+        check(err.code() == grpc.StatusCode.INVALID_ARGUMENT, f"oversized input: INVALID_ARGUMENT ({err.code()})")
+        check(len(err.details()) < 400, f"a short message ({len(err.details())} chars): {err.details()}")
+        status = rpc_status.from_call(err)
+        violations = []
+        for detail in status.details:
+            if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+                bad = error_details_pb2.BadRequest()
+                detail.Unpack(bad)
+                violations = [(v.field, v.description) for v in bad.field_violations]
+        check(sorted(f for f, _ in violations) == ["instance_id", "workload"], f"both fields named: {violations}")
+        check(all(len(d) < 200 for _, d in violations), "each violation is short")
+        check("(10000 bytes)" in err.details(), "the id's length is said")
     print("interop ok")
 
 

@@ -13,7 +13,7 @@ mod spec;
 mod state;
 mod units;
 
-pub use name::{GroupName, InstanceId, NameError, PoolName, Role, WorkloadName};
+pub use name::{Excerpt, GroupName, InstanceId, NameError, PoolName, Role, WorkloadName};
 pub use planner::{Plan, PlanError, Policy};
 pub use reason::{GroupRule, Holder, Reason, Refusal};
 pub use spec::{Demand, GroupDef, GroupError, GroupPolicy, Groups, Spec};

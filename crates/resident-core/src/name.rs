@@ -15,25 +15,69 @@ pub enum NameError {
         kind: &'static str,
     },
     /// More characters than the kind allows.
-    #[error("{kind} {input:?} is longer than {max} characters")]
+    #[error("{kind} {input} is longer than {max} characters")]
     TooLong {
         /// Which name.
         kind: &'static str,
-        /// The input.
-        input: String,
+        /// The input, shortened.
+        input: Excerpt,
         /// Its limit.
         max: usize,
     },
     /// A character outside `[A-Za-z0-9._-]`.
-    #[error("{kind} {input:?} may only hold letters, digits, '.', '_' and '-' (found {bad:?})")]
+    #[error("{kind} {input} may only hold letters, digits, '.', '_' and '-' (found {bad:?})")]
     BadChar {
         /// Which name.
         kind: &'static str,
-        /// The input.
-        input: String,
+        /// The input, shortened.
+        input: Excerpt,
         /// The first offending character.
         bad: char,
     },
+}
+
+/// How a value someone else supplied is quoted in a message: in full
+/// when short, else its first [`Excerpt::HEAD`] characters and its length,
+/// so that no error, log line or event repeats an unbounded input (a
+/// 10,000-character id would overflow a client's metadata limit). Quoted
+/// with escapes, so control characters cannot forge a log line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Excerpt {
+    head: String,
+    /// The whole input's length in bytes, when `head` is a part of it.
+    cut_from: Option<usize>,
+}
+
+impl Excerpt {
+    /// Characters kept of a long value.
+    pub const HEAD: usize = 32;
+
+    /// The excerpt of `input`.
+    pub fn of(input: &str) -> Self {
+        match input.char_indices().nth(Self::HEAD) {
+            None => Self {
+                head: input.to_string(),
+                cut_from: None,
+            },
+            Some((end, _)) => Self {
+                head: input[..end].to_string(),
+                cut_from: Some(input.len()),
+            },
+        }
+    }
+}
+
+impl fmt::Display for Excerpt {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.cut_from {
+            None => write!(f, "{:?}", self.head),
+            Some(len) => {
+                let quoted = format!("{:?}", self.head);
+                let open = &quoted[..quoted.len() - 1];
+                write!(f, "{open}...\" ({len} bytes)")
+            }
+        }
+    }
 }
 
 fn validate(kind: &'static str, input: &str, max: usize) -> Result<(), NameError> {
@@ -43,7 +87,7 @@ fn validate(kind: &'static str, input: &str, max: usize) -> Result<(), NameError
     if input.chars().count() > max {
         return Err(NameError::TooLong {
             kind,
-            input: input.to_string(),
+            input: Excerpt::of(input),
             max,
         });
     }
@@ -53,7 +97,7 @@ fn validate(kind: &'static str, input: &str, max: usize) -> Result<(), NameError
     {
         return Err(NameError::BadChar {
             kind,
-            input: input.to_string(),
+            input: Excerpt::of(input),
             bad,
         });
     }
@@ -143,6 +187,17 @@ mod tests {
             let text = got.expect_err(want).to_string();
             assert!(text.contains(want), "{text} lacks {want}");
         }
+        let long = InstanceId::new("y".repeat(10_000))
+            .expect_err("too long")
+            .to_string();
+        let head = "y".repeat(Excerpt::HEAD);
+        assert_eq!(
+            long,
+            format!("instance id \"{head}...\" (10000 bytes) is longer than 128 characters")
+        );
+        let bad = InstanceId::new(format!("a\n{}", "z".repeat(5000))).expect_err("bad char");
+        assert!(bad.to_string().len() < 200, "{bad}");
+        assert!(bad.to_string().contains("\"a\\nzzz"), "escaped: {bad}");
         let role = Role::new("é").expect_err("non-ascii").to_string();
         assert!(role.starts_with("role \"é\""), "{role}");
         assert!(Role::new("r".repeat(65)).is_err());

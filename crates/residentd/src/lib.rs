@@ -5,6 +5,7 @@
 //! plans and reserves under the one ledger lock; nothing else reserves.
 
 pub mod agent;
+pub mod authority;
 pub mod events;
 pub mod journal;
 pub mod metrics;

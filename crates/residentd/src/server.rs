@@ -11,6 +11,7 @@ use resident_api::pb::node_agent_server::NodeAgentServer;
 use resident_config::Listen;
 use tokio::net::UnixListener;
 use tokio::signal::unix::{Signal, SignalKind, signal};
+use tokio_stream::StreamExt as _;
 use tokio_stream::wrappers::UnixListenerStream;
 use tonic::transport::{Certificate, Identity, Server, ServerTlsConfig};
 use tonic_health::ServingStatus;
@@ -71,7 +72,11 @@ pub async fn serve(agent: Arc<Agent>) -> anyhow::Result<()> {
     let service = NodeAgentServer::new(Service::new(agent.clone()))
         .max_decoding_message_size(MAX_MESSAGE)
         .max_encoding_message_size(MAX_MESSAGE);
-    let mut builder = Server::builder().max_concurrent_streams(MAX_STREAMS);
+    let mut builder = Server::builder()
+        .max_concurrent_streams(MAX_STREAMS)
+        // The authority layer cuts the header blocks it re-encodes to
+        // this size; it is h2's default, stated so it cannot drift.
+        .max_frame_size(u32::try_from(crate::authority::MAX_FRAME).ok());
     if let (Listen::Tcp(_), Some(tls)) = (&config.node.listen, &config.node.tls) {
         // Client certificates are required: a client without one, or with
         // one from another CA, fails the handshake.
@@ -135,8 +140,12 @@ pub async fn serve(agent: Arc<Agent>) -> anyhow::Result<()> {
             let listener = bind_unix(path, config.node.socket_group.as_ref())?;
             tracing::info!(socket = %path.display(), node = %config.node.name, "serving");
             let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
+            // Stock gRPC clients send the socket path as :authority; each
+            // connection goes through the layer that makes it one h2 takes.
+            let incoming = UnixListenerStream::new(listener)
+                .map(|conn| conn.map(crate::authority::AuthorityFix::new));
             router
-                .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown)
+                .serve_with_incoming_shutdown(incoming, shutdown)
                 .await?;
             let _ = std::fs::remove_file(path);
         }

@@ -158,11 +158,10 @@ impl Agent {
                 "must name a workload of the roster",
             ));
         }
-        self.config()
-            .workloads
-            .get(name)
-            .cloned()
-            .ok_or_else(|| ApiError::NotFound(format!("no workload '{name}' in the roster")))
+        self.config().workloads.get(name).cloned().ok_or_else(|| {
+            let name = resident_core::Excerpt::of(name);
+            ApiError::NotFound(format!("no workload {name} in the roster"))
+        })
     }
 
     fn view(&self, id: &str, record: &Record) -> pb::Instance {
