@@ -381,3 +381,23 @@ fn framing_faults_are_forwarded_as_received_for_h2_to_refuse() {
         assert_eq!(out, input, "forwarded byte for byte");
     }
 }
+
+proptest::proptest! {
+    /// Whatever a client sends, the rewriter does not panic, and how the
+    /// bytes are cut does not change what h2 receives.
+    #[test]
+    fn any_bytes_in_any_pieces(
+        frames in proptest::collection::vec(
+            (0u8..12, proptest::num::u8::ANY, 0u32..6, proptest::collection::vec(proptest::num::u8::ANY, 0..64)),
+            0..12,
+        ),
+        step in 1usize..40,
+    ) {
+        let mut input = opening();
+        for (kind, flags, stream, payload) in &frames {
+            input.extend(frame(*kind, *flags, *stream, payload));
+        }
+        let whole = rewrite(&input);
+        proptest::prop_assert_eq!(rewrite_in_steps(&input, step).0, whole);
+    }
+}
