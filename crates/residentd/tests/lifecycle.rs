@@ -460,3 +460,41 @@ async fn an_idle_instance_is_stopped_after_its_ttl_and_a_touched_one_is_not() {
         "the idle one's memory is released"
     );
 }
+
+#[tokio::test]
+async fn a_start_while_the_same_instance_stops_waits_and_answers_a_new_run() {
+    let mut config = pool();
+    // Ignores SIGTERM, so each stop lasts its whole 1 s grace.
+    config += &shell("stubborn", "trap '' TERM; exec sleep 3600", "policy = \"never\"")
+        .replace("stop_grace = \"2s\"", "stop_grace = \"1s\"");
+    let mut d = Daemon::start(&config).await;
+    let old = d.started("stubborn", "s").await;
+    let old_pid = old.pid;
+    assert!(old_pid > 0);
+    let mut other = d.client.clone();
+    let stop = tokio::spawn(async move {
+        let req = pb::StopRequest {
+            instance_id: "s".into(),
+            grace_ms: 0,
+        };
+        other.stop(req).await.map(|r| r.into_inner())
+    });
+    d.wait_state("s", pb::State::Stopping).await;
+    let started = d
+        .client
+        .start(start_req("stubborn", "s"))
+        .await
+        .expect("the start is admitted once the stop is over")
+        .into_inner();
+    let new = started.instance.expect("an instance");
+    assert!(started.created, "a new run, not the dying one: {new:?}");
+    assert_ne!(new.state, pb::State::Stopping as i32, "{new:?}");
+    assert!(new.pid > 0 && new.pid != old_pid, "{new:?}");
+    assert!(!alive(old_pid as i32), "the old run is gone before the new one is answered");
+    // The Stop answers with the run it ended, not the new one.
+    let stopped = stop.await.expect("joined").expect("the stop");
+    let stopped = stopped.instance.expect("an instance");
+    assert_eq!(stopped.state, pb::State::Exited as i32, "{stopped:?}");
+    assert_eq!(d.get("s").await.pid, new.pid);
+    assert_eq!(used(&mut d.client).await, 4_000_000_000, "one reservation");
+}

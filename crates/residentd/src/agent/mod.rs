@@ -70,6 +70,9 @@ pub struct Agent {
     /// One journal write at a time (see `write_journal_now`).
     journal_lock: Mutex<()>,
     metrics: crate::metrics::Metrics,
+    /// Counts releases of reservations; a Start of an instance that is
+    /// still stopping waits on it.
+    released: tokio::sync::watch::Sender<u64>,
 }
 
 impl Agent {
@@ -103,6 +106,7 @@ impl Agent {
             journal_dirty: tokio::sync::Notify::new(),
             journal_lock: Mutex::new(()),
             metrics: crate::metrics::Metrics::new(),
+            released: tokio::sync::watch::Sender::new(0),
         });
         agent.open_device_probes();
         agent.refresh_probes();
@@ -227,9 +231,6 @@ impl Agent {
         policy: Option<Policy>,
         wait_ready: bool,
     ) -> Result<Started, ApiError> {
-        if self.closing.load(Ordering::Acquire) {
-            return Err(ApiError::Unavailable("the agent is shutting down".into()));
-        }
         let w = self.workload(workload)?;
         let config = self.config();
         let id = match id {
@@ -238,8 +239,27 @@ impl Agent {
         };
         let policy = policy.unwrap_or(config.node.on_full);
         self.refresh_probes();
-        let (admission, generation) = {
+        let mut stopping: Option<tokio::sync::watch::Receiver<u64>> = None;
+        let (admission, generation) = loop {
+            if let Some(mut released) = stopping.take() {
+                tracing::debug!(instance_id = %id, "waiting for the stopping run to end");
+                let _ = released.changed().await;
+            }
+            if self.closing.load(Ordering::Acquire) {
+                return Err(ApiError::Unavailable("the agent is shutting down".into()));
+            }
             let mut books = self.books();
+            // The same instance is stopping (a Stop, an eviction): its
+            // current run is about to exit, so answering with it would
+            // promise a dying run. Wait for its release, then admit anew.
+            let cancelled = books.records.get(id.as_str()).is_some_and(|r| r.cancelled);
+            if let Some(r) = books.ledger.resident(id.as_str())
+                && (cancelled || r.evicting)
+            {
+                // Subscribed under the lock: no release is missed.
+                stopping = Some(self.released.subscribe());
+                continue;
+            }
             if let Some(r) = books.records.get(id.as_str())
                 && r.workload.spec.workload != w.spec.workload
             {
@@ -294,7 +314,7 @@ impl Agent {
                     }
                     self.persist();
                     self.metrics.admitted(workload, a.evict.len());
-                    (a, generation)
+                    break (a, generation);
                 }
             }
         };
@@ -449,30 +469,40 @@ impl Agent {
             .is_some_and(|r| r.generation == generation)
         {
             books.ledger.release(id);
+            self.released.send_modify(|n| *n += 1);
         }
     }
 
     /// Stops an instance and answers once its group has exited and its
     /// memory is released.
     pub async fn stop(&self, id: &str, grace: Option<Duration>) -> Result<pb::Instance, ApiError> {
-        let generation = {
+        let (generation, workload) = {
             let mut books = self.books();
             let Some(record) = books.records.get_mut(id) else {
                 return Err(ApiError::NotFound(format!("no instance '{id}'")));
             };
             record.cancelled = true;
-            record.generation
+            (record.generation, record.workload.clone())
         };
         let known = self
             .sup
             .status(id)
             .is_some_and(|s| s.generation == generation);
-        if known && let Err(e) = self.sup.stop(id, grace).await {
-            tracing::warn!(instance_id = id, error = %e, "stop");
+        let mut ended = None;
+        if known {
+            match self.sup.stop(id, grace).await {
+                Ok(status) => ended = Some(status),
+                Err(e) => tracing::warn!(instance_id = id, error = %e, "stop"),
+            }
         }
         self.release(id, generation);
         self.persist();
-        self.get(id)
+        // The run this Stop ended, even when a Start has begun a new one
+        // of the same id meanwhile.
+        match ended.filter(|s| s.generation == generation) {
+            Some(status) => Ok(resident_api::instance(id, &workload.spec, Some(&status))),
+            None => self.get(id),
+        }
     }
 
     /// Re-reads the configuration file: workloads, groups and pools change;
@@ -520,6 +550,7 @@ impl Agent {
         for id in ids {
             books.ledger.release(&id);
         }
+        self.released.send_modify(|n| *n += 1);
     }
 
     /// Stops instances unused for longer than their workload's idle TTL.
