@@ -27,6 +27,9 @@ const LOG_DRAIN: Duration = Duration::from_secs(1);
 #[derive(Debug)]
 pub(crate) struct StopRequest {
     pub(crate) grace: Duration,
+    /// Why, when it is not a plain stop ("evicted to make room for ...");
+    /// the ended run's reason says it.
+    pub(crate) cause: Option<String>,
     pub(crate) done: oneshot::Sender<()>,
 }
 
@@ -127,9 +130,11 @@ impl Actor {
             let exit = match end {
                 End::Stop(req) => {
                     let grace = req.as_ref().map_or(self.spec.stop_grace, |r| r.grace);
+                    let cause = req.as_ref().and_then(|r| r.cause.clone());
+                    let cause = cause.unwrap_or_else(|| "stopped".into());
                     let exit = self.terminate(&mut run, grace).await;
                     let oom = self.end_run(&run).await;
-                    self.finish(State::Exited, format!("stopped ({exit}{oom})"), Some(exit));
+                    self.finish(State::Exited, format!("{cause} ({exit}{oom})"), Some(exit));
                     return reply(req);
                 }
                 End::NotReady => {

@@ -194,6 +194,17 @@ impl Supervisor {
     /// and answers once its process group is gone. Stopping an ended
     /// instance answers its status at once.
     pub async fn stop(&self, id: &str, grace: Option<Duration>) -> Result<Status, SupervisorError> {
+        self.stop_because(id, grace, None).await
+    }
+
+    /// As [`Supervisor::stop`], with the cause the ended run's reason
+    /// gives instead of "stopped" (for example an eviction and for whom).
+    pub async fn stop_because(
+        &self,
+        id: &str,
+        grace: Option<Duration>,
+        cause: Option<String>,
+    ) -> Result<Status, SupervisorError> {
         let (stops, mut status_rx, own_grace) = {
             let table = self.table();
             let e = table
@@ -204,6 +215,7 @@ impl Supervisor {
         let (done, answered) = oneshot::channel();
         let request = StopRequest {
             grace: grace.unwrap_or(own_grace),
+            cause,
             done,
         };
         // A send fails only when the actor has ended; then it is terminal.

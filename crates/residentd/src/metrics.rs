@@ -40,6 +40,14 @@ struct WorkloadLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EvictionLabels {
+    /// The workload whose start evicted.
+    evicting: String,
+    /// The workload of the evicted instance.
+    evicted: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ReasonLabels {
     reason: String,
 }
@@ -65,7 +73,7 @@ pub struct Metrics {
     measured: Family<InstanceLabels, Gauge>,
     state: Family<StateLabels, Gauge>,
     admissions: Family<WorkloadLabels, Counter>,
-    evictions: Family<WorkloadLabels, Counter>,
+    evictions: Family<EvictionLabels, Counter>,
     restarts: Family<WorkloadLabels, Counter>,
     refusals: Family<ReasonLabels, Counter>,
     rpc: Family<RpcLabels, Histogram, fn() -> Histogram>,
@@ -132,7 +140,7 @@ impl Metrics {
         r.register("admissions", "Starts admitted", m.admissions.clone());
         r.register(
             "evictions",
-            "Instances evicted to make room",
+            "Instances evicted, by the workload whose start evicted them and their own",
             m.evictions.clone(),
         );
         r.register("restarts", "Restarts after an exit", m.restarts.clone());
@@ -150,12 +158,20 @@ impl Metrics {
     }
 
     /// Counts an admitted start.
-    pub fn admitted(&self, workload: &str, evicted: usize) {
+    pub fn admitted(&self, workload: &str) {
         let labels = WorkloadLabels {
             workload: workload.to_string(),
         };
         self.admissions.get_or_create(&labels).inc();
-        self.evictions.get_or_create(&labels).inc_by(evicted as u64);
+    }
+
+    /// Counts one instance of `evicted` stopped for a start of `evicting`.
+    pub fn evicted(&self, evicting: &str, evicted: &str) {
+        let labels = EvictionLabels {
+            evicting: evicting.to_string(),
+            evicted: evicted.to_string(),
+        };
+        self.evictions.get_or_create(&labels).inc();
     }
 
     /// Counts a refused start.

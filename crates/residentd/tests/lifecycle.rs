@@ -465,8 +465,12 @@ async fn an_idle_instance_is_stopped_after_its_ttl_and_a_touched_one_is_not() {
 async fn a_start_while_the_same_instance_stops_waits_and_answers_a_new_run() {
     let mut config = pool();
     // Ignores SIGTERM, so each stop lasts its whole 1 s grace.
-    config += &shell("stubborn", "trap '' TERM; exec sleep 3600", "policy = \"never\"")
-        .replace("stop_grace = \"2s\"", "stop_grace = \"1s\"");
+    config += &shell(
+        "stubborn",
+        "trap '' TERM; exec sleep 3600",
+        "policy = \"never\"",
+    )
+    .replace("stop_grace = \"2s\"", "stop_grace = \"1s\"");
     let mut d = Daemon::start(&config).await;
     let old = d.started("stubborn", "s").await;
     let old_pid = old.pid;
@@ -490,7 +494,10 @@ async fn a_start_while_the_same_instance_stops_waits_and_answers_a_new_run() {
     assert!(started.created, "a new run, not the dying one: {new:?}");
     assert_ne!(new.state, pb::State::Stopping as i32, "{new:?}");
     assert!(new.pid > 0 && new.pid != old_pid, "{new:?}");
-    assert!(!alive(old_pid as i32), "the old run is gone before the new one is answered");
+    assert!(
+        !alive(old_pid as i32),
+        "the old run is gone before the new one is answered"
+    );
     // The Stop answers with the run it ended, not the new one.
     let stopped = stop.await.expect("joined").expect("the stop");
     let stopped = stopped.instance.expect("an instance");

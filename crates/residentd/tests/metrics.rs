@@ -116,7 +116,7 @@ async fn the_endpoint_counts_what_happened_and_parses() {
         "{body}"
     );
     assert!(
-        body.contains("residentd_evictions_total{workload=\"big\"} 1"),
+        body.contains("residentd_evictions_total{evicting=\"big\",evicted=\"big\"} 1"),
         "{body}"
     );
     let parsed = samples(&body);

@@ -5,6 +5,7 @@ mod support;
 
 use resident_api::pb;
 use support::*;
+use tokio_stream::StreamExt as _;
 use tonic::Code;
 
 fn reference_config() -> String {
@@ -170,6 +171,8 @@ async fn evict_stops_the_least_recently_used_first_or_nothing() {
         .into_inner();
     c2.start(start_req("coder-small", "b")).await.expect("fits");
     let a_pid = a.instance.expect("instance").pid as i32;
+    let mut events = d2.watch(0).await;
+    let c2 = &mut d2.client;
     let started = c2
         .start(huge)
         .await
@@ -185,12 +188,38 @@ async fn evict_stops_the_least_recently_used_first_or_nothing() {
         .expect("get")
         .into_inner();
     assert_eq!(a_now.state, pb::State::Exited as i32);
+    // Its message, and the EXITED event watchers saw, say it was evicted,
+    // for which start and in which pool; a manual stop does not.
+    let want =
+        "evicted to make room for 'planner' (instance 'x') in pool 'unified' (killed by SIGTERM";
+    assert!(a_now.message.starts_with(want), "{}", a_now.message);
+    let exited = loop {
+        let e = tokio::time::timeout(PATIENCE, events.next())
+            .await
+            .expect("the snapshot in time")
+            .expect("an event")
+            .expect("not an error");
+        let Some(i) = e.instance.filter(|i| i.instance_id == "a") else {
+            continue;
+        };
+        if e.kind == pb::EventKind::Transition as i32 && i.state == pb::State::Exited as i32 {
+            break i;
+        }
+    };
+    assert!(exited.message.starts_with(want), "{}", exited.message);
+    let c2 = &mut d2.client;
     let node = c2
         .node(pb::NodeRequest {})
         .await
         .expect("node")
         .into_inner();
     assert_eq!(node.pools[0].used_bytes, 64_000_000_000);
+    let b_stopped = d2.stopped("b").await;
+    assert!(
+        b_stopped.message.starts_with("stopped ("),
+        "{}",
+        b_stopped.message
+    );
 }
 
 #[tokio::test]

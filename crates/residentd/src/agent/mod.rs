@@ -38,6 +38,15 @@ struct Books {
     records: BTreeMap<String, Record>,
 }
 
+/// A victim of a Start: who, of which workload, and the cause its stop
+/// reports.
+#[derive(Debug)]
+struct Eviction {
+    id: String,
+    workload: String,
+    cause: String,
+}
+
 /// The result of a Start.
 #[derive(Debug)]
 pub struct Started {
@@ -313,7 +322,7 @@ impl Agent {
                         self.forgotten(gone);
                     }
                     self.persist();
-                    self.metrics.admitted(workload, a.evict.len());
+                    self.metrics.admitted(workload);
                     break (a, generation);
                 }
             }
@@ -328,9 +337,10 @@ impl Agent {
         // Victims are stopped side by side; each keeps its memory in the
         // ledger until its process group has exited.
         let mut stops = tokio::task::JoinSet::new();
-        for victim in evicted.clone() {
+        for victim in self.evictions(&w, &id, &admission.evict) {
+            self.metrics.evicted(workload, &victim.workload);
             let me = self.clone();
-            stops.spawn(async move { me.stop(&victim, None).await });
+            stops.spawn(async move { me.stop_because(&victim.id, None, Some(victim.cause)).await });
         }
         while let Some(result) = stops.join_next().await {
             if let Ok(Err(e)) = result {
@@ -405,6 +415,43 @@ impl Agent {
         self.get(id)
     }
 
+    /// Each victim with the cause its stop reports: for which start, and
+    /// in which of the target's pools it held memory (none: it was in
+    /// the way of a group or exclusion rule).
+    fn evictions(&self, w: &Workload, id: &InstanceId, victims: &[InstanceId]) -> Vec<Eviction> {
+        let books = self.books();
+        victims
+            .iter()
+            .map(|v| {
+                let resident = books.ledger.resident(v.as_str());
+                let pools: Vec<&str> = resident
+                    .map(|r| {
+                        r.spec
+                            .demand
+                            .keys()
+                            .filter(|p| w.spec.demand.contains_key(*p))
+                            .map(|p| p.as_str())
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                let start = format!("'{}' (instance '{id}')", w.spec.workload);
+                let cause = match pools.as_slice() {
+                    [] => format!("evicted for {start}: a group or exclusion rule"),
+                    [one] => format!("evicted to make room for {start} in pool '{one}'"),
+                    many => format!(
+                        "evicted to make room for {start} in pools '{}'",
+                        many.join("', '")
+                    ),
+                };
+                Eviction {
+                    id: v.to_string(),
+                    workload: resident.map_or_else(String::new, |r| r.spec.workload.to_string()),
+                    cause,
+                }
+            })
+            .collect()
+    }
+
     fn refused(&self, workload: &str, refusal: resident_core::Refusal, policy: Policy) -> ApiError {
         tracing::info!(workload, ?policy, reason = %refusal.first(), "start refused");
         self.metrics.refused(refusal.first().code());
@@ -476,6 +523,17 @@ impl Agent {
     /// Stops an instance and answers once its group has exited and its
     /// memory is released.
     pub async fn stop(&self, id: &str, grace: Option<Duration>) -> Result<pb::Instance, ApiError> {
+        self.stop_because(id, grace, None).await
+    }
+
+    /// As [`Agent::stop`], with the cause the ended run's message gives
+    /// instead of "stopped" (an eviction, an idle TTL).
+    async fn stop_because(
+        &self,
+        id: &str,
+        grace: Option<Duration>,
+        cause: Option<String>,
+    ) -> Result<pb::Instance, ApiError> {
         let (generation, workload) = {
             let mut books = self.books();
             let Some(record) = books.records.get_mut(id) else {
@@ -490,7 +548,7 @@ impl Agent {
             .is_some_and(|s| s.generation == generation);
         let mut ended = None;
         if known {
-            match self.sup.stop(id, grace).await {
+            match self.sup.stop_because(id, grace, cause).await {
                 Ok(status) => ended = Some(status),
                 Err(e) => tracing::warn!(instance_id = id, error = %e, "stop"),
             }
@@ -577,7 +635,8 @@ impl Agent {
         for id in expired {
             tracing::info!(instance_id = %id, "idle TTL reached, stopping");
             let me = self.clone();
-            tokio::spawn(async move { me.stop(&id, None).await });
+            let cause = Some("stopped after its idle TTL".to_string());
+            tokio::spawn(async move { me.stop_because(&id, None, cause).await });
         }
     }
 
