@@ -11,12 +11,16 @@
 //!    supervisord's.
 //! 5. Admission under churn: random Start/Stop/Place from 16 clients, then
 //!    a check that nothing was over-committed.
+//! 6. Readiness lag: how long after a loading server starts answering 200
+//!    a Watch client hears READY, for a server that logs when it is ready
+//!    and for one that says nothing.
 //!
 //! Run by `scripts/bench` (which builds the release binaries and the
 //! supervisord venv); `--quick` is a smoke run of a few iterations.
 
 mod floor;
 mod measure;
+mod readiness;
 mod report;
 
 use std::path::{Path, PathBuf};
@@ -41,6 +45,10 @@ struct Plan {
     idle_children: usize,
     idle_secs: f64,
     churn_calls: usize,
+    /// How long the readiness part's servers load.
+    loading_ms: u64,
+    ready_instances: usize,
+    ready_rounds: usize,
 }
 
 const FULL: Plan = Plan {
@@ -52,6 +60,9 @@ const FULL: Plan = Plan {
     idle_children: 200,
     idle_secs: 30.0,
     churn_calls: 10_000,
+    loading_ms: 1_500,
+    ready_instances: 10,
+    ready_rounds: 3,
 };
 
 const QUICK: Plan = Plan {
@@ -63,6 +74,9 @@ const QUICK: Plan = Plan {
     idle_children: 10,
     idle_secs: 0.5,
     churn_calls: 400,
+    loading_ms: 300,
+    ready_instances: 4,
+    ready_rounds: 1,
 };
 
 /// A process of ours that is killed when dropped.
@@ -128,15 +142,21 @@ fn spawn_agent(residentd: &Path) -> anyhow::Result<Server> {
 
 /// An agent with `node` added to its `[node]` table.
 fn spawn_agent_with(residentd: &Path, node: &str) -> anyhow::Result<Server> {
+    spawn_agent_text(residentd, &AGENT_CONFIG.replace("@NODE@", node))
+}
+
+/// An agent on `config`, whose `@DIR@` is replaced by the agent's own
+/// temporary directory.
+fn spawn_agent_text(residentd: &Path, config: &str) -> anyhow::Result<Server> {
     let dir = tempfile::tempdir()?;
-    let config = dir.path().join("residentd.toml");
-    let text = AGENT_CONFIG
-        .replace("@DIR@", &dir.path().display().to_string())
-        .replace("@NODE@", node);
-    std::fs::write(&config, text)?;
+    let path = dir.path().join("residentd.toml");
+    std::fs::write(
+        &path,
+        config.replace("@DIR@", &dir.path().display().to_string()),
+    )?;
     let child = Command::new(residentd)
         .arg("--config")
-        .arg(&config)
+        .arg(&path)
         .env("RUST_LOG", "warn")
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -198,6 +218,11 @@ fn main() -> anyhow::Result<()> {
     {
         return floor::serve(Path::new(socket));
     }
+    if let [flag, loading_ms] = args.as_slice()
+        && flag == "--serve-loading"
+    {
+        return readiness::serve_loading(loading_ms.parse()?);
+    }
     let quick = args.iter().any(|a| a == "--quick");
     let supervisord = args
         .iter()
@@ -205,7 +230,7 @@ fn main() -> anyhow::Result<()> {
         .and_then(|i| args.get(i + 1))
         .map(PathBuf::from);
     let plan = if quick { QUICK } else { FULL };
-    // `--only place|startstop|crash|idle|churn` runs one part, for working
+    // `--only place|startstop|crash|idle|churn|readiness` runs one part, for working
     // on it.
     let only = args
         .iter()
@@ -236,6 +261,9 @@ fn main() -> anyhow::Result<()> {
         }
         if runs("churn") {
             churn_row(&plan, &residentd, &mut table).await?;
+        }
+        if runs("readiness") {
+            readiness::rows(&plan, &residentd, &mut table).await?;
         }
         Ok::<_, anyhow::Error>(())
     })?;

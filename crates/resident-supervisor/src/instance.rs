@@ -302,7 +302,7 @@ impl Actor {
         tokio::select! {
             req = self.stops.recv() => Err(End::Stop(req)),
             status = child.wait() => Err(End::Exited(exit_of(status))),
-            ready = readiness::wait_ready(&self.spec.readiness, self.port, deadline) => {
+            ready = readiness::wait_ready(&self.spec.readiness, self.port, deadline, Some(self.shared.logs.wrote())) => {
                 if ready { Ok(()) } else { Err(End::NotReady) }
             }
         }

@@ -69,6 +69,9 @@ struct Ring {
 pub struct LogRing {
     limits: LogLimits,
     ring: Mutex<Ring>,
+    /// Woken at every line (the readiness probe listens: a server's line
+    /// often says it now listens).
+    wrote: tokio::sync::Notify,
 }
 
 /// Bytes read from a pipe at a time.
@@ -80,6 +83,7 @@ impl LogRing {
         Arc::new(Self {
             limits,
             ring: Mutex::new(Ring::default()),
+            wrote: tokio::sync::Notify::new(),
         })
     }
 
@@ -107,6 +111,14 @@ impl LogRing {
                 None => break,
             }
         }
+        drop(ring);
+        self.wrote.notify_waiters();
+    }
+
+    /// Notified at every new line; nothing is stored for a waiter that
+    /// comes later.
+    pub fn wrote(&self) -> &tokio::sync::Notify {
+        &self.wrote
     }
 
     /// The last `n` lines, oldest first.

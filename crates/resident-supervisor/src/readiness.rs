@@ -1,12 +1,20 @@
 //! Readiness probes: a TCP connect, or an HTTP `GET` whose status line says
 //! 200. A 503 (still loading) or any other answer means "not yet".
+//!
+//! Every orchestrator waits on READY, so it is seen promptly: probes run
+//! at a steady short interval (after a quicker start for fast servers),
+//! and a line of the server's output, which is how servers announce that
+//! they listen or have loaded, brings the next probe forward at once.
 
 use std::net::Ipv4Addr;
 use std::time::Duration;
 
+use std::pin::pin;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::time::{Instant, sleep, timeout};
+
+use tokio::sync::Notify;
+use tokio::time::{Instant, sleep, sleep_until, timeout};
 
 use crate::spec::Readiness;
 
@@ -55,15 +63,36 @@ fn status_is_ok(head: &[u8]) -> bool {
     matches!((parts.next(), parts.next()), (Some(v), Some("200")) if v.starts_with("HTTP/"))
 }
 
-/// Probes until ready (true) or `deadline` (false). The interval starts at
-/// 20 ms and grows to 250 ms, so a fast server is seen at once and a slow
-/// one is not hammered.
-pub async fn wait_ready(readiness: &Readiness, port: u16, deadline: Instant) -> bool {
+/// The first probes come this fast, for servers that are up at once.
+const FIRST_INTERVAL: Duration = Duration::from_millis(10);
+/// The interval the probes settle at while a server loads: a connect
+/// (refused until the port is bound) or one small GET each time.
+pub const STEADY_INTERVAL: Duration = Duration::from_millis(40);
+/// Output-triggered probes are at least this far apart, so a server that
+/// logs a flood while loading does not turn into a flood of probes.
+const MIN_GAP: Duration = Duration::from_millis(5);
+
+/// Probes until ready (true) or `deadline` (false): at once, then at an
+/// interval growing from 10 ms to [`STEADY_INTERVAL`], and whenever
+/// `output` (notified at each line of the server's, when given) fires.
+pub async fn wait_ready(
+    readiness: &Readiness,
+    port: u16,
+    deadline: Instant,
+    output: Option<&Notify>,
+) -> bool {
     if *readiness == Readiness::None {
         return true;
     }
-    let mut interval = Duration::from_millis(20);
+    let mut interval = FIRST_INTERVAL;
     loop {
+        // Listening from before the probe, so a line printed during it
+        // is not missed.
+        let mut woken = pin!(output.map(Notify::notified));
+        if let Some(w) = woken.as_mut().as_pin_mut() {
+            w.enable();
+        }
+        let probed = Instant::now();
         if probe_once(readiness, port).await {
             return true;
         }
@@ -71,8 +100,17 @@ pub async fn wait_ready(readiness: &Readiness, port: u16, deadline: Instant) -> 
         if now >= deadline {
             return false;
         }
-        sleep(interval.min(deadline - now)).await;
-        interval = (interval * 2).min(Duration::from_millis(250));
+        let line = async {
+            match woken.as_mut().as_pin_mut() {
+                Some(w) => w.await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            () = sleep(interval.min(deadline - now)) => {}
+            () = line => sleep_until((probed + MIN_GAP).min(deadline)).await,
+        }
+        interval = (interval * 2).min(STEADY_INTERVAL);
     }
 }
 
@@ -97,6 +135,6 @@ mod tests {
             .map(|a| a.port())
             .expect("a free port");
         let deadline = Instant::now() + Duration::from_millis(100);
-        assert!(!wait_ready(&Readiness::Tcp, port, deadline).await);
+        assert!(!wait_ready(&Readiness::Tcp, port, deadline, None).await);
     }
 }
