@@ -1,6 +1,7 @@
 //! The event log behind `Watch`: every transition and refusal gets the next
 //! revision; a bounded history lets a client resume, and a broadcast feeds
-//! live watchers. Revision order equals delivery order, because both are
+//! live watchers (and followed `Logs` calls, which end with their
+//! instance's run). Revision order equals delivery order, because both are
 //! decided under one lock.
 
 use std::collections::VecDeque;
@@ -65,6 +66,11 @@ impl EventLog {
         inner.history.push_back(event.clone());
         let _ = self.live.send(event);
         inner.revision
+    }
+
+    /// Every event published from now on (no snapshot, no history).
+    pub fn subscribe(&self) -> broadcast::Receiver<pb::Event> {
+        self.live.subscribe()
     }
 
     /// Begins a watch. `since == 0`: one SNAPSHOT event per instance from

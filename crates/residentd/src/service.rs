@@ -1,12 +1,14 @@
 //! The `resident.v1.NodeAgent` service: request validation and translation
-//! to and from the agent. No decision is made here.
+//! to and from the agent, and the streams of Watch and Logs (a followed log
+//! ends with its instance's run). No decision is made here.
 
+use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use resident_api::{ApiError, pb};
-use tokio::sync::broadcast::error::RecvError;
-use tokio::sync::mpsc;
+use tokio::sync::broadcast::error::{RecvError, TryRecvError};
+use tokio::sync::{broadcast, mpsc};
 use tokio_stream::Stream;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
@@ -219,57 +221,36 @@ impl pb::node_agent_server::NodeAgent for Service {
         let r = req.into_inner();
         let id = validate::logs(&r)?;
         let _span = tracing::info_span!("logs", instance_id = %id).entered();
-        self.agent.get(id.as_str())?;
+        // Subscribed before the state is read: an end after the read is
+        // then an event this follower sees.
+        let events = self.agent.events().subscribe();
+        let now = self.agent.get(id.as_str())?;
         let Some(ring) = self.agent.supervisor().logs(id.as_str()) else {
             return Ok(Response::new(Box::pin(tokio_stream::empty())));
         };
-        let (tail, mut live) = ring.tail_and_follow(r.tail as usize);
-        let to_pb = move |l: resident_supervisor::LogLine, id: &str| pb::LogLine {
-            line: l.line,
-            stream: match l.stream {
-                resident_supervisor::Stream::Stdout => pb::LogStream::Stdout as i32,
-                resident_supervisor::Stream::Stderr => pb::LogStream::Stderr as i32,
-            },
-            seq: l.seq,
-            instance_id: id.to_string(),
-        };
         let (tx, rx) = mpsc::channel(256);
-        let follow = r.follow;
-        let closing = self.agent.closing();
-        tokio::spawn(async move {
-            tokio::pin!(closing);
-            let id = id.to_string();
-            for l in tail {
-                if tx.send(Ok(to_pb(l, &id))).await.is_err() {
-                    return;
-                }
-            }
-            if !follow {
-                return;
-            }
-            loop {
-                let next = tokio::select! {
-                    next = live.recv() => next,
-                    () = &mut closing => {
-                        let _ = tx.send(Err(Status::unavailable("the agent is shutting down"))).await;
+        let id = id.to_string();
+        if !r.follow {
+            let tail = ring.tail(r.tail as usize);
+            tokio::spawn(async move {
+                for l in tail {
+                    if tx.send(Ok(log_line(l, &id))).await.is_err() {
                         return;
                     }
-                };
-                match next {
-                    Ok(l) => {
-                        if tx.send(Ok(to_pb(l, &id))).await.is_err() {
-                            return;
-                        }
-                    }
-                    Err(RecvError::Lagged(n)) => {
-                        let msg = format!("log follower fell behind by {n} lines");
-                        let _ = tx.send(Err(Status::resource_exhausted(msg))).await;
-                        return;
-                    }
-                    Err(RecvError::Closed) => return,
                 }
-            }
-        });
+            });
+            return Ok(Response::new(Box::pin(ReceiverStream::new(rx))));
+        }
+        let (tail, live) = ring.tail_and_follow(r.tail as usize);
+        let follower = LogFollower {
+            ended: run_ended(&now),
+            id,
+            live,
+            events,
+            agent: Arc::downgrade(&self.agent),
+            tx,
+        };
+        tokio::spawn(follower.run(tail, self.agent.closing()));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
@@ -284,5 +265,119 @@ impl pb::node_agent_server::NodeAgent for Service {
             pools: self.agent.pools(),
             instances: self.agent.list(),
         }))
+    }
+}
+
+fn log_line(l: resident_supervisor::LogLine, id: &str) -> pb::LogLine {
+    pb::LogLine {
+        line: l.line,
+        stream: match l.stream {
+            resident_supervisor::Stream::Stdout => pb::LogStream::Stdout as i32,
+            resident_supervisor::Stream::Stderr => pb::LogStream::Stderr as i32,
+        },
+        seq: l.seq,
+        instance_id: id.to_string(),
+    }
+}
+
+/// Whether the agent holds `i` as ended for good (no process, no restart).
+fn run_ended(i: &pb::Instance) -> bool {
+    i.state == pb::State::Exited as i32 || i.state == pb::State::Failed as i32
+}
+
+/// A `Logs` call with `follow`: the tail, then every new line until the
+/// instance's run ends (the stream then ends OK), the agent shuts down or
+/// the caller goes away.
+struct LogFollower {
+    id: String,
+    /// The run had ended when the call came.
+    ended: bool,
+    live: broadcast::Receiver<resident_supervisor::LogLine>,
+    /// The agent's events, which say when the run ends.
+    events: broadcast::Receiver<pb::Event>,
+    agent: Weak<Agent>,
+    tx: mpsc::Sender<Result<pb::LogLine, Status>>,
+}
+
+impl LogFollower {
+    async fn run(
+        mut self,
+        tail: Vec<resident_supervisor::LogLine>,
+        closing: impl Future<Output = ()>,
+    ) {
+        tokio::pin!(closing);
+        for l in tail {
+            if !self.send(l).await {
+                return;
+            }
+        }
+        if self.ended {
+            return self.drain().await;
+        }
+        loop {
+            tokio::select! {
+                // Lines first: those of a run come before the event of its end.
+                biased;
+                next = self.live.recv() => match next {
+                    Ok(l) => {
+                        if !self.send(l).await {
+                            return;
+                        }
+                    }
+                    Err(RecvError::Lagged(n)) => return self.lagged(n).await,
+                    Err(RecvError::Closed) => return,
+                },
+                event = self.events.recv() => {
+                    if self.ends_run(event) {
+                        return self.drain().await;
+                    }
+                }
+                () = &mut closing => {
+                    let _ = self.tx.send(Err(Status::unavailable("the agent is shutting down"))).await;
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Whether `event` (or, when events were missed, the agent's state now)
+    /// says that the run has ended or the instance is gone.
+    fn ends_run(&self, event: Result<pb::Event, RecvError>) -> bool {
+        match event {
+            Ok(e) => e.instance.is_some_and(|i| {
+                i.instance_id == self.id
+                    && (run_ended(&i) || e.kind == pb::EventKind::Forgotten as i32)
+            }),
+            Err(RecvError::Lagged(_)) => match self.agent.upgrade().map(|a| a.get(&self.id)) {
+                Some(Ok(i)) => run_ended(&i),
+                None | Some(Err(_)) => true,
+            },
+            Err(RecvError::Closed) => true,
+        }
+    }
+
+    /// Sends the lines the ended run left in the follower's buffer.
+    async fn drain(&mut self) {
+        loop {
+            match self.live.try_recv() {
+                Ok(l) => {
+                    if !self.send(l).await {
+                        return;
+                    }
+                }
+                Err(TryRecvError::Lagged(n)) => return self.lagged(n).await,
+                Err(_) => return,
+            }
+        }
+    }
+
+    async fn lagged(&self, n: u64) {
+        let msg = format!("log follower fell behind by {n} lines");
+        let _ = self.tx.send(Err(Status::resource_exhausted(msg))).await;
+    }
+
+    /// False once the caller has gone.
+    async fn send(&self, l: resident_supervisor::LogLine) -> bool {
+        self.tx.send(Ok(log_line(l, &self.id))).await.is_ok()
     }
 }

@@ -14,13 +14,6 @@ fn pool() -> String {
     String::from("[[pool]]\nname = \"ram\"\nbudget = \"10GB\"\n\n")
 }
 
-/// A workload running `sh -c SCRIPT`, holding 4 GB, with `restart` lines.
-fn shell(name: &str, script: &str, restart: &str) -> String {
-    format!(
-        "[[workload]]\nname = \"{name}\"\ncommand = [\"/bin/sh\", \"-c\", \"{script}\"]\nstop_grace = \"2s\"\n[workload.memory.ram]\nweights = \"4GB\"\n[workload.restart]\n{restart}\n"
-    )
-}
-
 async fn used(
     c: &mut resident_api::pb::node_agent_client::NodeAgentClient<tonic::transport::Channel>,
 ) -> u64 {

@@ -1,9 +1,14 @@
-//! residentctl against a real residentd: tables, JSON, exit codes.
+//! residentctl against a real residentd: tables, JSON, exit codes, and
+//! `logs -f`, which ends with the instance's run.
 
 mod support;
 
-use std::process::{Command, Output};
+use std::io::{BufRead as _, BufReader};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
 
+use resident_api::pb;
 use support::*;
 
 const CTL: &str = env!("CARGO_BIN_EXE_residentctl");
@@ -136,5 +141,119 @@ async fn every_subcommand_against_a_live_agent() {
         text(&o)
             .1
             .contains("cannot reach residentd at /nonexistent/x.sock")
+    );
+}
+
+/// Starts residentctl with `args` against `d`, its stdout and stderr piped.
+fn spawn_ctl(d: &Daemon, args: &[&str]) -> Child {
+    Command::new(CTL)
+        .arg("--socket")
+        .arg(&d.socket)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start residentctl")
+}
+
+/// Waits (bounded) until `child` has exited; then its status and what is
+/// left of its output. Kills it and fails the test at the bound.
+async fn exits_within(mut child: Child, bound: Duration, what: &str) -> Output {
+    let exited = eventually(bound, || matches!(child.try_wait(), Ok(Some(_)))).await;
+    if !exited {
+        let _ = child.kill();
+    }
+    let out = tokio::task::block_in_place(|| child.wait_with_output()).expect("residentctl output");
+    assert!(
+        exited,
+        "{what} did not return within {bound:?}: {:?}",
+        text(&out)
+    );
+    out
+}
+
+/// The lines of `child`'s stdout as they come (read on a thread of their
+/// own, so a test can wait for one with a bound).
+fn stdout_lines(child: &mut Child) -> mpsc::Receiver<String> {
+    let out = child.stdout.take().expect("piped stdout");
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    rx
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logs_follow_ends_when_the_run_ends_not_at_a_restart() {
+    // Each run prints a line, then waits for the test to write to a FIFO
+    // and fails; one restart is allowed, so the second failure ends the run.
+    let fifo_dir = tempfile::tempdir().expect("tempdir");
+    let fifo = fifo_dir.path().join("go");
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).expect("mkfifo");
+    let mut config = String::from("[[pool]]\nname = \"ram\"\nbudget = \"10GB\"\n\n");
+    config += &shell(
+        "relay",
+        &format!("echo run; read x < {}; exit 1", fifo.display()),
+        "policy = \"on-failure\"\nmax_restarts = 1\nbackoff = \"100ms\"",
+    );
+    let mut d = Daemon::start(&config).await;
+    d.started("relay", "r").await;
+    let mut follow = spawn_ctl(&d, &["logs", "r", "-f"]);
+    let lines = stdout_lines(&mut follow);
+    let next = |what: &str| {
+        tokio::task::block_in_place(|| lines.recv_timeout(PATIENCE))
+            .unwrap_or_else(|e| panic!("{what}: {e}"))
+    };
+    let release = || tokio::task::block_in_place(|| std::fs::write(&fifo, "go\n")).expect("fifo");
+    assert_eq!(next("the first run's line"), "run");
+    release();
+    assert_eq!(
+        next("the second run's line, through the restart"),
+        "run",
+        "a restart does not end the follow"
+    );
+    release();
+    let out = exits_within(follow, PATIENCE, "logs -f of a failed instance").await;
+    assert!(out.status.success(), "{:?}", text(&out));
+    let (_, err) = text(&out);
+    assert!(
+        err.contains("instance r has failed (gave up after 1 restarts: exited with code 1)"),
+        "{err}"
+    );
+    let rest: Vec<String> = lines.try_iter().collect();
+    assert!(rest.is_empty(), "nothing after the run's lines: {rest:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logs_follow_of_an_ended_instance_prints_its_lines_and_returns() {
+    let mut config = String::from("[[pool]]\nname = \"ram\"\nbudget = \"10GB\"\n\n");
+    config += &shell("once", "echo old; exit 0", "policy = \"never\"");
+    config += &sleeper("idle", "ram", 1, "");
+    let mut d = Daemon::start(&config).await;
+    d.started("once", "o").await;
+    d.wait_state("o", pb::State::Exited).await;
+    let follow = spawn_ctl(&d, &["logs", "o", "-f"]);
+    let out = exits_within(follow, PATIENCE, "logs -f of an exited instance").await;
+    assert!(out.status.success(), "{:?}", text(&out));
+    let (lines, err) = text(&out);
+    assert_eq!(lines, "old\n");
+    assert!(
+        err.contains("instance o has exited (exited with code 0)"),
+        "{err}"
+    );
+    // Stopped while followed (or just before): the follow ends with it.
+    d.started("idle", "i").await;
+    let follow = spawn_ctl(&d, &["logs", "i", "-f"]);
+    d.stopped("i").await;
+    let out = exits_within(follow, PATIENCE, "logs -f of a stopped instance").await;
+    assert!(out.status.success(), "{:?}", text(&out));
+    assert!(
+        text(&out).1.contains("instance i has exited (stopped ("),
+        "{:?}",
+        text(&out)
     );
 }

@@ -251,3 +251,11 @@ pub fn sleeper(name: &str, pool: &str, gb: u64, extra: &str) -> String {
         "[[workload]]\nname = \"{name}\"\ncommand = [\"/bin/sleep\", \"3600\"]\nstop_grace = \"2s\"\n{extra}\n[workload.memory.{pool}]\nweights = \"{gb}GB\"\n"
     )
 }
+
+/// A workload running `sh -c SCRIPT`, holding 4 GB of pool `ram`, with
+/// `restart` lines.
+pub fn shell(name: &str, script: &str, restart: &str) -> String {
+    format!(
+        "[[workload]]\nname = \"{name}\"\ncommand = [\"/bin/sh\", \"-c\", \"{script}\"]\nstop_grace = \"2s\"\n[workload.memory.ram]\nweights = \"4GB\"\n[workload.restart]\n{restart}\n"
+    )
+}

@@ -87,7 +87,9 @@ enum Command {
         /// Lines of history.
         #[arg(short = 'n', long, default_value_t = 100)]
         tail: u32,
-        /// Keep following new lines.
+        /// Keep following new lines until the instance's run has ended
+        /// (EXITED or FAILED; a restart is part of the run), then say so on
+        /// stderr.
         #[arg(short, long)]
         follow: bool,
     },
@@ -269,6 +271,15 @@ async fn run(cli: &Cli) -> Result<ExitCode, Failure> {
             let mut stream = c.logs(req).await?.into_inner();
             while let Some(line) = stream.next().await {
                 render::log_line(&line?, json);
+            }
+            if *follow {
+                // A followed log ends when the instance's run has ended.
+                let ended = c
+                    .get(pb::GetRequest {
+                        instance_id: id.clone(),
+                    })
+                    .await;
+                render::log_end(id, ended.ok().map(|r| r.into_inner()).as_ref());
             }
         }
         Command::Top { frames } => {

@@ -303,6 +303,25 @@ pub fn log_line(l: &pb::LogLine, json: bool) {
     }
 }
 
+/// The end of a followed log: how the instance's run ended, as the agent
+/// reports it now (`None`: the agent no longer knows the instance).
+pub fn log_end(id: &str, now: Option<&pb::Instance>) {
+    match now {
+        Some(i) if i.state == pb::State::Exited as i32 => {
+            eprintln!("residentctl: instance {id} has exited ({})", i.message);
+        }
+        Some(i) if i.state == pb::State::Failed as i32 => {
+            eprintln!("residentctl: instance {id} has failed ({})", i.message);
+        }
+        Some(i) => eprintln!(
+            "residentctl: the log of instance {id} ended; it is {} ({})",
+            state_name(i.state),
+            i.message
+        ),
+        None => eprintln!("residentctl: instance {id} has ended and is gone"),
+    }
+}
+
 /// One watch event.
 pub fn event(e: &pb::Event, json: bool) {
     let kind = pb::EventKind::try_from(e.kind).map_or("UNKNOWN", |k| k.as_str_name());
