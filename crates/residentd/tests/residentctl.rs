@@ -124,7 +124,14 @@ async fn every_subcommand_against_a_live_agent() {
     let o = tokio::task::block_in_place(|| run(&["get", "ghost"]));
     assert_eq!(o.status.code(), Some(1));
     assert!(
-        text(&o).1.contains("NOTFOUND: no instance 'ghost'"),
+        text(&o).1.contains("NOT_FOUND: no instance 'ghost'"),
+        "{:?}",
+        text(&o)
+    );
+    let o = tokio::task::block_in_place(|| run(&["get", "not an id"]));
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        text(&o).1.contains("residentctl: INVALID_ARGUMENT: "),
         "{:?}",
         text(&o)
     );
