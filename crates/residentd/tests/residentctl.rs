@@ -264,3 +264,45 @@ async fn logs_follow_of_an_ended_instance_prints_its_lines_and_returns() {
         text(&out)
     );
 }
+
+/// residentctl ended quietly: exit 0 and no panic on stderr.
+fn quiet(out: &Output, what: &str) {
+    let (_, err) = text(out);
+    assert!(!err.contains("panicked"), "{what}: {err}");
+    assert!(!err.contains("Broken pipe"), "{what}: {err}");
+    assert_eq!(out.status.code(), Some(0), "{what}: {err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_output_pipe_ends_residentctl_quietly() {
+    let config = String::from("[[pool]]\nname = \"ram\"\nbudget = \"10GB\"\n\n")
+        + &sleeper("a", "ram", 1, "")
+        + &sleeper("b", "ram", 1, "");
+    let mut d = Daemon::start(&config).await;
+    d.started("a", "a").await;
+    // A pipe whose reader has gone before the first write.
+    for args in [&["node"][..], &["--json", "node"], &["ls"], &["get", "a"]] {
+        let (reader, writer) = std::io::pipe().expect("pipe");
+        drop(reader);
+        let out = Command::new(CTL)
+            .arg("--socket")
+            .arg(&d.socket)
+            .args(args)
+            .stdout(writer)
+            .stderr(Stdio::piped())
+            .output()
+            .expect("run residentctl");
+        quiet(&out, &format!("residentctl {args:?} into a closed pipe"));
+    }
+    // A stream whose reader goes after the first line: the next event's
+    // write finds the pipe closed, and the watch ends.
+    let mut watch = spawn_ctl(&d, &["watch"]);
+    let mut first = String::new();
+    let mut reader = BufReader::new(watch.stdout.take().expect("piped stdout"));
+    tokio::task::block_in_place(|| reader.read_line(&mut first)).expect("a line");
+    assert!(first.contains("SNAPSHOT"), "{first}");
+    drop(reader);
+    d.started("b", "b").await;
+    let out = exits_within(watch, PATIENCE, "watch into a closed pipe").await;
+    quiet(&out, "watch into a pipe closed after its first line");
+}

@@ -3,9 +3,20 @@
 //!
 //! Exit codes: 0 done, 1 error, 2 bad usage, 3 refused (the start or the
 //! placement does not fit; the reasons are printed).
+//!
+//! A closed output pipe (`residentctl node | head -1`) ends the command
+//! quietly with 0: the reader had what it wanted, and whether the pipe
+//! closes before or after the last write is a race that must not change
+//! the status a script sees (`set -o pipefail`). No output goes through
+//! `println!`, which would panic; SIGPIPE stays ignored (Rust's default),
+//! so a write to a closed socket is an error to report, not a silent death.
+
+// Every write goes through `writeln!` with its error handled (see above).
+#![deny(clippy::print_stdout, clippy::print_stderr)]
 
 mod render;
 
+use std::io::{self, Write as _};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -22,7 +33,10 @@ const EXIT_REFUSED: u8 = 3;
 #[command(
     name = "residentctl",
     version,
-    about = "Talk to a residentd node agent"
+    about = "Talk to a residentd node agent",
+    after_help = "Exit codes: 0 done, 1 error, 2 bad usage, 3 refused (the start or the \
+                  placement does not fit). A closed output pipe (residentctl ls | head -1) \
+                  ends residentctl quietly with 0; a refusal still exits 3."
 )]
 struct Cli {
     /// The agent's socket.
@@ -129,6 +143,14 @@ enum Failure {
     Usage(String),
     Refused(tonic::Status),
     Error(String),
+    /// Writing the output failed (most often: the reader closed the pipe).
+    Output(io::Error),
+}
+
+impl From<io::Error> for Failure {
+    fn from(e: io::Error) -> Self {
+        Failure::Output(e)
+    }
 }
 
 impl From<tonic::Status> for Failure {
@@ -177,25 +199,47 @@ fn main() -> ExitCode {
     {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("residentctl: {e}");
+            complain(&e.to_string());
             return ExitCode::FAILURE;
         }
     };
     match runtime.block_on(run(&cli)) {
         Ok(code) => code,
+        // The reader has what it wanted (see the module doc).
+        Err(Failure::Output(e)) if e.kind() == io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+        Err(Failure::Output(e)) => {
+            complain(&format!("cannot write the output: {e}"));
+            ExitCode::FAILURE
+        }
         Err(Failure::Usage(msg)) => {
-            eprintln!("residentctl: {msg}");
+            complain(&msg);
             ExitCode::from(2)
         }
         Err(Failure::Refused(status)) => {
-            render::refusal(&status, cli.json);
+            // Refused stays refused, whatever became of the reasons.
+            let _ = render::refusal(&status, cli.json);
             ExitCode::from(EXIT_REFUSED)
         }
         Err(Failure::Error(msg)) => {
-            eprintln!("residentctl: {msg}");
+            complain(&msg);
             ExitCode::FAILURE
         }
     }
+}
+
+/// Ok when `output` was written or its reader has gone; other write errors
+/// are failures.
+fn written(output: io::Result<()>) -> Result<(), Failure> {
+    match output {
+        Err(e) if e.kind() != io::ErrorKind::BrokenPipe => Err(Failure::Output(e)),
+        _ => Ok(()),
+    }
+}
+
+/// Says what went wrong on stderr; when stderr itself is closed there is
+/// nobody to tell, and the exit status still says it.
+fn complain(msg: &str) {
+    let _ = writeln!(io::stderr(), "residentctl: {msg}");
 }
 
 async fn connect(cli: &Cli) -> Result<NodeAgentClient<Channel>, Failure> {
@@ -228,7 +272,7 @@ async fn run(cli: &Cli) -> Result<ExitCode, Failure> {
             let answer = c.start(req).await;
             drop(spinner);
             let r = answer?.into_inner();
-            render::started(&r, json);
+            render::started(&r, json)?;
         }
         Command::Stop { id, grace } => {
             let grace_ms = millis(grace.as_deref(), "grace")?;
@@ -239,7 +283,7 @@ async fn run(cli: &Cli) -> Result<ExitCode, Failure> {
                 })
                 .await?
                 .into_inner();
-            render::instances(&r.instance.into_iter().collect::<Vec<_>>(), json);
+            render::instances(&r.instance.into_iter().collect::<Vec<_>>(), json)?;
         }
         Command::Get { id } => {
             let r = c
@@ -248,11 +292,11 @@ async fn run(cli: &Cli) -> Result<ExitCode, Failure> {
                 })
                 .await?
                 .into_inner();
-            render::instances(&[r], json);
+            render::instances(&[r], json)?;
         }
         Command::Ls => {
             let r = c.list(pb::ListRequest {}).await?.into_inner();
-            render::instances(&r.instances, json);
+            render::instances(&r.instances, json)?;
         }
         Command::Place {
             workload,
@@ -263,7 +307,8 @@ async fn run(cli: &Cli) -> Result<ExitCode, Failure> {
                 on_full: policy(*p),
             };
             let r = c.place(req).await?.into_inner();
-            render::placement(&r, json);
+            // The answer's exit status stands even when nobody reads it.
+            written(render::placement(&r, json))?;
             if !r.admitted {
                 return Ok(ExitCode::from(EXIT_REFUSED));
             }
@@ -277,11 +322,11 @@ async fn run(cli: &Cli) -> Result<ExitCode, Failure> {
                 })
                 .await?
                 .into_inner();
-            render::instances(&[r], json);
+            render::instances(&[r], json)?;
         }
         Command::Node => {
             let r = c.node(pb::NodeRequest {}).await?.into_inner();
-            render::node(&r, json);
+            render::node(&r, json)?;
         }
         Command::Logs { id, tail, follow } => {
             let req = pb::LogsRequest {
@@ -291,7 +336,7 @@ async fn run(cli: &Cli) -> Result<ExitCode, Failure> {
             };
             let mut stream = c.logs(req).await?.into_inner();
             while let Some(line) = stream.next().await {
-                render::log_line(&line?, json);
+                render::log_line(&line?, json)?;
             }
             if *follow {
                 // A followed log ends when the instance's run has ended.
@@ -300,7 +345,7 @@ async fn run(cli: &Cli) -> Result<ExitCode, Failure> {
                         instance_id: id.clone(),
                     })
                     .await;
-                render::log_end(id, ended.ok().map(|r| r.into_inner()).as_ref());
+                render::log_end(id, ended.ok().map(|r| r.into_inner()).as_ref())?;
             }
         }
         Command::Top { frames } => {
@@ -320,7 +365,7 @@ async fn run(cli: &Cli) -> Result<ExitCode, Failure> {
             loop {
                 if seen >= snapshots {
                     let node = c.node(pb::NodeRequest {}).await?.into_inner();
-                    render::top(&node);
+                    render::top(&node)?;
                     drawn += 1;
                     if frames.is_some_and(|f| drawn >= f) {
                         break;
@@ -343,7 +388,7 @@ async fn run(cli: &Cli) -> Result<ExitCode, Failure> {
                 .await?
                 .into_inner();
             while let Some(event) = stream.next().await {
-                render::event(&event?, json);
+                render::event(&event?, json)?;
             }
         }
     }

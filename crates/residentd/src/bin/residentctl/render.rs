@@ -1,13 +1,29 @@
 //! How residentctl prints: aligned tables for people, one JSON document
-//! (or one per line for streams) for scripts.
+//! (or one per line for streams) for scripts. Every write's error comes
+//! back to the caller (no `println!`, which panics on a closed pipe), so
+//! `residentctl ... | head -1` ends quietly (see `main`).
 
-use std::io::{IsTerminal as _, Write as _};
+use std::io::{self, IsTerminal as _, Write as _};
 use std::time::Duration;
 
 use prost::Message as _;
 use resident_api::pb;
 use resident_core::Gb;
 use serde_json::{Value, json};
+
+/// A line on stdout; a failed write returns its error from the function.
+macro_rules! out {
+    ($($arg:tt)*) => {
+        writeln!(io::stdout().lock(), $($arg)*)?
+    };
+}
+
+/// A line on stderr; a failed write returns its error from the function.
+macro_rules! err {
+    ($($arg:tt)*) => {
+        writeln!(io::stderr().lock(), $($arg)*)?
+    };
+}
 
 fn state_name(state: i32) -> &'static str {
     pb::State::try_from(state).map_or("UNKNOWN", |s| s.as_str_name())
@@ -93,30 +109,33 @@ fn holder_json(h: &pb::Holder) -> Value {
     json!({ "instance_id": h.instance_id, "role": h.role, "bytes": h.bytes })
 }
 
-fn print_json(v: &Value) {
-    println!("{v}");
+fn print_json(v: &Value) -> io::Result<()> {
+    out!("{v}");
+    Ok(())
 }
 
 /// Prints rows as columns padded to their widest cell.
-fn table(header: &[&str], rows: &[Vec<String>]) {
+fn table(header: &[&str], rows: &[Vec<String>]) -> io::Result<()> {
     let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
     for row in rows {
         for (w, cell) in widths.iter_mut().zip(row) {
             *w = (*w).max(cell.chars().count());
         }
     }
-    let line = |cells: Vec<String>| {
+    let line = |cells: Vec<String>| -> io::Result<()> {
         let padded: Vec<String> = cells
             .iter()
             .zip(&widths)
             .map(|(c, w)| format!("{c:<w$}"))
             .collect();
-        println!("{}", padded.join("  ").trim_end());
+        out!("{}", padded.join("  ").trim_end());
+        Ok(())
     };
-    line(header.iter().map(|h| h.to_string()).collect());
+    line(header.iter().map(|h| h.to_string()).collect())?;
     for row in rows {
-        line(row.clone());
+        line(row.clone())?;
     }
+    Ok(())
 }
 
 /// Time since `started_unix_ms`, kubectl-style: 45s, 12m, 3h, 2d.
@@ -141,7 +160,7 @@ fn gb_or_dash(bytes: Option<u64>) -> String {
 }
 
 /// Instances as a table (or JSON).
-pub fn instances(list: &[pb::Instance], json: bool) {
+pub fn instances(list: &[pb::Instance], json: bool) -> io::Result<()> {
     if json {
         return print_json(&Value::Array(list.iter().map(instance_json).collect()));
     }
@@ -174,11 +193,11 @@ pub fn instances(list: &[pb::Instance], json: bool) {
         "INSTANCE", "ROLE", "STATE", "PID", "PORT", "DECLARED", "MEASURED", "RESTARTS", "AGE",
         "MESSAGE",
     ];
-    table(&header, &rows);
+    table(&header, &rows)
 }
 
 /// A started instance and who was evicted for it.
-pub fn started(r: &pb::StartResponse, json: bool) {
+pub fn started(r: &pb::StartResponse, json: bool) -> io::Result<()> {
     if json {
         return print_json(&json!({
             "created": r.created,
@@ -187,16 +206,16 @@ pub fn started(r: &pb::StartResponse, json: bool) {
         }));
     }
     if !r.evicted.is_empty() {
-        println!("evicted: {}", r.evicted.join(", "));
+        out!("evicted: {}", r.evicted.join(", "));
     }
     if !r.created {
-        println!("already running (nothing started)");
+        out!("already running (nothing started)");
     }
-    instances(&r.instance.iter().cloned().collect::<Vec<_>>(), false);
+    instances(&r.instance.iter().cloned().collect::<Vec<_>>(), false)
 }
 
 /// Pools as a table.
-fn pools(list: &[pb::PoolStatus]) {
+fn pools(list: &[pb::PoolStatus]) -> io::Result<()> {
     let rows: Vec<Vec<String>> = list
         .iter()
         .map(|p| {
@@ -213,11 +232,11 @@ fn pools(list: &[pb::PoolStatus]) {
     table(
         &["POOL", "BUDGET", "EFFECTIVE", "USED", "FREE", "AVAILABLE"],
         &rows,
-    );
+    )
 }
 
 /// The node: pools, then instances.
-pub fn node(n: &pb::NodeStatus, json: bool) {
+pub fn node(n: &pb::NodeStatus, json: bool) -> io::Result<()> {
     if json {
         return print_json(&json!({
             "node": n.node,
@@ -226,28 +245,29 @@ pub fn node(n: &pb::NodeStatus, json: bool) {
             "instances": n.instances.iter().map(instance_json).collect::<Vec<_>>(),
         }));
     }
-    println!("node {} (residentd {})\n", n.node, n.version);
-    pools(&n.pools);
-    println!();
-    instances(&n.instances, false);
+    out!("node {} (residentd {})\n", n.node, n.version);
+    pools(&n.pools)?;
+    out!();
+    instances(&n.instances, false)
 }
 
-fn reasons(list: &[pb::Refusal]) {
+fn reasons(list: &[pb::Refusal]) -> io::Result<()> {
     for r in list {
-        eprintln!("  {}", r.message);
+        err!("  {}", r.message);
         let holders = match &r.reason {
             Some(pb::refusal::Reason::OverBudget(o)) => &o.holders,
             Some(pb::refusal::Reason::HostMemory(h)) => &h.holders,
             _ => continue,
         };
         for h in holders {
-            eprintln!("      {:<24} {:<16} {}", h.instance_id, h.role, Gb(h.bytes));
+            err!("      {:<24} {:<16} {}", h.instance_id, h.role, Gb(h.bytes));
         }
     }
+    Ok(())
 }
 
 /// A placement answer.
-pub fn placement(p: &pb::Placement, json: bool) {
+pub fn placement(p: &pb::Placement, json: bool) -> io::Result<()> {
     if json {
         return print_json(&json!({
             "admitted": p.admitted,
@@ -258,17 +278,18 @@ pub fn placement(p: &pb::Placement, json: bool) {
         }));
     }
     match (p.admitted, p.evict.is_empty()) {
-        (true, true) => println!("fits"),
-        (true, false) => println!("fits after evicting {}", p.evict.join(", ")),
+        (true, true) => out!("fits"),
+        (true, false) => out!("fits after evicting {}", p.evict.join(", ")),
         (false, _) => {
-            eprintln!("does not fit:");
-            reasons(&p.refusals);
+            err!("does not fit:");
+            reasons(&p.refusals)?;
         }
     }
+    Ok(())
 }
 
 /// A refused start: the reasons, readably (who holds what).
-pub fn refusal(status: &tonic::Status, json: bool) {
+pub fn refusal(status: &tonic::Status, json: bool) -> io::Result<()> {
     let placement = tonic_types::pb::Status::decode(status.details())
         .ok()
         .and_then(|rpc| {
@@ -283,47 +304,50 @@ pub fn refusal(status: &tonic::Status, json: bool) {
             .map(|p| p.refusals.iter().map(refusal_json).collect::<Vec<_>>());
         return print_json(&json!({ "refused": status.message(), "refusals": refusals }));
     }
-    eprintln!("refused:");
+    err!("refused:");
     match placement {
-        Some(p) => reasons(&p.refusals),
-        None => eprintln!("  {}", status.message()),
+        Some(p) => reasons(&p.refusals)?,
+        None => err!("  {}", status.message()),
     }
+    Ok(())
 }
 
 /// One log line.
-pub fn log_line(l: &pb::LogLine, json: bool) {
+pub fn log_line(l: &pb::LogLine, json: bool) -> io::Result<()> {
     if json {
         let stream = pb::LogStream::try_from(l.stream).map_or("UNKNOWN", |s| s.as_str_name());
         return print_json(&json!({ "seq": l.seq, "stream": stream, "line": l.line }));
     }
     if l.stream == pb::LogStream::Stderr as i32 {
-        eprintln!("{}", l.line);
+        err!("{}", l.line);
     } else {
-        println!("{}", l.line);
+        out!("{}", l.line);
     }
+    Ok(())
 }
 
 /// The end of a followed log: how the instance's run ended, as the agent
 /// reports it now (`None`: the agent no longer knows the instance).
-pub fn log_end(id: &str, now: Option<&pb::Instance>) {
+pub fn log_end(id: &str, now: Option<&pb::Instance>) -> io::Result<()> {
     match now {
         Some(i) if i.state == pb::State::Exited as i32 => {
-            eprintln!("residentctl: instance {id} has exited ({})", i.message);
+            err!("residentctl: instance {id} has exited ({})", i.message);
         }
         Some(i) if i.state == pb::State::Failed as i32 => {
-            eprintln!("residentctl: instance {id} has failed ({})", i.message);
+            err!("residentctl: instance {id} has failed ({})", i.message);
         }
-        Some(i) => eprintln!(
+        Some(i) => err!(
             "residentctl: the log of instance {id} ended; it is {} ({})",
             state_name(i.state),
             i.message
         ),
-        None => eprintln!("residentctl: instance {id} has ended and is gone"),
+        None => err!("residentctl: instance {id} has ended and is gone"),
     }
+    Ok(())
 }
 
 /// One watch event.
-pub fn event(e: &pb::Event, json: bool) {
+pub fn event(e: &pb::Event, json: bool) -> io::Result<()> {
     let kind = pb::EventKind::try_from(e.kind).map_or("UNKNOWN", |k| k.as_str_name());
     if json {
         return print_json(&json!({
@@ -335,7 +359,7 @@ pub fn event(e: &pb::Event, json: bool) {
         }));
     }
     match (&e.instance, &e.refusal) {
-        (Some(i), _) => println!(
+        (Some(i), _) => out!(
             "{:>6} {:<10} {:<24} {:<9} {}",
             e.revision,
             kind,
@@ -343,9 +367,10 @@ pub fn event(e: &pb::Event, json: bool) {
             state_name(i.state),
             i.message
         ),
-        (None, Some(r)) => println!("{:>6} {:<10} {}", e.revision, kind, r.message),
-        (None, None) => println!("{:>6} {kind}", e.revision),
+        (None, Some(r)) => out!("{:>6} {:<10} {}", e.revision, kind, r.message),
+        (None, None) => out!("{:>6} {kind}", e.revision),
     }
+    Ok(())
 }
 
 /// A bar of `width` cells: held (#), free (.), foreign (x).
@@ -371,16 +396,19 @@ fn bar(p: &pb::PoolStatus, width: usize) -> String {
 }
 
 /// One frame of `residentctl top`: each pool as a bar, then instances.
-pub fn top(n: &pb::NodeStatus) {
-    if std::io::stdout().is_terminal() {
-        print!("\x1b[2J\x1b[H");
+pub fn top(n: &pb::NodeStatus) -> io::Result<()> {
+    let mut stdout = io::stdout().lock();
+    if stdout.is_terminal() {
+        write!(stdout, "\x1b[2J\x1b[H")?;
     }
-    println!(
+    drop(stdout);
+    out!(
         "{} (residentd {})   # held  . free  x foreign",
-        n.node, n.version
+        n.node,
+        n.version
     );
     for p in &n.pools {
-        println!(
+        out!(
             "{:<10} {} {} used of {} (effective {})",
             p.name,
             bar(p, 40),
@@ -389,9 +417,9 @@ pub fn top(n: &pb::NodeStatus) {
             gb_or_dash(p.effective_budget_bytes)
         );
     }
-    println!();
-    instances(&n.instances, false);
-    let _ = std::io::stdout().flush();
+    out!();
+    instances(&n.instances, false)?;
+    io::stdout().flush()
 }
 
 /// A spinner on stderr while waiting, when stderr is a terminal.
@@ -402,7 +430,7 @@ pub struct Spinner {
 
 impl Spinner {
     pub fn start(label: String) -> Self {
-        if !std::io::stderr().is_terminal() {
+        if !io::stderr().is_terminal() {
             return Self {
                 stop: None,
                 thread: None,
@@ -416,11 +444,13 @@ impl Spinner {
             while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
                 rx.recv_timeout(Duration::from_millis(100))
             {
-                eprint!("\r{} {label}", frames[n % frames.len()]);
-                let _ = std::io::stderr().flush();
+                // Nothing to do if the terminal has gone.
+                let mut stderr = io::stderr().lock();
+                let _ = write!(stderr, "\r{} {label}", frames[n % frames.len()]);
+                let _ = stderr.flush();
                 n += 1;
             }
-            eprint!("\r{}\r", " ".repeat(label.len() + 2));
+            let _ = write!(io::stderr(), "\r{}\r", " ".repeat(label.len() + 2));
         });
         Self {
             stop: Some(stop),
