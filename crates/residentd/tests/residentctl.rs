@@ -306,3 +306,39 @@ async fn a_closed_output_pipe_ends_residentctl_quietly() {
     let out = exits_within(watch, PATIENCE, "watch into a closed pipe").await;
     quiet(&out, "watch into a pipe closed after its first line");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logs_print_both_streams_on_stdout_and_pick_one_with_stream() {
+    let mut config = String::from("[[pool]]\nname = \"ram\"\nbudget = \"10GB\"\n\n");
+    config += &shell(
+        "both",
+        "echo to-out; echo to-err >&2; echo more-err >&2; exit 0",
+        "policy = \"never\"",
+    );
+    let mut d = Daemon::start(&config).await;
+    d.started("both", "b").await;
+    d.wait_state("b", pb::State::Exited).await;
+    let run = |args: &[&str]| tokio::task::block_in_place(|| ctl(&d, args));
+    let lines = |o: &Output| -> Vec<String> { text(o).0.lines().map(String::from).collect() };
+    // The two pipes are read side by side: order holds within a stream only.
+    let o = run(&["logs", "b"]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    let mut all = lines(&o);
+    all.sort();
+    assert_eq!(all, ["more-err", "to-err", "to-out"], "{:?}", text(&o));
+    assert_eq!(text(&o).1, "", "nothing on residentctl's own stderr");
+    let o = run(&["logs", "b", "--stream", "stderr"]);
+    assert_eq!(lines(&o), ["to-err", "more-err"], "{:?}", text(&o));
+    let o = run(&["logs", "b", "--stream", "stdout"]);
+    assert_eq!(lines(&o), ["to-out"], "{:?}", text(&o));
+    let o = run(&["--json", "logs", "b", "--stream", "stderr"]);
+    let streams: Vec<String> = text(&o)
+        .0
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("a JSON line"))
+        .map(|v| v["stream"].as_str().unwrap_or_default().to_string())
+        .collect();
+    assert_eq!(streams, ["STDERR", "STDERR"]);
+    let o = run(&["logs", "b", "--stream", "both"]);
+    assert_eq!(o.status.code(), Some(2), "an unknown stream is bad usage");
+}

@@ -95,12 +95,19 @@ enum Command {
     },
     /// The node: pools and instances.
     Node,
-    /// An instance's output.
+    /// An instance's output, stdout and stderr alike, on stdout.
+    ///
+    /// The lines of both streams are printed on stdout in the order they
+    /// were captured; --stream keeps one, and --json gives each line's
+    /// stream.
     Logs {
         id: String,
-        /// Lines of history.
+        /// Lines of history (of both streams, before --stream picks).
         #[arg(short = 'n', long, default_value_t = 100)]
         tail: u32,
+        /// Only the lines the instance wrote to this stream.
+        #[arg(long, value_enum)]
+        stream: Option<StreamArg>,
         /// Keep following new lines until the instance's run has ended
         /// (EXITED or FAILED; a restart is part of the run), then say so on
         /// stderr.
@@ -119,6 +126,22 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         since: u64,
     },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum StreamArg {
+    Stdout,
+    Stderr,
+}
+
+impl StreamArg {
+    fn holds(self, line: &pb::LogLine) -> bool {
+        let stream = match self {
+            StreamArg::Stdout => pb::LogStream::Stdout,
+            StreamArg::Stderr => pb::LogStream::Stderr,
+        };
+        line.stream == stream as i32
+    }
 }
 
 fn policy(p: Option<PolicyArg>) -> i32 {
@@ -328,7 +351,12 @@ async fn run(cli: &Cli) -> Result<ExitCode, Failure> {
             let r = c.node(pb::NodeRequest {}).await?.into_inner();
             render::node(&r, json)?;
         }
-        Command::Logs { id, tail, follow } => {
+        Command::Logs {
+            id,
+            tail,
+            stream: only,
+            follow,
+        } => {
             let req = pb::LogsRequest {
                 instance_id: id.clone(),
                 tail: *tail,
@@ -336,7 +364,10 @@ async fn run(cli: &Cli) -> Result<ExitCode, Failure> {
             };
             let mut stream = c.logs(req).await?.into_inner();
             while let Some(line) = stream.next().await {
-                render::log_line(&line?, json)?;
+                let line = line?;
+                if only.is_none_or(|s| s.holds(&line)) {
+                    render::log_line(&line, json)?;
+                }
             }
             if *follow {
                 // A followed log ends when the instance's run has ended.

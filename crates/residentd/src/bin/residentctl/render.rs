@@ -312,17 +312,15 @@ pub fn refusal(status: &tonic::Status, json: bool) -> io::Result<()> {
     Ok(())
 }
 
-/// One log line.
+/// One log line, on stdout whichever stream it came from.
 pub fn log_line(l: &pb::LogLine, json: bool) -> io::Result<()> {
     if json {
         let stream = pb::LogStream::try_from(l.stream).map_or("UNKNOWN", |s| s.as_str_name());
         return print_json(&json!({ "seq": l.seq, "stream": stream, "line": l.line }));
     }
-    if l.stream == pb::LogStream::Stderr as i32 {
-        err!("{}", l.line);
-    } else {
-        out!("{}", l.line);
-    }
+    // Both streams go to stdout, so that `logs ID | grep` sees a server
+    // that logs to stderr, as most do.
+    out!("{}", l.line);
     Ok(())
 }
 
