@@ -1,10 +1,72 @@
 //! The TOML document as written, before validation. Values that validation
-//! may reject are kept with their span so errors can name the line.
+//! may reject are kept with their span so errors can name the line; what
+//! serde itself refuses (an unknown or missing key, a value of the wrong
+//! type) is reported with its line and its key path.
 
 use std::collections::BTreeMap;
 
 use serde::Deserialize;
+use serde_path_to_error::{Path, Segment};
 use toml::Spanned;
+
+use crate::ConfigError;
+use crate::error::Source;
+
+/// Reads the document of `src`.
+pub(crate) fn document(src: &Source<'_>) -> Result<Document, ConfigError> {
+    let error = |e: &toml::de::Error, key: String| ConfigError {
+        file: src.file.to_path_buf(),
+        line: e.span().map(|s| src.line_of(s.start)),
+        key,
+        message: e.message().trim().to_string(),
+    };
+    let de = toml::Deserializer::parse(src.text).map_err(|e| error(&e, String::new()))?;
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let key = key_path(src.text, e.path());
+        error(e.inner(), key)
+    })
+}
+
+/// The top-level arrays of tables whose entries the other errors name by
+/// their `name` (`workload[coder].stop_grace`), as `validate` does.
+const NAMED: [&str; 3] = ["pool", "group", "workload"];
+
+/// `path` in the form of every other config error: `node.listen`,
+/// `workload[coder].readiness.http` (the entry's index when it has no
+/// name), `workload[coder].command[2]`.
+fn key_path(text: &str, path: &Path) -> String {
+    // Only for names: the text parsed as TOML, since it did.
+    let table: Option<toml::Table> = toml::from_str(text).ok();
+    let mut key = String::new();
+    let mut top: Option<&str> = None;
+    for (depth, segment) in path.iter().enumerate() {
+        match segment {
+            // The inside of a `Spanned` value: no key of the document.
+            Segment::Map { key: k } if k.starts_with("$__serde_spanned_private_") => {}
+            Segment::Map { key: k } | Segment::Enum { variant: k } => {
+                if !key.is_empty() {
+                    key.push('.');
+                }
+                key.push_str(k);
+                if depth == 0 {
+                    top = Some(k);
+                }
+            }
+            Segment::Seq { index } => {
+                let name = top
+                    .filter(|t| NAMED.contains(t) && key == *t)
+                    .and_then(|t| table.as_ref()?.get(t)?.as_array()?.get(*index)?.get("name"))
+                    .and_then(|n| n.as_str());
+                match name {
+                    Some(name) => key.push_str(&format!("[{name}]")),
+                    None => key.push_str(&format!("[{index}]")),
+                }
+            }
+            Segment::Unknown => key.push_str(".?"),
+        }
+    }
+    key
+}
 
 /// A byte quantity: `"55GB"` or a plain integer of bytes.
 #[derive(Debug, Clone, Deserialize)]

@@ -22,12 +22,7 @@ type Result<T> = std::result::Result<T, ConfigError>;
 
 pub(crate) fn validate(file: &Path, text: &str, check_programs: bool) -> Result<Config> {
     let src = Source { file, text };
-    let doc: raw::Document = toml::from_str(text).map_err(|e| ConfigError {
-        file: file.to_path_buf(),
-        line: e.span().map(|s| src.line_of(s.start)),
-        key: String::new(),
-        message: e.message().trim().to_string(),
-    })?;
+    let doc = raw::document(&src)?;
     let node = node(&src, &doc.node)?;
     let pools = pools(&src, &doc.pool)?;
     let workloads = workloads(&src, &doc.workload, &pools)?;

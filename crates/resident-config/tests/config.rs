@@ -154,12 +154,73 @@ fn bad_input_names_file_line_and_key() {
         "name = \"coder-daily\"",
         "workload[coder-daily].name: declared twice",
     );
-    check("priority = 0", "priority = \"high\"", "invalid type");
+    check(
+        "priority = 0",
+        "priority = \"high\"",
+        "workload[coder-daily].priority: invalid type",
+    );
     check(
         "idle_ttl = \"0s\"",
         "colour = \"red\"",
-        "unknown field `colour`",
+        "workload[coder-daily].colour: unknown field `colour`",
     );
+}
+
+#[test]
+fn keys_serde_refuses_are_named_by_their_path() {
+    // Unknown keys at every depth, and in an entry without a name.
+    check(
+        "on_full = \"refuse\"",
+        "listn = \"x\"",
+        "node.listn: unknown field `listn`",
+    );
+    check(
+        "budget = \"96GB\"",
+        "budgett = \"96GB\"",
+        "pool[unified].budgett: unknown field `budgett`",
+    );
+    check(
+        "swap = false",
+        "swapp = false",
+        "group[coders].swapp: unknown field `swapp`",
+    );
+    check(
+        "http = \"/health\"",
+        "htpp = \"/health\"",
+        "workload[coder-daily].readiness.htpp: unknown field `htpp`",
+    );
+    check(
+        "weights = \"9GB\"",
+        "weight = \"9GB\"",
+        "workload[coder-small].memory.unified.weight: unknown field `weight`",
+    );
+    check(
+        "backoff_max = \"60s\"",
+        "backof_max = \"60s\"",
+        "workload[coder-daily].restart.backof_max: unknown field `backof_max`",
+    );
+    check(
+        "name = \"planner\"\n",
+        "nam = \"planner\"\n",
+        "workload[2].nam: unknown field `nam`",
+    );
+    // Wrong types and a top-level table nobody knows.
+    check(
+        "max_restarts = 5",
+        "max_restarts = \"five\"",
+        "workload[coder-daily].restart.max_restarts: invalid type",
+    );
+    check(
+        "env = { LLAMA_ARG_THREADS = \"8\" }",
+        "env = { LLAMA_ARG_THREADS = 8 }",
+        "workload[coder-daily].env.LLAMA_ARG_THREADS: invalid type",
+    );
+    check(
+        "\"--port\", \"${PORT}\"]\nenv",
+        "\"--port\", 7]\nenv",
+        "workload[coder-daily].command[4]: invalid type",
+    );
+    check("[node]", "[nodes]", "nodes: unknown field `nodes`");
 }
 
 #[test]
