@@ -14,5 +14,7 @@ pub mod service;
 pub mod validate;
 
 /// The example configuration `residentd` runs when given no `--config`:
-/// a small real demo workload that works on any laptop with Python 3.
+/// a small real demo workload that works on any laptop with Python 3. It
+/// runs as it is with `--config examples/laptop.toml` too; without
+/// `--config`, `main` moves its socket and state to a per-user directory.
 pub const DEFAULT_CONFIG: &str = include_str!("../../../examples/laptop.toml");

@@ -97,8 +97,8 @@ fn main() -> ExitCode {
     }
 }
 
-/// The embedded example, with its socket and state under a per-user
-/// runtime directory.
+/// The embedded laptop example (the file as shipped), with its socket and
+/// state moved under a per-user runtime directory.
 fn default_config() -> Result<resident_config::Config, resident_config::ConfigError> {
     let dir = std::env::var_os("XDG_RUNTIME_DIR")
         .map(PathBuf::from)
@@ -106,12 +106,16 @@ fn default_config() -> Result<resident_config::Config, resident_config::ConfigEr
             std::env::temp_dir().join(format!("residentd-{}", nix::unistd::getuid()))
         })
         .join("residentd");
-    let text = residentd::DEFAULT_CONFIG.replace("@RUNTIME_DIR@", &dir.display().to_string());
-    let config =
-        resident_config::parse_checked(std::path::Path::new("<embedded laptop example>"), &text)?;
+    let mut config = resident_config::parse_checked(
+        std::path::Path::new("<embedded examples/laptop.toml>"),
+        residentd::DEFAULT_CONFIG,
+    )?;
+    let socket = dir.join("residentd.sock");
+    config.node.listen = resident_config::Listen::Unix(socket.clone());
+    config.node.state_dir = dir.join("state");
     eprintln!(
         "residentd: running the embedded laptop example; socket {}",
-        dir.join("residentd.sock").display()
+        socket.display()
     );
     Ok(config)
 }

@@ -1,6 +1,6 @@
 //! Instances over time through the real agent: crashes and restarts and
-//! what they hold, Watch and Logs streams, and what SIGTERM and kill -9 of
-//! the agent leave behind.
+//! what they hold, Watch and Logs streams, what SIGTERM and kill -9 of the
+//! agent leave behind, and the laptop example the agent starts with.
 
 mod support;
 
@@ -497,4 +497,48 @@ async fn a_start_while_the_same_instance_stops_waits_and_answers_a_new_run() {
     assert_eq!(stopped.state, pb::State::Exited as i32, "{stopped:?}");
     assert_eq!(d.get("s").await.pid, new.pid);
     assert_eq!(used(&mut d.client).await, 4_000_000_000, "one reservation");
+}
+
+#[tokio::test]
+async fn the_laptop_example_runs_as_shipped_and_embedded() {
+    let example =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/laptop.toml");
+    let out = std::process::Command::new(RESIDENTD)
+        .arg("--check-config")
+        .arg(&example)
+        .output()
+        .expect("run residentd --check-config");
+    let said =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{said}");
+    assert!(said.contains("valid (1 pools, 3 workloads)"), "{said}");
+    // With no --config the same file runs, its socket under the runtime
+    // directory.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let log = std::fs::File::create(dir.path().join("residentd.log")).expect("log");
+    let child = std::process::Command::new(RESIDENTD)
+        .env("XDG_RUNTIME_DIR", dir.path())
+        .stdout(std::process::Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("start residentd");
+    let socket = dir.path().join("residentd/residentd.sock");
+    let client = connect(&socket).await;
+    let mut d = Daemon {
+        dir,
+        socket,
+        child: Some(child),
+        client,
+    };
+    let node = d
+        .client
+        .node(pb::NodeRequest {})
+        .await
+        .expect("node")
+        .into_inner();
+    assert_eq!(node.node, "laptop");
+    let pools: Vec<&str> = node.pools.iter().map(|p| p.name.as_str()).collect();
+    assert_eq!(pools, ["ram"]);
+    assert!(d.dir.path().join("residentd/state").is_dir(), "{}", d.log());
+    assert!(d.terminate().await.success(), "{}", d.log());
 }
