@@ -1,11 +1,14 @@
-//! The Prometheus endpoint, parsed by the reference Python parser.
+//! The Prometheus endpoint, parsed by the reference Python parser, and
+//! its documentation (docs/operations.md) listing exactly what it serves.
 
 mod support;
 
+use std::collections::BTreeSet;
 use std::io::{Read as _, Write as _};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
+use resident_api::pb;
 use serde_json::Value;
 use support::*;
 
@@ -152,4 +155,70 @@ async fn the_endpoint_counts_what_happened_and_parses() {
         ("rpc", "Start"),
     );
     assert_eq!(count, Some(4.0), "every Start was timed");
+}
+
+/// The metric names in the table of docs/operations.md's Metrics section.
+fn documented() -> BTreeSet<String> {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../docs/operations.md");
+    let doc = std::fs::read_to_string(path).expect("docs/operations.md");
+    let (_, section) = doc.split_once("\n## Metrics\n").expect("a Metrics section");
+    let section = section.split("\n## ").next().unwrap_or_default();
+    section
+        .lines()
+        .filter_map(|l| l.strip_prefix("| `")?.split_once('`'))
+        .map(|(name, _)| name.to_string())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_metric_served_is_documented_and_every_documented_one_served() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("port")
+        .port();
+    // A run that makes every family show a series: an admission, an
+    // eviction, a refusal, a restart, RPCs.
+    let mut config = String::from("[[pool]]\nname = \"ram\"\nbudget = \"10GB\"\n\n");
+    config += &sleeper("big", "ram", 6, "");
+    config += &shell(
+        "crasher",
+        "exit 1",
+        "policy = \"on-failure\"\nmax_restarts = 1\nbackoff = \"50ms\"",
+    );
+    let dir = tempfile::tempdir().expect("tempdir");
+    let text = config_text(dir.path(), &config).replace(
+        "[node]\n",
+        &format!("[node]\nmetrics_listen = \"127.0.0.1:{port}\"\n"),
+    );
+    std::fs::write(dir.path().join("residentd.toml"), text).expect("config");
+    let mut d = Daemon::start_in(dir).await;
+    d.started("crasher", "c").await;
+    let c = d.wait_state("c", pb::State::Failed).await;
+    assert_eq!(c.restarts, 1);
+    d.started("big", "b1").await;
+    d.client
+        .start(start_req("big", "b2"))
+        .await
+        .expect_err("refused: no room");
+    let mut evict = start_req("big", "b3");
+    evict.on_full = pb::Policy::Evict as i32;
+    d.client.start(evict).await.expect("evicts b1");
+    let body = tokio::task::spawn_blocking(move || scrape(port))
+        .await
+        .expect("joined");
+    // OpenMetrics names a counter's family without its `_total`.
+    let served: BTreeSet<String> = body
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.split_once(' '))
+        .map(|(name, kind)| match kind {
+            "counter" => format!("{name}_total"),
+            _ => name.to_string(),
+        })
+        .collect();
+    assert_eq!(
+        served,
+        documented(),
+        "docs/operations.md's Metrics table lists what the agent serves:\n{body}"
+    );
 }
