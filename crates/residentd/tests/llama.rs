@@ -54,7 +54,7 @@ fn workload(name: &str, python: &Path, model: &Path, restart: &str) -> String {
     format!(
         r#"[[workload]]
 name = "{name}"
-command = ["{py}", "-m", "llama_cpp.server", "--model", "{model}", "--host", "127.0.0.1", "--port", "${{PORT}}", "--n_ctx", "512"]
+command = ["{py}", "-m", "llama_cpp.server", "--model", "{model}", "--host", "127.0.0.1", "--port", "${{PORT}}", "--n_ctx", "512", "--use_mmap", "false"]
 stop_grace = "20s"
 [workload.memory.ram]
 from_gguf = "{model}"
@@ -165,9 +165,11 @@ async fn llama_cpp_servers_are_placed_refused_evicted_and_restarted() {
 
     // 3. Measured against declared. The Python server adds a fixed base
     // of its own (interpreter, FastAPI, uvicorn: about 80 MB on these
-    // machines) to the weights, which llama.cpp pre-faults, and the KV
-    // cache: measured must exceed the weights and stay within declared
-    // plus a base of 40 to 200 MB.
+    // machines) to the weights, which llama.cpp reads into memory once
+    // (mmap off: where it repacks weights, AMX here, a mapped file would
+    // stay resident beside the repacked copy), and the KV cache: measured
+    // must exceed the weights and stay within declared plus a base of 40
+    // to 200 MB.
     let deadline = tokio::time::Instant::now() + PATIENCE;
     let measured = |i: pb::Instance| i.measured_bytes;
     let (mut m_t, mut m_b) = (0, 0);
