@@ -323,14 +323,20 @@ async fn startstop_rows(
 ) -> anyhow::Result<()> {
     let with_cgroups = spawn_agent(residentd)?;
     let without = spawn_agent_with(residentd, "cgroups = \"off\"")?;
+    let prompt = spawn_agent_with(residentd, "durable_answers = false")?;
+    let floor = spawn_floor()?;
     let mut a = connect(&with_cgroups.socket).await?;
     let mut b = connect(&without.socket).await?;
-    let mut samples: [Vec<Duration>; 6] = Default::default();
+    let mut p = connect(&prompt.socket).await?;
+    let f = connect(&floor.socket).await?;
+    let mut samples: [Vec<Duration>; 10] = Default::default();
     for round in 0..plan.start_rounds {
         let runs = [
             measure::floor_spawn(plan.children).await?,
+            measure::floor_spawn_rpc(plan.children, &f).await?,
             measure::agent_startstop(&mut a, plan.children, round).await?,
             measure::agent_startstop(&mut b, plan.children, round).await?,
+            measure::agent_startstop(&mut p, plan.children, round).await?,
         ];
         for (k, (start, stop)) in runs.into_iter().enumerate() {
             samples[2 * k].push(start);
@@ -340,10 +346,14 @@ async fn startstop_rows(
     let [
         floor_start,
         floor_stop,
+        rpc_start,
+        rpc_stop,
         cg_start,
         cg_stop,
         pg_start,
         pg_stop,
+        prompt_start,
+        prompt_stop,
     ] = samples.map(measure::median);
     let theirs = match peer {
         Some(p) => Some(p.startstop(plan.children, plan.start_rounds)?),
@@ -367,6 +377,43 @@ async fn startstop_rows(
             floor_stop,
             theirs.map(|t| t.1),
             "<= 2x floor, < supervisord",
+        ));
+    }
+    // What durable answers cost: the deployed agent beside the same agent
+    // answering before the journal is on disk.
+    table.push(Row::latency(
+        format!("start {n}, durable answers vs not (cgroups)"),
+        cg_start,
+        prompt_start,
+        None,
+        "<= 1.15x",
+    ));
+    table.push(Row::latency(
+        format!("stop {n}, durable answers vs not (cgroups)"),
+        cg_stop,
+        prompt_stop,
+        None,
+        "",
+    ));
+    // The floor with one zero-work RPC per child: the transport's share of
+    // a start and a stop, so the agent's own share shows.
+    for (what, ours, plain, with_rpc) in [
+        ("start", cg_start, floor_start, rpc_start),
+        ("stop", cg_stop, floor_stop, rpc_stop),
+    ] {
+        table.push(Row::latency(
+            format!("{what} {n}: floor with an RPC per child, vs plain floor"),
+            with_rpc,
+            plain,
+            None,
+            "",
+        ));
+        table.push(Row::latency(
+            format!("{what} {n} (cgroups) vs floor with an RPC per child"),
+            ours,
+            with_rpc,
+            None,
+            "",
         ));
     }
     Ok(())

@@ -108,6 +108,58 @@ pub async fn floor_spawn(n: usize) -> anyhow::Result<(Duration, Duration)> {
     Ok((started, t1.elapsed()))
 }
 
+/// The floor again, paying what a client of the agent pays besides the
+/// agent's own work: each child's start and its stop are one zero-work
+/// RPC (`floor`, the tonic floor's Place) each, all side by side.
+pub async fn floor_spawn_rpc(n: usize, floor: &Client) -> anyhow::Result<(Duration, Duration)> {
+    let call = |c: &Client| {
+        let mut c = c.clone();
+        async move {
+            let req = pb::PlaceRequest {
+                workload: "trivial".into(),
+                on_full: 0,
+            };
+            c.place(req).await.map(|_| ())
+        }
+    };
+    let t0 = Instant::now();
+    let starts: Vec<_> = (0..n)
+        .map(|_| {
+            let rpc = call(floor);
+            tokio::spawn(async move {
+                rpc.await?;
+                let mut cmd = tokio::process::Command::new("/bin/sleep");
+                cmd.arg("3600").process_group(0);
+                anyhow::Ok(cmd.spawn()?)
+            })
+        })
+        .collect();
+    let mut children = Vec::with_capacity(n);
+    for s in starts {
+        children.push(s.await??);
+    }
+    let started = t0.elapsed();
+    let t1 = Instant::now();
+    let stops: Vec<_> = children
+        .into_iter()
+        .map(|mut child| {
+            let rpc = call(floor);
+            tokio::spawn(async move {
+                rpc.await?;
+                if let Some(pid) = child.id() {
+                    kill(Pid::from_raw(pid as i32), Signal::SIGTERM)?;
+                }
+                child.wait().await?;
+                anyhow::Ok(())
+            })
+        })
+        .collect();
+    for s in stops {
+        s.await??;
+    }
+    Ok((started, t1.elapsed()))
+}
+
 /// Start `n` instances side by side until every one runs (readiness none,
 /// so READY), then stop them all side by side.
 pub async fn agent_startstop(

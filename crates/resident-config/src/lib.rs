@@ -66,6 +66,9 @@ pub struct NodeConfig {
     pub allow: Allowlist,
     /// The most instances that may hold memory at once.
     pub max_instances: usize,
+    /// Start and Stop answer only once the journal on disk says what they
+    /// did (`durable_answers`, default true).
+    pub durable_answers: bool,
 }
 
 /// Who may call the mutating RPCs.

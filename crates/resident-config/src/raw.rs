@@ -111,6 +111,7 @@ pub struct Node {
     #[serde(default)]
     pub allow_gids: Vec<u32>,
     pub max_instances: Option<Spanned<u32>>,
+    pub durable_answers: Option<bool>,
     pub tls: Option<Spanned<Tls>>,
 }
 

@@ -191,6 +191,7 @@ fn node(src: &Source<'_>, n: &Spanned<raw::Node>) -> Result<NodeConfig> {
             gids: n.allow_gids.clone(),
         },
         max_instances,
+        durable_answers: n.durable_answers.unwrap_or(true),
     })
 }
 

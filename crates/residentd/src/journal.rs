@@ -1,5 +1,6 @@
 //! The journal of instances that should be running, under `state_dir`,
-//! replaced atomically (write, fsync, rename) at every change. After a
+//! replaced atomically (write, fsync, rename, fsync of the directory) at
+//! every change. After a
 //! restart the agent kills what its previous run left behind and starts the
 //! journaled instances again, in their original order.
 //!
@@ -72,7 +73,12 @@ impl Journal {
             )?;
         }
         f.sync_all()?;
-        std::fs::rename(&tmp, &self.path)
+        std::fs::rename(&tmp, &self.path)?;
+        // The rename itself is on disk once the directory is.
+        match self.path.parent() {
+            Some(dir) => std::fs::File::open(dir)?.sync_all(),
+            None => Ok(()),
+        }
     }
 }
 

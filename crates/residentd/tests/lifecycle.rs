@@ -542,3 +542,29 @@ async fn the_laptop_example_runs_as_shipped_and_embedded() {
     assert!(d.dir.path().join("residentd/state").is_dir(), "{}", d.log());
     assert!(d.terminate().await.success(), "{}", d.log());
 }
+
+#[tokio::test]
+async fn an_answered_start_or_stop_survives_kill_9_of_the_agent_right_after() {
+    let mut config = pool();
+    config += &sleeper("sleeper", "ram", 1, "");
+    let mut d = Daemon::start(&config).await;
+    for round in 0..50 {
+        let id = format!("r{round}");
+        d.started("sleeper", &id).await;
+        // kill -9 as soon as the answer is in (restart drops the old
+        // agent with SIGKILL), then a new agent on the same state.
+        d = d.restart().await;
+        let restored = d.get(&id).await;
+        let live = [pb::State::Starting as i32, pb::State::Ready as i32];
+        assert!(
+            live.contains(&restored.state),
+            "round {round}: the answered start is back: {restored:?}"
+        );
+        d.stopped(&id).await;
+        d = d.restart().await;
+        assert!(
+            !d.ids().await.contains(&id),
+            "round {round}: the answered stop stays done"
+        );
+    }
+}

@@ -47,6 +47,15 @@ struct Eviction {
     cause: String,
 }
 
+/// When a Start answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Answer {
+    /// Once the journal on disk holds the instance (`durable_answers`).
+    Durable,
+    /// Without waiting for the disk (restoring: one write at the end).
+    Prompt,
+}
+
 /// The result of a Start.
 #[derive(Debug)]
 pub struct Started {
@@ -78,6 +87,10 @@ pub struct Agent {
     journal_dirty: tokio::sync::Notify,
     /// One journal write at a time (see `write_journal_now`).
     journal_lock: Mutex<()>,
+    /// Numbers the changes the journal must record (`persist`).
+    journal_changes: AtomicU64,
+    /// Which change is on disk (`durable` waits on it).
+    durable: tokio::sync::watch::Sender<persist::Durable>,
     metrics: crate::metrics::Metrics,
     /// Counts releases of reservations; a Start of an instance that is
     /// still stopping waits on it.
@@ -114,6 +127,8 @@ impl Agent {
             journal,
             journal_dirty: tokio::sync::Notify::new(),
             journal_lock: Mutex::new(()),
+            journal_changes: AtomicU64::new(0),
+            durable: tokio::sync::watch::Sender::new(persist::Durable::default()),
             metrics: crate::metrics::Metrics::new(),
             released: tokio::sync::watch::Sender::new(0),
         });
@@ -240,6 +255,19 @@ impl Agent {
         policy: Option<Policy>,
         wait_ready: bool,
     ) -> Result<Started, ApiError> {
+        self.start_answering(workload, id, policy, wait_ready, Answer::Durable)
+            .await
+    }
+
+    /// [`Agent::start`], answering as `answer` says.
+    async fn start_answering(
+        self: &Arc<Self>,
+        workload: &str,
+        id: Option<InstanceId>,
+        policy: Option<Policy>,
+        wait_ready: bool,
+        answer: Answer,
+    ) -> Result<Started, ApiError> {
         let w = self.workload(workload)?;
         let config = self.config();
         let id = match id {
@@ -355,7 +383,7 @@ impl Agent {
         if !recovery.is_empty() {
             self.await_memory_back(&recovery).await;
         }
-        self.spawn(id.as_str(), &w, generation, wait_ready)
+        self.spawn(id.as_str(), &w, generation, wait_ready, answer)
             .await
             .map(|instance| Started {
                 instance,
@@ -370,6 +398,7 @@ impl Agent {
         w: &Workload,
         generation: u64,
         wait_ready: bool,
+        answer: Answer,
     ) -> Result<pb::Instance, ApiError> {
         let cancelled = self
             .books()
@@ -398,6 +427,15 @@ impl Agent {
             Err(e) => {
                 self.release(id, generation);
                 return Err(ApiError::Unavailable(e.to_string()));
+            }
+        }
+        if answer == Answer::Durable && config.node.durable_answers {
+            // The journal now holds the instance with its process group;
+            // no answer before it is on disk.
+            if let Err(e) = self.durable(self.persist()).await {
+                let cause = Some("stopped: its start could not be journaled".to_string());
+                let _ = self.stop_because(id, None, cause).await;
+                return Err(e);
             }
         }
         if wait_ready {
@@ -554,7 +592,11 @@ impl Agent {
             }
         }
         self.release(id, generation);
-        self.persist();
+        let change = self.persist();
+        if self.config().node.durable_answers {
+            // The journal no longer lists it: a crash cannot bring it back.
+            self.durable(change).await?;
+        }
         // The run this Stop ended, even when a Start has begun a new one
         // of the same id meanwhile.
         match ended.filter(|s| s.generation == generation) {

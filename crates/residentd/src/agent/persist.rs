@@ -1,13 +1,21 @@
-//! The agent's journal: what should be running, written (coalesced) at
-//! every change, and restored after a restart.
+//! The agent's journal: what should be running, written at every change,
+//! and restored after a restart.
+//!
+//! Answers are durable: every change takes a number (`persist`), and a
+//! Start or Stop answers only once a journal write that began after its
+//! change has reached the disk (`durable`). One writer task writes what
+//! the books hold now, so changes made while a write is under way all go
+//! into the next one: a storm of starts shares writes and fsyncs (group
+//! commit) instead of paying one each.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use resident_api::ApiError;
 use resident_core::{InstanceId, Policy};
 
-use super::{Agent, Record};
+use super::Agent;
 use crate::journal;
 
 impl Agent {
@@ -38,8 +46,9 @@ impl Agent {
             let Ok(id) = InstanceId::new(e.instance.as_str()) else {
                 continue;
             };
+            let (workload, policy) = (&e.workload, Some(Policy::Refuse));
             match self
-                .start(&e.workload, Some(id), Some(Policy::Refuse), false)
+                .start_answering(workload, Some(id), policy, false, super::Answer::Prompt)
                 .await
             {
                 Ok(_) => {
@@ -53,50 +62,104 @@ impl Agent {
         }
         self.persist();
     }
-    /// Marks the journal out of date; the writer task rewrites it soon.
-    /// Once shutdown has begun the journal stays as shutdown wrote it.
-    pub(super) fn persist(&self) {
+    /// Marks the journal out of date and returns the change's number; the
+    /// writer task rewrites it at once. Once shutdown has begun the
+    /// journal stays as shutdown wrote it.
+    pub(super) fn persist(&self) -> u64 {
+        let change = self.journal_changes.fetch_add(1, Ordering::SeqCst) + 1;
         if !self.closing.load(Ordering::Acquire) {
             self.journal_dirty.notify_one();
         }
+        change
     }
 
-    /// Writes the journal now (blocking: it fsyncs). Serialized with every
-    /// other write; once `closing` is set only the sealing write (at
-    /// shutdown) goes through, so a late background write can never
-    /// replace what shutdown wrote.
+    /// Waits until the journal on disk holds change `change` (and every
+    /// earlier one). Err when the write failed or the agent is shutting
+    /// down before it could be made.
+    pub(super) async fn durable(&self, change: u64) -> Result<(), ApiError> {
+        let mut rx = self.durable.subscribe();
+        let closing = self.closing();
+        let settled = async {
+            rx.wait_for(|d| d.written >= change || d.failed.as_ref().is_some_and(|f| f.0 >= change))
+                .await
+                .map(|d| d.clone())
+        };
+        let state = tokio::select! {
+            state = settled => state.ok(),
+            () = closing => Some(self.durable.borrow().clone()),
+        };
+        match state {
+            Some(d) if d.written >= change => Ok(()),
+            Some(Durable {
+                failed: Some((_, e)),
+                ..
+            }) => Err(ApiError::Unavailable(format!(
+                "the journal could not be written: {e}"
+            ))),
+            _ => Err(ApiError::Unavailable(
+                "the agent is shutting down; the journal was not written".into(),
+            )),
+        }
+    }
+
+    /// Writes the journal now (blocking: it fsyncs) and says which change
+    /// is on disk. Serialized with every other write; once `closing` is
+    /// set only the sealing write (at shutdown) goes through, so a late
+    /// background write can never replace what shutdown wrote.
     pub(super) fn write_journal_now(&self, sealing: bool) {
         let _one_writer = self.journal_lock.lock().unwrap_or_else(|e| e.into_inner());
         if !sealing && self.closing.load(Ordering::Acquire) {
             return;
         }
-        if let Err(e) = self.journal.write(&self.journal_entries()) {
-            tracing::error!(error = %e, "cannot write the journal");
+        // Read before the books: every change numbered up to here was
+        // made in the books before it took its number.
+        let change = self.journal_changes.load(Ordering::SeqCst);
+        match self.journal.write(&self.journal_entries()) {
+            Ok(()) => self.durable.send_modify(|d| {
+                d.written = d.written.max(change);
+                d.failed = None;
+            }),
+            Err(e) => {
+                tracing::error!(error = %e, "cannot write the journal");
+                self.durable
+                    .send_modify(|d| d.failed = Some((change, e.to_string())));
+            }
         }
     }
+
     /// What the journal should hold now: resident, not evicted instances in
-    /// admission order, with their running group.
+    /// admission order, with their running group. The books are read under
+    /// their lock; the process table after it is released.
     pub(super) fn journal_entries(&self) -> Vec<journal::Entry> {
-        let books = self.books();
-        let mut live: Vec<(&String, &Record)> = books
-            .records
-            .iter()
-            .filter(|(id, _)| books.ledger.resident(id).is_some_and(|r| !r.evicting))
-            .collect();
-        live.sort_by_key(|(_, r)| r.generation);
+        let mut live: Vec<(String, String, u64)> = {
+            let books = self.books();
+            books
+                .records
+                .iter()
+                .filter(|(id, _)| books.ledger.resident(id).is_some_and(|r| !r.evicting))
+                .map(|(id, r)| {
+                    (
+                        id.clone(),
+                        r.workload.spec.workload.to_string(),
+                        r.generation,
+                    )
+                })
+                .collect()
+        };
+        live.sort_by_key(|(_, _, generation)| *generation);
         live.into_iter()
-            .map(|(id, r)| {
+            .map(|(id, workload, generation)| {
                 let pid = self
                     .sup
-                    .status(id)
-                    .filter(|s| s.generation == r.generation)
+                    .status(&id)
+                    .filter(|s| s.generation == generation)
                     .and_then(|s| s.pid)
                     .map_or(0, |p| p as i32);
                 let start_ticks =
                     resident_supervisor::procfs::stat(pid).map_or(0, |s| s.start_ticks);
                 journal::Entry {
-                    instance: id.clone(),
-                    workload: r.workload.spec.workload.to_string(),
+                    instance: id,
+                    workload,
                     pgid: pid,
                     start_ticks,
                 }
@@ -105,12 +168,18 @@ impl Agent {
     }
 }
 
-/// How long changes gather before the journal is written: a burst of
-/// starts costs one write and one fsync, not one each.
-const GATHER: Duration = Duration::from_millis(20);
+/// What of the journal is on disk.
+#[derive(Debug, Clone, Default)]
+pub(super) struct Durable {
+    /// Every change up to this number is on disk.
+    pub(super) written: u64,
+    /// The last write failed: the newest change it held, and why.
+    pub(super) failed: Option<(u64, String)>,
+}
 
 /// Rewrites the journal whenever it is marked out of date, on a blocking
-/// thread (the write fsyncs); bursts of changes coalesce into one write.
+/// thread (the write fsyncs). Changes made during a write are all taken
+/// by the next one.
 pub(super) async fn write_journal(agent: std::sync::Weak<Agent>) {
     loop {
         let Some(strong) = agent.upgrade() else {
@@ -125,7 +194,6 @@ pub(super) async fn write_journal(agent: std::sync::Weak<Agent>) {
             drop(strong);
             continue;
         }
-        tokio::time::sleep(GATHER).await;
         let writer = strong.clone();
         let _ = tokio::task::spawn_blocking(move || writer.write_journal_now(false)).await;
     }
