@@ -73,13 +73,15 @@ async fn supervisor_round(sup: &Supervisor, round: usize) -> (Duration, Duration
         let (sup, id) = (sup.clone(), id.clone());
         tokio::spawn(async move { sup.stop(&id, None).await.expect("stop") })
     });
+    let mut ended = Vec::new();
     for s in stops.collect::<Vec<_>>() {
         let st = s.await.expect("join");
         assert_eq!(st.state, State::Exited);
+        ended.push(st);
     }
     let stopped = t1.elapsed();
-    for id in &ids {
-        sup.forget(id);
+    for st in &ended {
+        sup.forget(&st.instance, st.generation);
     }
     (started, stopped)
 }

@@ -262,13 +262,14 @@ impl Supervisor {
         self.table().get(id).map(|e| e.shared.logs.clone())
     }
 
-    /// Drops an ended instance from the table. False when it is live or
-    /// unknown.
-    pub fn forget(&self, id: &str) -> bool {
+    /// Drops an ended run (`generation`) of an instance from the table.
+    /// False when that run is live, or is not the instance's current one.
+    pub fn forget(&self, id: &str, generation: u64) -> bool {
         let mut table = self.table();
-        let ended = table
-            .get(id)
-            .is_some_and(|e| e.shared.status.borrow().state.is_terminal());
+        let ended = table.get(id).is_some_and(|e| {
+            let s = e.shared.status.borrow();
+            s.state.is_terminal() && s.generation == generation
+        });
         if ended {
             table.remove(id);
         }

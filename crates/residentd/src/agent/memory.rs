@@ -4,71 +4,59 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use resident_config::Workload;
-use resident_core::InstanceId;
+use resident_config::Config;
+use resident_core::PoolName;
 
 use super::Agent;
+use super::books::Readings;
 
 impl Agent {
-    /// Reads the live probes into the ledger: host memory for host-bound
-    /// pools, and each instance's measured bytes.
+    /// Reads the live probes into the books: host memory for host-bound
+    /// pools, device readings, and each instance's measured bytes. The
+    /// probes and `/proc` are read first; the books' lock is taken once,
+    /// for the numbers alone.
     pub fn refresh_probes(&self) {
-        let config = self.config();
-        let devices: Vec<(String, Option<u64>)> = self
-            .devices
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .map(|(pool, probe)| (pool.clone(), probe.available()))
-            .collect();
-        let host_pools: Vec<_> = config.pools.iter().filter(|p| p.host).collect();
-        let host = if host_pools.is_empty() {
-            None
-        } else {
-            self.host.available()
+        self.refresh_probes_with(&self.config());
+    }
+
+    /// [`Agent::refresh_probes`] under the request's config snapshot.
+    pub(super) fn refresh_probes_with(&self, config: &Config) {
+        let mut readings = Readings {
+            available: self
+                .devices
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .iter()
+                .map(|(pool, probe)| (pool.clone(), probe.available()))
+                .collect(),
+            measured: self
+                .device_use()
+                .into_iter()
+                .filter_map(|(id, pool, bytes)| Some((id, PoolName::new(pool).ok()?, bytes)))
+                .collect(),
+            host: Vec::new(),
+            host_pools: config
+                .pools
+                .iter()
+                .filter(|p| p.host)
+                .map(|p| p.pool.name.clone())
+                .collect(),
         };
-        let device_use = self.device_use();
         // Only host-bound pools count measured bytes; a node without one
         // skips the copy of every status (this runs every second).
-        let measured: Vec<(String, u64)> = if host_pools.is_empty() {
-            Vec::new()
-        } else {
-            self.sup
+        if !readings.host_pools.is_empty() {
+            let host = self.host.available();
+            for pool in &readings.host_pools {
+                readings.available.push((pool.to_string(), host));
+            }
+            readings.host = self
+                .sup
                 .list()
                 .into_iter()
                 .map(|s| (s.instance, s.measured_bytes))
-                .collect()
-        };
-        let mut books = self.books();
-        for (pool, available) in devices {
-            books.ledger.set_available(&pool, available);
+                .collect();
         }
-        for (id, pool, bytes) in device_use {
-            let pool = resident_core::PoolName::new(pool).ok();
-            if let Some(pool) = pool {
-                books.ledger.set_measured(&id, &pool, bytes);
-            }
-        }
-        if host_pools.is_empty() {
-            return;
-        }
-        for p in &host_pools {
-            books.ledger.set_available(p.pool.name.as_str(), host);
-        }
-        for (id, bytes) in measured {
-            // An instance's resident bytes count against the first
-            // host-bound pool it declares memory in.
-            let pool = books.ledger.resident(&id).and_then(|r| {
-                r.spec
-                    .demand
-                    .keys()
-                    .find(|k| host_pools.iter().any(|p| p.pool.name == **k))
-                    .cloned()
-            });
-            if let Some(pool) = pool {
-                books.ledger.set_measured(&id, &pool, bytes);
-            }
-        }
+        self.books.set_readings(readings);
     }
     /// What each instance holds on each device pool whose probe accounts
     /// per process (NVML, or a file with `PID BYTES` lines): the sum over
@@ -124,35 +112,6 @@ impl Agent {
         }
         *self.devices.write().unwrap_or_else(|e| e.into_inner()) = probes;
     }
-    /// For each live (probe-bound) pool `w` needs: three quarters of what
-    /// the victims declared there.
-    pub(super) fn recovery_targets(
-        &self,
-        w: &Workload,
-        victims: &[InstanceId],
-    ) -> Vec<(String, u64)> {
-        let config = self.config();
-        let books = self.books();
-        w.spec
-            .demand
-            .keys()
-            .filter(|pool| {
-                config
-                    .pools
-                    .iter()
-                    .any(|p| p.pool.name == **pool && p.pool.live)
-            })
-            .map(|pool| {
-                let held: u64 = victims
-                    .iter()
-                    .filter_map(|v| books.ledger.resident(v.as_str()))
-                    .map(|r| r.footprint(pool.as_str()))
-                    .fold(0, u64::saturating_add);
-                (pool.to_string(), held / 4 * 3)
-            })
-            .filter(|(_, want)| *want > 0)
-            .collect()
-    }
     /// The live reading of `pool`, if it has a probe that answers.
     pub(super) fn read_pool(&self, pool: &str) -> Option<u64> {
         let device = self
@@ -171,8 +130,8 @@ impl Agent {
     /// least `want` bytes available: drivers and the kernel free a large
     /// process's memory after it is reaped, and a new model should not
     /// start into memory that is not back yet. No reading: no wait.
-    pub(super) async fn await_memory_back(&self, wanted: &[(String, u64)]) {
-        let deadline = Instant::now() + self.config().node.memory_recovery;
+    pub(super) async fn await_memory_back(&self, config: &Config, wanted: &[(String, u64)]) {
+        let deadline = Instant::now() + config.node.memory_recovery;
         loop {
             let short: Vec<(&str, u64, Option<u64>)> = wanted
                 .iter()

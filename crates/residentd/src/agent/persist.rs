@@ -48,7 +48,7 @@ impl Agent {
             };
             let (workload, policy) = (&e.workload, Some(Policy::Refuse));
             match self
-                .start_answering(workload, Some(id), policy, false, super::Answer::Prompt)
+                .start_answering(workload, Some(id), policy, false, super::admission::Answer::Prompt)
                 .await
             {
                 Ok(_) => {
@@ -127,26 +127,12 @@ impl Agent {
         }
     }
 
-    /// What the journal should hold now: resident, not evicted instances in
-    /// admission order, with their running group. The books are read under
-    /// their lock; the process table after it is released.
+    /// What the journal should hold now: resident instances no Stop or
+    /// eviction asked for, in admission order, with their running group.
+    /// The books are read under their lock; the process table after it is
+    /// released.
     pub(super) fn journal_entries(&self) -> Vec<journal::Entry> {
-        let mut live: Vec<(String, String, u64)> = {
-            let books = self.books();
-            books
-                .records
-                .iter()
-                .filter(|(id, _)| books.ledger.resident(id).is_some_and(|r| !r.evicting))
-                .map(|(id, r)| {
-                    (
-                        id.clone(),
-                        r.workload.spec.workload.to_string(),
-                        r.generation,
-                    )
-                })
-                .collect()
-        };
-        live.sort_by_key(|(_, _, generation)| *generation);
+        let live = self.books.journal_rows();
         live.into_iter()
             .map(|(id, workload, generation)| {
                 let pid = self

@@ -1,0 +1,295 @@
+//! Carrying a Start and a Stop out: the books decide (one critical
+//! section), then victims are stopped side by side, evicted memory is
+//! awaited, the instance is spawned, and the answer waits for the journal
+//! on disk. Once admitted, a Start runs to its end in a task of its own,
+//! so a caller that hangs up cannot leave a reservation without a run.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use resident_api::{ApiError, pb};
+use resident_config::{Config, Workload};
+use resident_core::{InstanceId, Policy};
+use resident_supervisor::State;
+
+use super::books::{Admitted, Decision};
+use super::{Agent, Started};
+
+/// When a Start answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Answer {
+    /// Once the journal on disk holds the instance (`durable_answers`).
+    Durable,
+    /// Without waiting for the disk (restoring: one write at the end).
+    Prompt,
+}
+
+/// One Start, as decided on one config snapshot.
+struct Request {
+    config: Arc<Config>,
+    workload: Arc<Workload>,
+    id: InstanceId,
+    wait_ready: bool,
+    answer: Answer,
+}
+
+impl Agent {
+    /// Starts an instance of `workload`: plan and reserve atomically, stop
+    /// the victims, spawn, and (with `wait_ready`) wait for READY. Answers
+    /// once the journal on disk holds the instance.
+    pub async fn start(
+        self: &Arc<Self>,
+        workload: &str,
+        id: Option<InstanceId>,
+        policy: Option<Policy>,
+        wait_ready: bool,
+    ) -> Result<Started, ApiError> {
+        self.start_answering(workload, id, policy, wait_ready, Answer::Durable)
+            .await
+    }
+
+    /// [`Agent::start`], answering as `answer` says.
+    pub(super) async fn start_answering(
+        self: &Arc<Self>,
+        workload: &str,
+        id: Option<InstanceId>,
+        policy: Option<Policy>,
+        wait_ready: bool,
+        answer: Answer,
+    ) -> Result<Started, ApiError> {
+        let config = self.config();
+        let w = workload_of(&config, workload)?;
+        let id = match id {
+            Some(id) => id,
+            None => generated_id(&w, self.id_seq.fetch_add(1, Ordering::Relaxed) + 1),
+        };
+        let policy = policy.unwrap_or(config.node.on_full);
+        self.refresh_probes_with(&config);
+        let admitted = loop {
+            if self.closing.load(Ordering::Acquire) {
+                return Err(ApiError::Unavailable("the agent is shutting down".into()));
+            }
+            match self.books.admit(&config, &w, &id, policy, self.now_ms()) {
+                Err(ApiError::Refused { refusal, placement }) => {
+                    self.refused(workload, &refusal, policy);
+                    return Err(ApiError::Refused { refusal, placement });
+                }
+                Err(e) => return Err(e),
+                Ok(Decision::Stopping(mut released)) => {
+                    // The same instance is stopping: answering with its
+                    // run would promise a dying one. Admit it anew once
+                    // that run has released its memory.
+                    tracing::debug!(instance_id = %id, "waiting for the stopping run to end");
+                    let _ = released.changed().await;
+                }
+                Ok(Decision::Existing(record)) => {
+                    return Ok(Started {
+                        instance: self.view(id.as_str(), &record),
+                        created: false,
+                        evicted: Vec::new(),
+                    });
+                }
+                Ok(Decision::Admitted(a)) => break a,
+            }
+        };
+        for (gone, record) in &admitted.forgotten {
+            self.forgotten(gone, record);
+        }
+        self.persist();
+        self.metrics.admitted(workload);
+        let request = Request {
+            config,
+            workload: w,
+            id,
+            wait_ready,
+            answer,
+        };
+        let me = self.clone();
+        tokio::spawn(async move { me.carry_out(request, admitted).await })
+            .await
+            .map_err(|e| ApiError::Internal(format!("the start task failed: {e}")))?
+    }
+
+    /// The admitted Start: victims, memory, spawn, journal, readiness.
+    async fn carry_out(self: Arc<Self>, r: Request, a: Admitted) -> Result<Started, ApiError> {
+        let evicted: Vec<String> = a.evictions.iter().map(|v| v.id.clone()).collect();
+        if !evicted.is_empty() {
+            tracing::info!(instance_id = %r.id, victims = ?evicted, "evicting to make room");
+        }
+        // Victims are stopped side by side; each keeps its memory in the
+        // books until its run's terminal event.
+        let mut stops = tokio::task::JoinSet::new();
+        for victim in a.evictions {
+            self.metrics
+                .evicted(r.workload.spec.workload.as_str(), &victim.workload);
+            let me = self.clone();
+            stops.spawn(async move {
+                me.stop_because(&victim.id, None, Some(victim.cause))
+                    .await
+            });
+        }
+        while let Some(result) = stops.join_next().await {
+            if let Ok(Err(e)) = result {
+                tracing::warn!(instance_id = %r.id, error = %e, "a victim could not be stopped");
+            }
+        }
+        for other in &a.wait_for {
+            self.sup
+                .wait_for(other.as_str(), |s| s.state.is_terminal())
+                .await;
+        }
+        if !a.recovery.is_empty() {
+            self.await_memory_back(&r.config, &a.recovery).await;
+        }
+        let instance = self.spawn(&r, a.generation).await?;
+        Ok(Started {
+            instance,
+            created: true,
+            evicted,
+        })
+    }
+
+    async fn spawn(&self, r: &Request, generation: u64) -> Result<pb::Instance, ApiError> {
+        let id = r.id.as_str();
+        if !self.books.wanted(id, generation) {
+            // Stopped before it was spawned: the run never existed, so its
+            // end is marked here.
+            self.books.release(id, generation);
+            return Err(ApiError::Aborted(format!(
+                "instance '{id}' was stopped before it was spawned"
+            )));
+        }
+        let spec = r.workload.launch(id, generation, &r.config.node);
+        match self.sup.start(spec).await {
+            // Failed with no exit: the process never ran (spawn error). Its
+            // terminal event releases the reservation.
+            Ok(status) if status.state == State::Failed && status.exit.is_none() => {
+                self.books.released(id, generation).await;
+                return Err(ApiError::Internal(format!(
+                    "instance '{id}': {}",
+                    status.reason
+                )));
+            }
+            Ok(_) => {}
+            Err(e) => {
+                // No run was made: nothing will report its end.
+                self.books.release(id, generation);
+                return Err(ApiError::Unavailable(e.to_string()));
+            }
+        }
+        if !self.books.wanted(id, generation) {
+            // A Stop came while it was being spawned; the Stop waits for
+            // this run's end, which this stop brings.
+            let _ = self.sup.stop(id, None).await;
+            return Err(ApiError::Aborted(format!(
+                "instance '{id}' was stopped while it was being spawned"
+            )));
+        }
+        if r.answer == Answer::Durable && r.config.node.durable_answers {
+            // The journal now holds the instance with its process group;
+            // no answer before it is on disk.
+            if let Err(e) = self.durable(self.persist()).await {
+                let cause = Some("stopped: its start could not be journaled".to_string());
+                let _ = self.stop_because(id, None, cause).await;
+                return Err(e);
+            }
+        }
+        if r.wait_ready {
+            let settled = self
+                .sup
+                .wait_for(id, |s| s.state == State::Ready || s.state.is_terminal())
+                .await;
+            if let Some(s) = settled.filter(|s| s.state.is_terminal()) {
+                return Err(ApiError::FailedPrecondition(format!(
+                    "instance '{id}' did not become ready: {}",
+                    s.reason
+                )));
+            }
+        }
+        self.get(id)
+    }
+
+    fn refused(&self, workload: &str, refusal: &resident_core::Refusal, policy: Policy) {
+        tracing::info!(workload, ?policy, reason = %refusal.first(), "start refused");
+        self.metrics.refused(refusal.first().code());
+        self.events.publish(pb::Event {
+            kind: pb::EventKind::Refused as i32,
+            refusal: Some(resident_api::refusal(refusal.first())),
+            workload: workload.to_string(),
+            ..Default::default()
+        });
+    }
+
+    /// Stops an instance and answers once its group has exited, its
+    /// memory is released and the journal on disk no longer lists it.
+    pub async fn stop(&self, id: &str, grace: Option<Duration>) -> Result<pb::Instance, ApiError> {
+        self.stop_because(id, grace, None).await
+    }
+
+    /// As [`Agent::stop`], with the cause the ended run's message gives
+    /// instead of "stopped" (an eviction, an idle TTL).
+    pub(super) async fn stop_because(
+        &self,
+        id: &str,
+        grace: Option<Duration>,
+        cause: Option<String>,
+    ) -> Result<pb::Instance, ApiError> {
+        let Some(c) = self.books.cancel(id) else {
+            return Err(ApiError::NotFound(format!("no instance '{id}'")));
+        };
+        let spawned = self
+            .sup
+            .status(id)
+            .is_some_and(|s| s.generation == c.generation);
+        let mut ended = None;
+        if spawned && c.resident {
+            match self.sup.stop_because(id, grace, cause).await {
+                Ok(status) => ended = Some(status),
+                Err(e) => tracing::warn!(instance_id = id, error = %e, "stop"),
+            }
+        }
+        // Released by the run's terminal event (or, for a run not yet
+        // spawned, by the Start that finds it cancelled).
+        self.books.released(id, c.generation).await;
+        let change = self.persist();
+        if self.config().node.durable_answers {
+            // The journal no longer lists it: a crash cannot bring it back.
+            self.durable(change).await?;
+        }
+        // The run this Stop ended, even when a Start has begun a new one
+        // of the same id meanwhile.
+        match ended.filter(|s| s.generation == c.generation) {
+            Some(status) => Ok(resident_api::instance(
+                id,
+                &c.workload.spec,
+                Some(&status),
+            )),
+            None => self.get(id),
+        }
+    }
+}
+
+/// The workload `name` of `config`'s roster.
+pub(super) fn workload_of(config: &Config, name: &str) -> Result<Arc<Workload>, ApiError> {
+    if name.is_empty() {
+        return Err(ApiError::invalid(
+            "workload",
+            "must name a workload of the roster",
+        ));
+    }
+    config.workloads.get(name).cloned().ok_or_else(|| {
+        let name = resident_core::Excerpt::of(name);
+        ApiError::NotFound(format!("no workload {name} in the roster"))
+    })
+}
+
+fn generated_id(w: &Workload, n: u64) -> InstanceId {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let name = format!("{}-{n}-{nanos:x}", w.spec.workload);
+    // A workload name (64 chars max) plus digits stays a valid id.
+    InstanceId::new(name)
+        .unwrap_or_else(|_| InstanceId::new(format!("instance-{n}")).expect("a valid id"))
+}

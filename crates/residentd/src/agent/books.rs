@@ -1,0 +1,458 @@
+//! The books: the ledger (`NodeState`) and a record per instance id, under
+//! one lock. `Books` is the only way to admit, release and cancel: an
+//! admission plans and reserves in one critical section, and everything
+//! said about the decision (a refusal's Placement with its pool figures,
+//! the victims with their causes, what to wait for) comes out of that same
+//! section, so an answer never contradicts the decision it explains.
+//!
+//! Memory is released in one place, `Books::release`, called with the run
+//! (generation) whose end it marks: by the supervisor's terminal event for
+//! that run, or by the admission path for a run that was never spawned.
+//! Nothing under the lock makes a system call, writes the journal or calls
+//! into the supervisor.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use resident_api::{ApiError, pb};
+use resident_config::{Config, Workload};
+use resident_core::{AdmitError, InstanceId, NodeState, Plan, PlanError, PoolName, Policy};
+use tokio::sync::watch;
+
+/// How an instance came to be and which run of it is current.
+#[derive(Debug, Clone)]
+pub(super) struct Record {
+    pub(super) workload: Arc<Workload>,
+    /// Bumped at every admission of this id; tags the supervisor's run.
+    pub(super) generation: u64,
+    /// A Stop (or an eviction) has been asked for this run.
+    pub(super) cancelled: bool,
+}
+
+/// A victim of a Start: who, of which workload, and the cause its stop
+/// reports.
+#[derive(Debug)]
+pub(super) struct Eviction {
+    pub(super) id: String,
+    pub(super) workload: String,
+    pub(super) cause: String,
+}
+
+/// An admitted Start, with everything decided under the lock.
+#[derive(Debug)]
+pub(super) struct Admitted {
+    pub(super) generation: u64,
+    pub(super) evictions: Vec<Eviction>,
+    /// Conflicting instances already being evicted for another start.
+    pub(super) wait_for: Vec<InstanceId>,
+    /// For each live pool the target needs: the bytes to see available
+    /// again once the victims have exited.
+    pub(super) recovery: Vec<(String, u64)>,
+    /// Ended records dropped to keep the table bounded.
+    pub(super) forgotten: Vec<(String, Record)>,
+}
+
+/// What the books decided for a Start.
+#[derive(Debug)]
+pub(super) enum Decision {
+    /// Admitted: a new run.
+    Admitted(Admitted),
+    /// The same instance of the same workload is resident: an idempotent
+    /// repeat, answered with its current run.
+    Existing(Record),
+    /// The same instance is stopping; admit again once this fires.
+    Stopping(watch::Receiver<u64>),
+}
+
+/// A Stop's mark on the books.
+#[derive(Debug)]
+pub(super) struct Cancelled {
+    pub(super) generation: u64,
+    pub(super) workload: Arc<Workload>,
+    /// Whether the run still holds its reservation.
+    pub(super) resident: bool,
+}
+
+#[derive(Debug)]
+struct Inner {
+    ledger: NodeState,
+    records: BTreeMap<String, Record>,
+    generation: u64,
+}
+
+/// The books of one agent.
+#[derive(Debug)]
+pub(super) struct Books {
+    inner: Mutex<Inner>,
+    /// Counts releases; waiters for a release subscribe under the lock.
+    released: watch::Sender<u64>,
+}
+
+impl Books {
+    pub(super) fn new(config: &Config) -> Self {
+        Self {
+            inner: Mutex::new(Inner {
+                ledger: NodeState::new(config.pool_configs(), config.groups.clone()),
+                records: BTreeMap::new(),
+                generation: 0,
+            }),
+            released: watch::Sender::new(0),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Plans and reserves a Start of `w` as `id`, under `config`.
+    pub(super) fn admit(
+        &self,
+        config: &Config,
+        w: &Arc<Workload>,
+        id: &InstanceId,
+        policy: Policy,
+        now: u64,
+    ) -> Result<Decision, ApiError> {
+        let mut b = self.lock();
+        let cancelled = b.records.get(id.as_str()).is_some_and(|r| r.cancelled);
+        if let Some(r) = b.ledger.resident(id.as_str())
+            && (cancelled || r.evicting)
+        {
+            // Subscribed under the lock: no release is missed.
+            return Ok(Decision::Stopping(self.released.subscribe()));
+        }
+        if let Some(r) = b.records.get(id.as_str())
+            && r.workload.spec.workload != w.spec.workload
+        {
+            let msg = format!(
+                "instance '{id}' already exists with workload '{}'",
+                r.workload.spec.workload
+            );
+            return Err(ApiError::AlreadyExists(msg));
+        }
+        let max = config.node.max_instances;
+        if b.ledger.resident(id.as_str()).is_none() && b.ledger.residents().count() >= max {
+            return Err(ApiError::LimitReached(format!(
+                "the node already holds max_instances = {max} instances; stop one first"
+            )));
+        }
+        let a = match b.ledger.admit(id, w.spec.clone(), policy, now) {
+            Err(AdmitError::Refused(refusal)) => {
+                let plan = Plan::Refuse(refusal.clone());
+                let placement = resident_api::placement(&plan, pool_statuses(&b.ledger));
+                return Err(ApiError::Refused {
+                    refusal,
+                    placement: Box::new(placement),
+                });
+            }
+            Err(AdmitError::Invalid(e)) => return Err(plan_error(e)),
+            Ok(a) if !a.created => {
+                let record = b.records.get(id.as_str()).cloned();
+                let record = record.unwrap_or_else(|| Record {
+                    workload: w.clone(),
+                    generation: 0,
+                    cancelled: false,
+                });
+                return Ok(Decision::Existing(record));
+            }
+            Ok(a) => a,
+        };
+        let evictions = evictions(&b.ledger, w, id, &a.evict);
+        let recovery = recovery(&b.ledger, config, w, &a.evict);
+        b.generation += 1;
+        let generation = b.generation;
+        for v in &a.evict {
+            if let Some(r) = b.records.get_mut(v.as_str()) {
+                r.cancelled = true;
+            }
+        }
+        let record = Record {
+            workload: w.clone(),
+            generation,
+            cancelled: false,
+        };
+        b.records.insert(id.to_string(), record);
+        let forgotten = prune_ended(&mut b, max);
+        Ok(Decision::Admitted(Admitted {
+            generation,
+            evictions,
+            wait_for: a.wait_for,
+            recovery,
+            forgotten,
+        }))
+    }
+
+    /// The placement query: what a Start would do, with the pool figures
+    /// it was decided on.
+    pub(super) fn place(
+        &self,
+        w: &Workload,
+        policy: Policy,
+        now: u64,
+    ) -> Result<pb::Placement, ApiError> {
+        let b = self.lock();
+        let plan = b.ledger.place(&w.spec, policy, now).map_err(plan_error)?;
+        Ok(resident_api::placement(&plan, pool_statuses(&b.ledger)))
+    }
+
+    /// Ends the reservation of `id`'s run `generation`, if it is still the
+    /// current one and holds one. The one release path.
+    pub(super) fn release(&self, id: &str, generation: u64) -> bool {
+        let mut b = self.lock();
+        let current = b.records.get(id).is_some_and(|r| r.generation == generation);
+        if current && b.ledger.release(id).is_some() {
+            self.released.send_modify(|n| *n += 1);
+            return true;
+        }
+        false
+    }
+
+    /// Waits until `id`'s run `generation` holds no reservation.
+    pub(super) async fn released(&self, id: &str, generation: u64) {
+        loop {
+            let mut rx = {
+                let b = self.lock();
+                let holds = b.records.get(id).is_some_and(|r| r.generation == generation)
+                    && b.ledger.resident(id).is_some();
+                if !holds {
+                    return;
+                }
+                self.released.subscribe()
+            };
+            let _ = rx.changed().await;
+        }
+    }
+
+    /// Marks `id`'s current run as stopping.
+    pub(super) fn cancel(&self, id: &str) -> Option<Cancelled> {
+        let mut b = self.lock();
+        let resident = b.ledger.resident(id).is_some();
+        let r = b.records.get_mut(id)?;
+        r.cancelled = true;
+        Some(Cancelled {
+            generation: r.generation,
+            workload: r.workload.clone(),
+            resident,
+        })
+    }
+
+    /// Whether `generation` is still `id`'s run and no Stop asked for it.
+    pub(super) fn wanted(&self, id: &str, generation: u64) -> bool {
+        let b = self.lock();
+        b.records
+            .get(id)
+            .is_some_and(|r| r.generation == generation && !r.cancelled)
+    }
+
+    /// The record of `id`.
+    pub(super) fn record(&self, id: &str) -> Option<Record> {
+        self.lock().records.get(id).cloned()
+    }
+
+    /// Every record, in id order.
+    pub(super) fn records(&self) -> Vec<(String, Record)> {
+        let b = self.lock();
+        b.records
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    }
+
+    /// The pools as they are.
+    pub(super) fn pools(&self) -> Vec<pb::PoolStatus> {
+        pool_statuses(&self.lock().ledger)
+    }
+
+    /// Records a use of `id`; false when it holds no reservation.
+    pub(super) fn touch(&self, id: &str, now: u64, hold_ms: u64) -> bool {
+        self.lock().ledger.touch(id, now, hold_ms)
+    }
+
+    /// New pools and groups (a reload); residents keep their reservations.
+    pub(super) fn reconfigure(&self, config: &Config) {
+        self.lock()
+            .ledger
+            .reconfigure(config.pool_configs(), config.groups.clone());
+    }
+
+    /// Probe readings: bytes available per pool, and bytes measured per
+    /// instance and pool. Host-measured bytes (`host`) count against the
+    /// first host-bound pool (of `host_pools`) the instance declares.
+    pub(super) fn set_readings(&self, readings: Readings) {
+        let mut b = self.lock();
+        for (pool, available) in readings.available {
+            b.ledger.set_available(&pool, available);
+        }
+        for (id, pool, bytes) in readings.measured {
+            b.ledger.set_measured(&id, &pool, bytes);
+        }
+        for (id, bytes) in readings.host {
+            let pool = b.ledger.resident(&id).and_then(|r| {
+                r.spec
+                    .demand
+                    .keys()
+                    .find(|k| readings.host_pools.contains(k))
+                    .cloned()
+            });
+            if let Some(pool) = pool {
+                b.ledger.set_measured(&id, &pool, bytes);
+            }
+        }
+    }
+
+    /// Resident, not cancelled instances of workloads with an idle TTL
+    /// that have gone unused (and unheld) for longer than it.
+    pub(super) fn idle(&self, now: u64) -> Vec<String> {
+        let b = self.lock();
+        b.records
+            .iter()
+            .filter(|(_, rec)| !rec.cancelled)
+            .filter_map(|(id, rec)| Some((id, rec.workload.idle_ttl?)))
+            .filter(|(id, ttl)| {
+                b.ledger.resident(id).is_some_and(|r| {
+                    !r.evicting
+                        && !r.held(now)
+                        && now.saturating_sub(r.last_used) >= ttl.as_millis() as u64
+                })
+            })
+            .map(|(id, _)| id.clone())
+            .collect()
+    }
+
+    /// What the journal should hold: resident instances no Stop asked for,
+    /// in admission order, as (id, workload, generation).
+    pub(super) fn journal_rows(&self) -> Vec<(String, String, u64)> {
+        let b = self.lock();
+        let mut rows: Vec<(String, String, u64)> = b
+            .records
+            .iter()
+            .filter(|(id, r)| !r.cancelled && b.ledger.resident(id).is_some())
+            .map(|(id, r)| (id.clone(), r.workload.spec.workload.to_string(), r.generation))
+            .collect();
+        rows.sort_by_key(|(_, _, generation)| *generation);
+        rows
+    }
+
+    /// The ids that hold a reservation.
+    pub(super) fn resident_ids(&self) -> Vec<String> {
+        let b = self.lock();
+        b.ledger.residents().map(|r| r.id.to_string()).collect()
+    }
+}
+
+/// Probe readings for [`Books::set_readings`].
+#[derive(Debug, Default)]
+pub(super) struct Readings {
+    pub(super) available: Vec<(String, Option<u64>)>,
+    pub(super) measured: Vec<(String, PoolName, u64)>,
+    pub(super) host: Vec<(String, u64)>,
+    pub(super) host_pools: Vec<PoolName>,
+}
+
+fn pool_statuses(ledger: &NodeState) -> Vec<pb::PoolStatus> {
+    ledger
+        .pools()
+        .iter()
+        .map(|p| resident_api::pool_status(p, ledger.available(p.name.as_str())))
+        .collect()
+}
+
+pub(super) fn plan_error(e: PlanError) -> ApiError {
+    match e {
+        PlanError::AlreadyExists { .. } => ApiError::AlreadyExists(e.to_string()),
+        PlanError::Evicting { .. } => ApiError::Unavailable(e.to_string()),
+        PlanError::UnknownPool { .. } => ApiError::FailedPrecondition(e.to_string()),
+    }
+}
+
+/// Each victim with the cause its stop reports: for which start, and in
+/// which of the target's pools it held memory (none: it was in the way of
+/// a group or exclusion rule).
+fn evictions(
+    ledger: &NodeState,
+    w: &Workload,
+    id: &InstanceId,
+    victims: &[InstanceId],
+) -> Vec<Eviction> {
+    victims
+        .iter()
+        .map(|v| {
+            let resident = ledger.resident(v.as_str());
+            let pools: Vec<&str> = resident
+                .map(|r| {
+                    r.spec
+                        .demand
+                        .keys()
+                        .filter(|p| w.spec.demand.contains_key(*p))
+                        .map(|p| p.as_str())
+                        .collect()
+                })
+                .unwrap_or_default();
+            let start = format!("'{}' (instance '{id}')", w.spec.workload);
+            let cause = match pools.as_slice() {
+                [] => format!("evicted for {start}: a group or exclusion rule"),
+                [one] => format!("evicted to make room for {start} in pool '{one}'"),
+                many => format!(
+                    "evicted to make room for {start} in pools '{}'",
+                    many.join("', '")
+                ),
+            };
+            Eviction {
+                id: v.to_string(),
+                workload: resident.map_or_else(String::new, |r| r.spec.workload.to_string()),
+                cause,
+            }
+        })
+        .collect()
+}
+
+/// For each live (probe-bound) pool `w` needs: three quarters of what the
+/// victims declared there.
+fn recovery(
+    ledger: &NodeState,
+    config: &Config,
+    w: &Workload,
+    victims: &[InstanceId],
+) -> Vec<(String, u64)> {
+    w.spec
+        .demand
+        .keys()
+        .filter(|pool| {
+            config
+                .pools
+                .iter()
+                .any(|p| p.pool.name == **pool && p.pool.live)
+        })
+        .map(|pool| {
+            let held: u64 = victims
+                .iter()
+                .filter_map(|v| ledger.resident(v.as_str()))
+                .map(|r| r.footprint(pool.as_str()))
+                .fold(0, u64::saturating_add);
+            (pool.to_string(), held / 4 * 3)
+        })
+        .filter(|(_, want)| *want > 0)
+        .collect()
+}
+
+/// Keeps at most `keep` ended instances (the newest): without a bound, a
+/// caller that starts and stops ever-new ids would grow the table for
+/// good. Returns the records dropped.
+fn prune_ended(b: &mut Inner, keep: usize) -> Vec<(String, Record)> {
+    let mut ended: Vec<(u64, String)> = b
+        .records
+        .iter()
+        .filter(|(id, _)| b.ledger.resident(id).is_none())
+        .map(|(id, r)| (r.generation, id.clone()))
+        .collect();
+    if ended.len() <= keep {
+        return Vec::new();
+    }
+    ended.sort_unstable();
+    let excess = ended.len() - keep;
+    ended
+        .into_iter()
+        .take(excess)
+        .filter_map(|(_, id)| b.records.remove(&id).map(|r| (id, r)))
+        .collect()
+}

@@ -1,0 +1,73 @@
+//! The supervisor's transitions applied to the books and the event log,
+//! and the periodic work (probe readings, idle expiry). A run's terminal
+//! event is the one place its memory is released.
+
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use resident_api::pb;
+use resident_supervisor::{State, Status};
+use tokio::sync::mpsc;
+
+use super::Agent;
+
+impl Agent {
+    fn on_transition(&self, status: Status) {
+        let record = self.books.record(&status.instance);
+        let Some(record) = record.filter(|r| r.generation == status.generation) else {
+            return;
+        };
+        if status.state.is_terminal() {
+            self.books.release(&status.instance, status.generation);
+        }
+        if matches!(status.state, State::Starting) || status.state.is_terminal() {
+            self.persist();
+        }
+        if status.state == State::Backoff {
+            self.metrics.restarted(&status.workload);
+        }
+        let instance =
+            resident_api::instance(&status.instance, &record.workload.spec, Some(&status));
+        self.events.publish(pb::Event {
+            instance: Some(instance),
+            kind: pb::EventKind::Transition as i32,
+            ..Default::default()
+        });
+    }
+
+    /// Stops instances unused for longer than their workload's idle TTL.
+    /// Runs every second: only instances of workloads with a TTL are
+    /// looked at, so a node without TTLs does no per-instance work.
+    fn expire_idle(self: &Arc<Self>) {
+        for id in self.books.idle(self.now_ms()) {
+            tracing::info!(instance_id = %id, "idle TTL reached, stopping");
+            let me = self.clone();
+            let cause = Some("stopped after its idle TTL".to_string());
+            tokio::spawn(async move { me.stop_because(&id, None, cause).await });
+        }
+    }
+}
+
+/// Applies every supervisor transition to the books and the event log.
+pub(super) async fn follow_supervisor(agent: Weak<Agent>, mut rx: mpsc::UnboundedReceiver<Status>) {
+    while let Some(status) = rx.recv().await {
+        let Some(agent) = agent.upgrade() else {
+            return;
+        };
+        agent.on_transition(status);
+    }
+}
+
+/// Periodic work: probe readings and idle expiry.
+pub(super) async fn tick(agent: Weak<Agent>) {
+    let mut interval = tokio::time::interval(Duration::from_secs(1));
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        interval.tick().await;
+        let Some(agent) = agent.upgrade() else {
+            return;
+        };
+        agent.refresh_probes();
+        agent.expire_idle();
+    }
+}

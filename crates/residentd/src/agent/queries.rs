@@ -1,0 +1,97 @@
+//! What the agent answers without starting or stopping anything: Get,
+//! List, the pools, Place, Touch, and a reload of the configuration.
+
+use std::sync::Arc;
+
+use resident_api::{ApiError, pb};
+use resident_core::Policy;
+
+use super::Agent;
+use super::admission::workload_of;
+use super::books::Record;
+
+impl Agent {
+    /// An instance as its record and its current run say.
+    pub(super) fn view(&self, id: &str, record: &Record) -> pb::Instance {
+        let status = self
+            .sup
+            .status(id)
+            .filter(|s| s.generation == record.generation);
+        let mut out = resident_api::instance(id, &record.workload.spec, status.as_ref());
+        if status.is_none() && record.cancelled {
+            out.state = pb::State::Exited as i32;
+            out.message = "stopped before it was spawned".into();
+        }
+        out
+    }
+
+    /// One instance.
+    pub fn get(&self, id: &str) -> Result<pb::Instance, ApiError> {
+        match self.books.record(id) {
+            Some(r) => Ok(self.view(id, &r)),
+            None => Err(ApiError::NotFound(format!("no instance '{id}'"))),
+        }
+    }
+
+    /// Every instance, in id order.
+    pub fn list(&self) -> Vec<pb::Instance> {
+        let records = self.books.records();
+        records.iter().map(|(id, r)| self.view(id, r)).collect()
+    }
+
+    /// The pools as they are.
+    pub fn pools(&self) -> Vec<pb::PoolStatus> {
+        self.books.pools()
+    }
+
+    /// The placement query: what a Start would do, changing nothing.
+    pub fn place(&self, workload: &str, policy: Option<Policy>) -> Result<pb::Placement, ApiError> {
+        let config = self.config();
+        let w = workload_of(&config, workload)?;
+        let policy = policy.unwrap_or(config.node.on_full);
+        self.refresh_probes_with(&config);
+        self.books.place(&w, policy, self.now_ms())
+    }
+
+    /// Marks a use of `id` and, with `hold_ms`, protects it from eviction.
+    pub fn touch(&self, id: &str, hold_ms: u64) -> Result<pb::Instance, ApiError> {
+        if !self.books.touch(id, self.now_ms(), hold_ms) {
+            self.get(id)?;
+            return Err(ApiError::FailedPrecondition(format!(
+                "instance '{id}' is not resident"
+            )));
+        }
+        self.get(id)
+    }
+
+    /// Tells watchers that an ended instance was dropped, and lets the
+    /// supervisor forget its run.
+    pub(super) fn forgotten(&self, id: &str, record: &Record) {
+        let last = self.view(id, record);
+        self.sup.forget(id, record.generation);
+        tracing::debug!(instance_id = %id, "forgot an ended instance");
+        self.events.publish(pb::Event {
+            instance: Some(last),
+            kind: pb::EventKind::Forgotten as i32,
+            ..Default::default()
+        });
+    }
+
+    /// Re-reads the configuration file: workloads, groups and pools change;
+    /// running instances are not touched. An invalid file changes nothing.
+    pub fn reload(&self) -> Result<(), resident_config::ConfigError> {
+        let old = self.config();
+        let new = resident_config::load(&old.source)?;
+        for w in &new.warnings {
+            tracing::warn!("{w}");
+        }
+        if new.node.listen != old.node.listen || new.node.state_dir != old.node.state_dir {
+            tracing::warn!("listen and state_dir changes take effect at the next restart");
+        }
+        self.books.reconfigure(&new);
+        *self.config.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(new);
+        self.open_device_probes();
+        self.refresh_probes();
+        Ok(())
+    }
+}
