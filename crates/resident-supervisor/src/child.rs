@@ -7,6 +7,10 @@
 //!
 //! Everything the child needs is prepared in the parent; the child, which
 //! shares the parent's memory until it execs, only makes system calls.
+//! The parent blocks every signal around the clone, so no handler of the
+//! agent runs in the child; the child resets every handler to the default
+//! and unblocks just before exec. Each system call has its own `unsafe`
+//! block and SAFETY note.
 
 use std::ffi::CString;
 use std::io;
@@ -17,6 +21,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitStatus;
 
 use nix::libc;
+use nix::sys::signal::{SigSet, SigmaskHow, pthread_sigmask};
 use nix::sys::wait::{Id, WaitPidFlag, WaitStatus, waitid};
 use tokio::io::unix::AsyncFd;
 use tokio::net::unix::pipe;
@@ -172,11 +177,19 @@ pub fn clone_exec(p: &Prepared) -> io::Result<Spawned> {
         }
     });
     let flags = nix::sched::CloneFlags::CLONE_VM | nix::sched::CloneFlags::CLONE_VFORK;
+    // Every signal blocked across the clone, as posix_spawn does: a
+    // handler of the agent must never run in the child, which shares its
+    // memory. The child unblocks once it has reset every handler.
+    let all = SigSet::all();
+    let mut before = SigSet::empty();
+    pthread_sigmask(SigmaskHow::SIG_SETMASK, Some(&all), Some(&mut before))
+        .map_err(io::Error::from)?;
     // SAFETY: CLONE_VM|CLONE_VFORK suspends this thread until the child
     // execs or exits; the child touches only the prepared buffers and
     // makes no allocation.
-    let pid = unsafe { nix::sched::clone(child, &mut stack, flags, Some(libc::SIGCHLD)) }
-        .map_err(io::Error::from)?;
+    let cloned = unsafe { nix::sched::clone(child, &mut stack, flags, Some(libc::SIGCHLD)) };
+    pthread_sigmask(SigmaskHow::SIG_SETMASK, Some(&before), None).map_err(io::Error::from)?;
+    let pid = cloned.map_err(io::Error::from)?;
     drop((out_w, err_w, report_w, devnull));
     // The report pipe is empty and closed by exec when it succeeded;
     // otherwise the child wrote its errno before exiting.
@@ -203,10 +216,15 @@ struct ChildFds {
     cgroups: [RawFd; 2],
 }
 
-/// The child between clone and exec.
+/// The child between clone and exec. It shares the parent's memory, so it
+/// only makes system calls on buffers the parent prepared. It starts with
+/// every signal blocked (the parent blocked them around the clone), so no
+/// handler of the parent can run here; it resets every handler to the
+/// default, and unblocks only just before exec.
 ///
 /// # Safety
-/// Must run only as the clone callback of `clone_exec`.
+/// Must run only as the clone callback of `clone_exec`, with pointers
+/// that stay valid until it execs or exits (the parent is suspended).
 unsafe fn child_main(
     parent: libc::pid_t,
     program: *const libc::c_char,
@@ -216,70 +234,118 @@ unsafe fn child_main(
     user: Option<(u32, u32)>,
     fds: ChildFds,
 ) -> isize {
-    // SAFETY (whole body): plain system calls with valid pointers.
-    unsafe {
-        let fail = |fds: ChildFds| -> isize {
-            let errno = *libc::__errno_location();
-            let bytes = errno.to_ne_bytes();
-            libc::write(fds.report, bytes.as_ptr().cast(), 4);
-            libc::_exit(127)
+    let fail = |fds: ChildFds| -> isize {
+        // SAFETY: errno is this thread's, readable at any time.
+        let errno = unsafe { *libc::__errno_location() };
+        let bytes = errno.to_ne_bytes();
+        // SAFETY: a write of 4 bytes from a local buffer to our pipe.
+        unsafe { libc::write(fds.report, bytes.as_ptr().cast(), 4) };
+        // SAFETY: ends this process without running anything of the
+        // parent's (no atexit handlers, no flushing of shared buffers).
+        unsafe { libc::_exit(127) }
+    };
+    // A server starts with default dispositions: handlers would be the
+    // parent's code, and ignored signals (Rust ignores SIGPIPE) would stay
+    // ignored through exec.
+    // The kernel's own sigaction (handler, flags, restorer, mask), all
+    // zero: SIG_DFL, no flags, nothing masked. The raw system call, since
+    // glibc's wrapper refuses the signals it reserves (32 and 33), which
+    // the agent may have inherited ignored.
+    let default = [0u64; 4];
+    for signal in 1..=64 {
+        if signal == libc::SIGKILL || signal == libc::SIGSTOP {
+            continue;
+        }
+        // SAFETY: rt_sigaction with a valid 32-byte struct and an 8-byte
+        // signal set; this process has its own handler table (no
+        // CLONE_SIGHAND), so the parent's is untouched.
+        unsafe {
+            libc::syscall(
+                libc::SYS_rt_sigaction,
+                signal,
+                default.as_ptr(),
+                std::ptr::null_mut::<u64>(),
+                8,
+            )
         };
-        if libc::setpgid(0, 0) != 0 {
+    }
+    // SAFETY: setpgid on this process.
+    if unsafe { libc::setpgid(0, 0) } != 0 {
+        return fail(fds);
+    }
+    // Into the instance's cgroups before anything of the server runs.
+    for fd in fds.cgroups.into_iter().filter(|fd| *fd >= 0) {
+        // SAFETY: a 1-byte write from a static buffer to a descriptor the
+        // parent opened and keeps open.
+        if unsafe { libc::write(fd, b"0".as_ptr().cast(), 1) } != 1 {
             return fail(fds);
         }
-        // Into the instance's cgroups before anything of the server runs.
-        for fd in fds.cgroups.into_iter().filter(|fd| *fd >= 0) {
-            if libc::write(fd, b"0".as_ptr().cast(), 1) != 1 {
-                return fail(fds);
-            }
-        }
-        if libc::dup2(fds.stdin, 0) < 0
-            || libc::dup2(fds.stdout, 1) < 0
-            || libc::dup2(fds.stderr, 2) < 0
-        {
+    }
+    for (from, to) in [(fds.stdin, 0), (fds.stdout, 1), (fds.stderr, 2)] {
+        // SAFETY: dup2 of descriptors the parent opened.
+        if unsafe { libc::dup2(from, to) } < 0 {
             return fail(fds);
         }
-        // The agent ignores SIGPIPE (Rust does) and may block signals in
-        // this thread; a server starts with the defaults.
-        let mut none: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut none);
-        libc::sigprocmask(libc::SIG_SETMASK, &none, std::ptr::null_mut());
-        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
-        if !cwd.is_null() && libc::chdir(cwd) != 0 {
-            return fail(fds);
-        }
-        // The agent may protect itself from the OOM killer (systemd's
-        // OOMScoreAdjust); its servers must not inherit that. Raising the
-        // score is always allowed; where /proc is absent, nothing happens.
-        let oom = libc::open(
+    }
+    // SAFETY: chdir to a NUL-terminated path the parent prepared.
+    if !cwd.is_null() && unsafe { libc::chdir(cwd) } != 0 {
+        return fail(fds);
+    }
+    // The agent may protect itself from the OOM killer (systemd's
+    // OOMScoreAdjust); its servers must not inherit that. Raising the score
+    // is always allowed; where /proc is absent, nothing happens.
+    // SAFETY: open of a static NUL-terminated path.
+    let oom = unsafe {
+        libc::open(
             c"/proc/self/oom_score_adj".as_ptr(),
             libc::O_WRONLY | libc::O_CLOEXEC,
-        );
-        if oom >= 0 {
+        )
+    };
+    if oom >= 0 {
+        // SAFETY: a 1-byte write to the descriptor just opened, then its
+        // close.
+        unsafe {
             libc::write(oom, b"0".as_ptr().cast(), 1);
             libc::close(oom);
         }
-        if let Some((uid, gid)) = user {
-            // Raw system calls: glibc's wrappers would signal every thread
-            // of the parent, whose memory this child shares.
-            let groups = [gid];
-            if libc::syscall(libc::SYS_setgroups, 1, groups.as_ptr()) != 0
-                || libc::syscall(libc::SYS_setgid, gid) != 0
-                || libc::syscall(libc::SYS_setuid, uid) != 0
-            {
-                return fail(fds);
-            }
-        }
-        // After any credential change, which would clear it.
-        if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+    }
+    if let Some((uid, gid)) = user {
+        // Raw system calls: glibc's wrappers would signal every thread of
+        // the parent, whose memory this child shares.
+        let groups = [gid];
+        // SAFETY: setgroups with a one-element local array, then setgid
+        // and setuid with plain integers.
+        let changed = unsafe {
+            libc::syscall(libc::SYS_setgroups, 1, groups.as_ptr()) == 0
+                && libc::syscall(libc::SYS_setgid, gid) == 0
+                && libc::syscall(libc::SYS_setuid, uid) == 0
+        };
+        if !changed {
             return fail(fds);
         }
-        if libc::getppid() != parent {
-            libc::_exit(127);
-        }
-        libc::execve(program, argv, envp);
-        fail(fds)
     }
+    // After any credential change, which would clear it.
+    // SAFETY: prctl with integer arguments.
+    if unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) } != 0 {
+        return fail(fds);
+    }
+    // SAFETY: getppid takes nothing.
+    if unsafe { libc::getppid() } != parent {
+        // SAFETY: as in `fail`.
+        unsafe { libc::_exit(127) };
+    }
+    // Last, every signal unblocked: one that came meanwhile is delivered
+    // now, with its default action.
+    // SAFETY: a zeroed sigset_t is a valid set, emptied by sigemptyset.
+    unsafe {
+        let mut none: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut none);
+        libc::sigprocmask(libc::SIG_SETMASK, &none, std::ptr::null_mut());
+    }
+    // SAFETY: execve with NUL-terminated strings and NULL-terminated
+    // arrays the parent prepared and keeps alive while suspended.
+    unsafe { libc::execve(program, argv, envp) };
+    fail(fds)
 }
 
 /// A running child: its pid, a pidfd for its exit, and its output pipes.

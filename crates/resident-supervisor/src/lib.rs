@@ -4,10 +4,11 @@
 //! memory, and stops the whole group (SIGTERM, grace, SIGKILL).
 //!
 //! Architecture invariant: the supervisor knows nothing of budgets or
-//! placement; it runs what it is told and reports every transition. Child
-//! exits are reaped by tokio's child handles only (no `waitpid(-1)` loop),
-//! and every child is forked from one long-lived thread so that its
-//! parent-death signal fires only when the agent dies.
+//! placement; it runs what it is told and reports every transition. Each
+//! child is reaped through its own pidfd by the `Child` that spawned it
+//! (no `waitpid(-1)` loop; tokio never sees these children), and every
+//! child is cloned from one long-lived thread so that its parent-death
+//! signal fires only when the agent dies.
 
 pub mod cgroup;
 mod child;

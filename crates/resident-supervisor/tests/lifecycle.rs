@@ -333,3 +333,31 @@ async fn programs_are_found_on_path_and_exec_errors_are_reported() {
     );
     assert!(status.reason.starts_with(&want), "{}", status.reason);
 }
+
+#[tokio::test]
+async fn a_child_starts_with_default_dispositions_and_no_signal_blocked() {
+    // This process ignores SIGPIPE (Rust does) and, from here, SIGUSR1; a
+    // server inherits neither, and nothing is blocked when it starts.
+    // SAFETY: SIG_IGN installs no handler code; the other tests of this
+    // binary neither send nor expect SIGUSR1.
+    unsafe {
+        nix::sys::signal::signal(
+            nix::sys::signal::Signal::SIGUSR1,
+            nix::sys::signal::SigHandler::SigIgn,
+        )
+    }
+    .expect("ignore SIGUSR1");
+    let mut h = Harness::new();
+    let argv = ["/bin/grep", "-E", "^Sig(Blk|Ign):", "/proc/self/status"];
+    let mut spec = child("signals", &[]);
+    spec.argv = argv.iter().map(|s| s.to_string()).collect();
+    h.sup.start(spec).await.expect("starts");
+    h.until("signals", State::Exited).await;
+    let logs = h.sup.logs("signals").expect("a log");
+    let lines: Vec<String> = logs.tail(10).into_iter().map(|l| l.line).collect();
+    assert_eq!(
+        lines,
+        ["SigBlk:\t0000000000000000", "SigIgn:\t0000000000000000"],
+        "the child's masks"
+    );
+}

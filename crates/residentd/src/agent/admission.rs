@@ -124,10 +124,7 @@ impl Agent {
             self.metrics
                 .evicted(r.workload.spec.workload.as_str(), &victim.workload);
             let me = self.clone();
-            stops.spawn(async move {
-                me.stop_because(&victim.id, None, Some(victim.cause))
-                    .await
-            });
+            stops.spawn(async move { me.stop_because(&victim.id, None, Some(victim.cause)).await });
         }
         while let Some(result) = stops.join_next().await {
             if let Ok(Err(e)) = result {
@@ -260,11 +257,7 @@ impl Agent {
         // The run this Stop ended, even when a Start has begun a new one
         // of the same id meanwhile.
         match ended.filter(|s| s.generation == c.generation) {
-            Some(status) => Ok(resident_api::instance(
-                id,
-                &c.workload.spec,
-                Some(&status),
-            )),
+            Some(status) => Ok(resident_api::instance(id, &c.workload.spec, Some(&status))),
             None => self.get(id),
         }
     }

@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use resident_api::{ApiError, pb};
 use resident_config::{Config, Workload};
-use resident_core::{AdmitError, InstanceId, NodeState, Plan, PlanError, PoolName, Policy};
+use resident_core::{AdmitError, InstanceId, NodeState, Plan, PlanError, Policy, PoolName};
 use tokio::sync::watch;
 
 /// How an instance came to be and which run of it is current.
@@ -199,7 +199,10 @@ impl Books {
     /// current one and holds one. The one release path.
     pub(super) fn release(&self, id: &str, generation: u64) -> bool {
         let mut b = self.lock();
-        let current = b.records.get(id).is_some_and(|r| r.generation == generation);
+        let current = b
+            .records
+            .get(id)
+            .is_some_and(|r| r.generation == generation);
         if current && b.ledger.release(id).is_some() {
             self.released.send_modify(|n| *n += 1);
             return true;
@@ -212,7 +215,10 @@ impl Books {
         loop {
             let mut rx = {
                 let b = self.lock();
-                let holds = b.records.get(id).is_some_and(|r| r.generation == generation)
+                let holds = b
+                    .records
+                    .get(id)
+                    .is_some_and(|r| r.generation == generation)
                     && b.ledger.resident(id).is_some();
                 if !holds {
                     return;
@@ -327,7 +333,13 @@ impl Books {
             .records
             .iter()
             .filter(|(id, r)| !r.cancelled && b.ledger.resident(id).is_some())
-            .map(|(id, r)| (id.clone(), r.workload.spec.workload.to_string(), r.generation))
+            .map(|(id, r)| {
+                (
+                    id.clone(),
+                    r.workload.spec.workload.to_string(),
+                    r.generation,
+                )
+            })
             .collect();
         rows.sort_by_key(|(_, _, generation)| *generation);
         rows

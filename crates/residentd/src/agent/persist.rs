@@ -48,7 +48,13 @@ impl Agent {
             };
             let (workload, policy) = (&e.workload, Some(Policy::Refuse));
             match self
-                .start_answering(workload, Some(id), policy, false, super::admission::Answer::Prompt)
+                .start_answering(
+                    workload,
+                    Some(id),
+                    policy,
+                    false,
+                    super::admission::Answer::Prompt,
+                )
                 .await
             {
                 Ok(_) => {
