@@ -1,8 +1,9 @@
 //! residentd, the node agent: joins the placement core, the supervisor and
 //! the probes behind the `resident.v1.NodeAgent` gRPC service.
 //!
-//! Architecture invariant: all admission goes through `Agent::start`, which
-//! plans and reserves under the one ledger lock; nothing else reserves.
+//! Architecture invariant: all admission goes through `Books::admit` (via
+//! `Agent::start`), which plans and reserves under the one books lock;
+//! nothing else reserves, and only a run's end releases.
 
 pub mod agent;
 pub mod authority;
