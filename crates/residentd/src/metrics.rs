@@ -1,9 +1,8 @@
-//! The Prometheus endpoint (`metrics_listen`): pools, instances, counters
-//! of admissions, evictions, refusals and restarts, and an RPC latency
-//! histogram, in the OpenMetrics text format of the prometheus-client crate.
+//! The agent's metrics: pools, instances, counters of admissions,
+//! evictions, refusals and restarts, and an RPC latency histogram, in the
+//! OpenMetrics text format of the prometheus-client crate. Served by
+//! `server.rs` (`metrics_listen`); this module knows nothing of the agent.
 
-use std::net::SocketAddr;
-use std::sync::{Arc, Weak};
 use std::time::Instant;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -13,8 +12,6 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use resident_api::pb;
-
-use crate::agent::Agent;
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct PoolLabels {
@@ -201,7 +198,8 @@ impl Metrics {
         }
     }
 
-    /// The text exposition, with gauges refreshed from `agent`.
+    /// The text exposition, with the gauges set from `pools` and
+    /// `instances` (the agent's, at the scrape).
     pub fn render(&self, pools: &[pb::PoolStatus], instances: &[pb::Instance]) -> String {
         for family in [&self.pool_budget, &self.pool_effective, &self.pool_used] {
             family.clear();
@@ -270,31 +268,4 @@ impl Drop for RpcTimer<'_> {
             .get_or_create(&labels)
             .observe(self.started.elapsed().as_secs_f64());
     }
-}
-
-/// Serves `GET /metrics` on `addr` until the process ends.
-pub async fn serve(addr: SocketAddr, agent: Weak<Agent>) -> std::io::Result<()> {
-    let listener = tokio::net::TcpListener::bind(addr).await?;
-    tracing::info!(%addr, "serving metrics");
-    let app = axum::Router::new().route(
-        "/metrics",
-        axum::routing::get(move || {
-            let agent = agent.clone();
-            async move {
-                let body = agent.upgrade().map(|a| render(&a)).unwrap_or_default();
-                (
-                    [(
-                        axum::http::header::CONTENT_TYPE,
-                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                    )],
-                    body,
-                )
-            }
-        }),
-    );
-    axum::serve(listener, app).await
-}
-
-fn render(agent: &Arc<Agent>) -> String {
-    agent.metrics().render(&agent.pools(), &agent.list())
 }

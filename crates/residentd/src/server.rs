@@ -1,9 +1,10 @@
 //! Serving the API: the Unix socket (or TCP), grpc.health.v1, server
 //! reflection, and the orderly shutdown on SIGTERM/SIGINT.
 
+use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt as _;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use anyhow::{Context as _, bail};
@@ -122,7 +123,7 @@ pub async fn serve(agent: Arc<Agent>) -> anyhow::Result<()> {
     if let Some(addr) = config.node.metrics_listen {
         let weak = Arc::downgrade(&agent);
         tokio::spawn(async move {
-            if let Err(e) = crate::metrics::serve(addr, weak).await {
+            if let Err(e) = serve_metrics(addr, weak).await {
                 tracing::error!(%addr, error = %e, "the metrics endpoint stopped");
             }
         });
@@ -202,4 +203,31 @@ fn start_watchdog() {
             let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Watchdog]);
         }
     });
+}
+
+/// Serves `GET /metrics` (plain HTTP) on `addr` until the process ends,
+/// the gauges read from the agent at each scrape.
+async fn serve_metrics(addr: SocketAddr, agent: Weak<Agent>) -> std::io::Result<()> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    tracing::info!(%addr, "serving metrics");
+    let app = axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let agent = agent.clone();
+            async move {
+                let body = agent
+                    .upgrade()
+                    .map(|a| a.metrics().render(&a.pools(), &a.list()))
+                    .unwrap_or_default();
+                (
+                    [(
+                        axum::http::header::CONTENT_TYPE,
+                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                    )],
+                    body,
+                )
+            }
+        }),
+    );
+    axum::serve(listener, app).await
 }
