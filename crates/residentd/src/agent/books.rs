@@ -468,3 +468,6 @@ fn prune_ended(b: &mut Inner, keep: usize) -> Vec<(String, Record)> {
         .filter_map(|(_, id)| b.records.remove(&id).map(|r| (id, r)))
         .collect()
 }
+
+#[cfg(test)]
+mod tests;
