@@ -1,6 +1,6 @@
 //! Core and supervisor types into their resident.v1 messages.
 
-use resident_core::{GroupRule, Holder, Plan, PoolStatus, Reason, Spec};
+use resident_core::{Holder, Plan, PoolStatus, Reason, Spec};
 use resident_supervisor::{Exit, State, Status};
 
 use crate::pb;
@@ -55,11 +55,7 @@ pub fn refusal(reason: &Reason) -> pb::Refusal {
             role: role.to_string(),
             with: with.to_string(),
             group: group.to_string(),
-            rule: match rule {
-                GroupRule::Swap => "swap",
-                GroupRule::Exclusive => "exclusive",
-            }
-            .into(),
+            rule: rule.as_str().into(),
             with_instance_id: with_instance.to_string(),
         }),
         Reason::HostMemory {

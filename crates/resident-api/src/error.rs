@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 
 use prost::Message;
-use resident_core::{Reason, Refusal};
+use resident_core::Refusal;
 use tonic::{Code, Status};
 use tonic_types::{ErrorDetails, StatusExt};
 
@@ -74,56 +74,11 @@ fn refused(refusal: &Refusal, placement: &pb::Placement) -> Status {
     } else {
         Code::FailedPrecondition
     };
-    let mut metadata = HashMap::new();
-    match first {
-        Reason::OverBudget {
-            role,
-            pool,
-            need,
-            free,
-            budget,
-            ..
-        } => {
-            metadata.insert("role".into(), role.to_string());
-            metadata.insert("pool".into(), pool.to_string());
-            metadata.insert("need_bytes".into(), need.to_string());
-            metadata.insert("free_bytes".into(), free.to_string());
-            metadata.insert("budget_bytes".into(), budget.to_string());
-        }
-        Reason::HostMemory {
-            role,
-            pool,
-            need,
-            available,
-            reserve,
-            pending,
-            ..
-        } => {
-            metadata.insert("role".into(), role.to_string());
-            metadata.insert("pool".into(), pool.to_string());
-            metadata.insert("need_bytes".into(), need.to_string());
-            metadata.insert("available_bytes".into(), available.to_string());
-            metadata.insert("reserve_bytes".into(), reserve.to_string());
-            metadata.insert("pending_bytes".into(), pending.to_string());
-        }
-        Reason::Excluded {
-            role,
-            with,
-            declared_by,
-            ..
-        } => {
-            metadata.insert("role".into(), role.to_string());
-            metadata.insert("with".into(), with.to_string());
-            metadata.insert("declared_by".into(), declared_by.to_string());
-        }
-        Reason::GroupConflict {
-            role, with, group, ..
-        } => {
-            metadata.insert("role".into(), role.to_string());
-            metadata.insert("with".into(), with.to_string());
-            metadata.insert("group".into(), group.to_string());
-        }
-    }
+    let metadata: HashMap<String, String> = first
+        .facts()
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
     let info = tonic_types::pb::ErrorInfo {
         reason: first.code().into(),
         domain: ERROR_DOMAIN.into(),
