@@ -5,6 +5,7 @@
 mod duration;
 mod error;
 pub mod gguf;
+mod host;
 mod raw;
 mod validate;
 
@@ -19,6 +20,7 @@ use resident_supervisor::{CgroupMode, LaunchSpec, Readiness, RestartPolicy};
 
 pub use duration::parse_duration;
 pub use error::ConfigError;
+pub use host::{Host, UNRESOLVED_ID};
 
 /// Where the API listens.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -215,25 +217,41 @@ impl Config {
     }
 }
 
-/// Reads and validates the file at `path`, including that every
-/// workload's program exists, is executable and is not world-writable.
+/// Reads and validates the file at `path` for this machine, including
+/// that every workload's program exists, is executable and is not
+/// world-writable: `load_with(path, Host::Local)`.
 pub fn load(path: &Path) -> Result<Config, ConfigError> {
+    load_with(path, Host::Local)
+}
+
+/// Reads the file at `path` and validates it for `host`: `Host::Local`
+/// makes every look-up on this machine (as `load`), `Host::Elsewhere`
+/// none (what that skips, and what stands in, is listed on `Host`).
+pub fn load_with(path: &Path, host: Host) -> Result<Config, ConfigError> {
     let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
         file: path.to_path_buf(),
         line: None,
         key: String::new(),
         message: format!("cannot read: {e}"),
     })?;
-    parse_checked(path, &text)
+    parse_with(path, &text, host)
 }
 
 /// Validates `text`, reporting errors against `file`. Programs are not
-/// looked up: the text may describe another machine.
+/// looked up; users, groups, the TLS files and GGUF files are, on this
+/// machine (`parse_with(.., Host::Elsewhere)` looks up nothing).
 pub fn parse(file: &Path, text: &str) -> Result<Config, ConfigError> {
-    validate::validate(file, text, false)
+    validate::validate(file, text, host::Lookups::local_without_programs())
 }
 
-/// As `parse`, and checks the programs on this machine, as `load` does.
+/// As `parse`, and checks the programs on this machine, as `load` does:
+/// `parse_with(file, text, Host::Local)`.
 pub fn parse_checked(file: &Path, text: &str) -> Result<Config, ConfigError> {
-    validate::validate(file, text, true)
+    parse_with(file, text, Host::Local)
+}
+
+/// Validates `text` for `host`, reporting errors against `file`, as
+/// `load_with` does.
+pub fn parse_with(file: &Path, text: &str, host: Host) -> Result<Config, ConfigError> {
+    validate::validate(file, text, host::Lookups::on(host))
 }

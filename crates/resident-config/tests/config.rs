@@ -4,7 +4,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use resident_config::{Listen, parse};
+use resident_config::{Host, Listen, UNRESOLVED_ID, parse, parse_with};
 use resident_core::{GB, Policy};
 use resident_supervisor::{Readiness, RestartMode};
 
@@ -59,8 +59,7 @@ fn check(from: &str, to: &str, want: &str) {
     let err = parse(Path::new("/etc/residentd.toml"), &text)
         .expect_err(want)
         .to_string();
-    let offset = BRIEF.find(from).expect("checked above");
-    let line = BRIEF[..offset].matches('\n').count() + 1;
+    let line = line_of(BRIEF, from);
     let at = format!("/etc/residentd.toml:{line}");
     assert!(err.starts_with(&at), "{err:?} should start with {at:?}");
     assert!(err.contains(want), "{err:?} should contain {want:?}");
@@ -257,4 +256,144 @@ fn cgroup_memory_limits_are_the_host_footprint_plus_the_slack() {
     let default = parse(Path::new("brief.toml"), BRIEF).expect("valid");
     let spec = default.workloads["coder-daily"].launch("i", 1, &default.node);
     assert_eq!(spec.memory_limit, Some(60 * GB), "1 GB of slack by default");
+}
+
+/// The line (from 1) of the first `needle` in `text`.
+fn line_of(text: &str, needle: &str) -> usize {
+    let offset = text.find(needle).expect("the needle is in the text");
+    text[..offset].matches('\n').count() + 1
+}
+
+/// Every name and file of `to` contains this, and exists on no machine.
+const ABSENT: &str = "absent-here";
+
+/// Replaces `from` by `to` in the brief: on this machine the result is
+/// refused at the line of the first `ABSENT` name, its message starting
+/// with `want` (`key: message`); with the host look-ups off it is valid.
+fn check_host(from: &str, to: &str, want: &str) {
+    assert!(BRIEF.contains(from), "the brief holds {from:?}");
+    let text = BRIEF.replacen(from, to, 1);
+    let file = Path::new("/etc/residentd.toml");
+    let err = parse_with(file, &text, Host::Local)
+        .expect_err(want)
+        .to_string();
+    let line = line_of(&text, ABSENT);
+    let at = format!("/etc/residentd.toml:{line}: {want}");
+    assert!(err.starts_with(&at), "{err:?} should start with {at:?}");
+    if let Err(e) = parse_with(file, &text, Host::Elsewhere) {
+        panic!("with the host look-ups off, {to:?} is valid: {e}");
+    }
+}
+
+#[test]
+fn names_and_files_missing_here_are_refused_here_only() {
+    check_host(
+        "on_full = \"refuse\"",
+        "run_as = \"absent-here\"",
+        "node.run_as: no user \"absent-here\" on this machine",
+    );
+    check_host(
+        "priority = 0",
+        "run_as = \"absent-here\"",
+        "workload[coder-daily].run_as: no user \"absent-here\" on this machine",
+    );
+    check_host(
+        "on_full = \"refuse\"",
+        "socket_group = \"absent-here\"",
+        "node.socket_group: no group \"absent-here\" on this machine",
+    );
+    check_host(
+        "[\"/usr/bin/llama-server\", \"-m\", \"/models/coder.gguf\"",
+        "[\"absent-here-server\", \"-m\", \"/models/coder.gguf\"",
+        "workload[coder-daily].command: program \"absent-here-server\" is not on PATH",
+    );
+    check_host(
+        "weights = \"55GB\"\nkv = \"4GB\"",
+        "from_gguf = \"/absent-here/coder.gguf\"",
+        "workload[coder-daily].memory.unified.from_gguf: /absent-here/coder.gguf: cannot open",
+    );
+    check_host(
+        "on_full = \"refuse\"",
+        "on_full = \"refuse\"\n[node.tls]\ncert = \"/absent-here/cert.pem\"\n\
+         key = \"/absent-here/key.pem\"\nclient_ca = \"/absent-here/ca.pem\"",
+        "node.tls.cert: cannot read \"/absent-here/cert.pem\"",
+    );
+}
+
+#[test]
+fn elsewhere_names_stay_unresolved_and_files_unread() {
+    let text = BRIEF
+        .replacen(
+            "on_full = \"refuse\"",
+            "run_as = \"absent-here\"\nsocket_group = \"absent-here\"\n[node.tls]\n\
+             cert = \"/absent-here/cert.pem\"\nkey = \"/absent-here/key.pem\"\n\
+             client_ca = \"/absent-here/ca.pem\"",
+            1,
+        )
+        .replacen(
+            "weights = \"55GB\"\nkv = \"4GB\"",
+            "from_gguf = \"/absent-here/coder.gguf\"\nkv = \"4GB\"",
+            1,
+        );
+    let c = parse_with(Path::new("c.toml"), &text, Host::Elsewhere).expect("valid elsewhere");
+    let user = c.node.run_as.as_ref().expect("run_as");
+    assert_eq!(
+        (user.name.as_str(), user.uid, user.gid),
+        ("absent-here", UNRESOLVED_ID, UNRESOLVED_ID)
+    );
+    assert_eq!(
+        c.node.socket_group,
+        Some(("absent-here".to_string(), UNRESOLVED_ID))
+    );
+    let tls = c.node.tls.as_ref().expect("tls");
+    assert!(tls.cert.is_empty() && tls.key.is_empty() && tls.client_ca.is_empty());
+    let d = c.workloads["coder-daily"].spec.demand["unified"];
+    assert_eq!((d.weights, d.kv), (0, 4 * GB), "weights 0, kv as given");
+    assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+}
+
+#[test]
+fn elsewhere_still_checks_the_document() {
+    // (from, to, want): refused with the host look-ups off too.
+    let rows = [
+        (
+            "weights = \"55GB\"\nkv = \"4GB\"",
+            "from_gguf = \"/absent-here/coder.gguf\"\nkv_type = \"f8\"",
+            "workload[coder-daily].memory.unified.kv_type: \"f8\" is not a KV cache type",
+        ),
+        (
+            "on_full = \"refuse\"",
+            "run_as = \"absent-here\"\non_full = \"panic\"",
+            "node.on_full: \"panic\" is not a policy",
+        ),
+        (
+            "members = [\"coder-daily\", \"coder-small\"]",
+            "members = [\"coder-daily\", \"absent-here\"]",
+            "group[coders].members: no workload \"absent-here\"",
+        ),
+    ];
+    for (from, to, want) in rows {
+        let text = BRIEF.replacen(from, to, 1);
+        let err = parse_with(Path::new("c.toml"), &text, Host::Elsewhere)
+            .expect_err(want)
+            .to_string();
+        assert!(err.contains(want), "{err:?} should contain {want:?}");
+    }
+}
+
+#[test]
+fn load_with_switches_the_host_look_ups() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("residentd.toml");
+    let text = BRIEF.replacen("on_full = \"refuse\"", "run_as = \"absent-here\"", 1);
+    std::fs::write(&path, text).expect("write");
+    let err = resident_config::load(&path).expect_err("no such user here");
+    assert!(
+        err.to_string().contains(":7: node.run_as: no user"),
+        "{err}"
+    );
+    let local = resident_config::load_with(&path, Host::Local).expect_err("the same");
+    assert_eq!(local, err, "load is load_with(Host::Local)");
+    let c = resident_config::load_with(&path, Host::Elsewhere).expect("valid elsewhere");
+    assert_eq!(c.source, path);
 }

@@ -1,0 +1,99 @@
+//! From the raw document to a `Config`: every rule of the design brief's
+//! config contract, each failure reported with file, line and key. One
+//! file per section (`node.rs` with `listen.rs`, `pools.rs`, `groups.rs`,
+//! `workloads.rs` with `demand.rs` and `lifecycle.rs`); this one runs them
+//! in order and holds the helpers they share. No section asks the machine
+//! anything itself: every look-up goes through `Lookups` (`host.rs`).
+
+mod demand;
+mod groups;
+mod lifecycle;
+mod listen;
+mod node;
+mod pools;
+mod workloads;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use resident_core::parse_bytes;
+use toml::Spanned;
+
+use crate::duration::parse_duration;
+use crate::error::Source;
+use crate::host::Lookups;
+use crate::raw::{self, Quantity};
+use crate::{Config, ConfigError, NodeConfig, User, Workload};
+
+type Result<T> = std::result::Result<T, ConfigError>;
+
+pub(crate) fn validate(file: &Path, text: &str, host: Lookups) -> Result<Config> {
+    let src = Source { file, text };
+    let doc = raw::document(&src)?;
+    let node = node::node(&src, &doc.node, host)?;
+    let pools = pools::pools(&src, &doc.pool)?;
+    let workloads = workloads::workloads(&src, &doc.workload, &pools, host)?;
+    let groups = groups::groups(&src, &doc.group, &workloads)?;
+    programs(&src, &doc.workload, host)?;
+    let warnings = root_warnings(&node, &workloads, host);
+    Ok(Config {
+        source: file.to_path_buf(),
+        node,
+        pools,
+        groups,
+        workloads,
+        warnings,
+    })
+}
+
+/// Each workload's program, as `Lookups::program` checks it.
+fn programs(src: &Source<'_>, raw: &[Spanned<raw::Workload>], host: Lookups) -> Result<()> {
+    for w in raw {
+        let name = spanned_str(&w.get_ref().name);
+        let command = &w.get_ref().command;
+        let path = w.get_ref().env.get("PATH").map(|p| p.get_ref().as_str());
+        host.program(command.get_ref(), path)
+            .map_err(|m| src.err(command.span(), format!("workload[{name}].command"), m))?;
+    }
+    Ok(())
+}
+
+/// Workloads that would run as root while the agent is root.
+fn root_warnings(
+    node: &NodeConfig,
+    workloads: &BTreeMap<String, Arc<Workload>>,
+    host: Lookups,
+) -> Vec<String> {
+    if !host.agent_is_root() {
+        return Vec::new();
+    }
+    workloads
+        .iter()
+        .filter(|(_, w)| w.run_as.as_ref().or(node.run_as.as_ref()).is_none_or(|u| u.uid == 0))
+        .map(|(name, _)| {
+            format!("workload[{name}] would run as root: set run_as (in [node] or on the workload) to a user of its own")
+        })
+        .collect()
+}
+
+fn spanned_str(s: &Spanned<String>) -> &str {
+    s.get_ref().as_str()
+}
+
+fn user(src: &Source<'_>, u: &Spanned<String>, key: &str, host: Lookups) -> Result<User> {
+    host.user(u.get_ref())
+        .map_err(|m| src.err(u.span(), key, m))
+}
+
+fn bytes(src: &Source<'_>, q: &Spanned<Quantity>, key: &str) -> Result<u64> {
+    match q.get_ref() {
+        Quantity::Bytes(b) => Ok(*b),
+        Quantity::Text(t) => parse_bytes(t).map_err(|e| src.err(q.span(), key, e.to_string())),
+    }
+}
+
+fn duration(src: &Source<'_>, d: &Spanned<String>, key: &str) -> Result<Duration> {
+    parse_duration(d.get_ref()).map_err(|e| src.err(d.span(), key, e))
+}

@@ -1,0 +1,142 @@
+//! The `[node]` section: name, policy, sampling, cgroups, the socket's
+//! group, limits and the allowlist (`listen.rs` has `listen` and
+//! `[node.tls]`).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use resident_core::Policy;
+use resident_supervisor::CgroupMode;
+use toml::Spanned;
+
+use super::listen::{listen, tls};
+use super::{Result, bytes, duration, spanned_str, user};
+use crate::error::Source;
+use crate::host::Lookups;
+use crate::raw;
+use crate::{Allowlist, NodeConfig};
+
+pub(super) fn node(src: &Source<'_>, n: &Spanned<raw::Node>, host: Lookups) -> Result<NodeConfig> {
+    let n = n.get_ref();
+    let name = spanned_str(&n.name);
+    if name.is_empty() {
+        return Err(src.err(n.name.span(), "node.name", "must not be empty"));
+    }
+    let tls = n
+        .tls
+        .as_ref()
+        .map(|t| tls(src, t.get_ref(), host))
+        .transpose()?;
+    let listen = listen(src, &n.listen, n.insecure || tls.is_some())?;
+    let on_full = on_full(src, n.on_full.as_ref())?;
+    let state_dir = n.state_dir.as_ref().map_or_else(
+        || PathBuf::from("/var/lib/residentd"),
+        |s| PathBuf::from(s.get_ref()),
+    );
+    let metrics_listen = metrics_listen(src, n.metrics_listen.as_ref())?;
+    let memory_recovery = match &n.memory_recovery {
+        None => Duration::from_secs(5),
+        Some(s) => duration(src, s, "node.memory_recovery")?,
+    };
+    let sample_every = match &n.sample_every {
+        None => Duration::from_secs(2),
+        Some(s) => duration(src, s, "node.sample_every")?,
+    };
+    let cgroups = cgroups(src, n.cgroups.as_ref())?;
+    let memory_slack = match &n.memory_slack {
+        None => 1_000_000_000,
+        Some(q) => bytes(src, q, "node.memory_slack")?,
+    };
+    let socket_group = n
+        .socket_group
+        .as_ref()
+        .map(|g| socket_group(src, g, host))
+        .transpose()?;
+    let max_instances = max_instances(src, n.max_instances.as_ref())?;
+    let run_as = n
+        .run_as
+        .as_ref()
+        .map(|u| user(src, u, "node.run_as", host))
+        .transpose()?;
+    Ok(NodeConfig {
+        name: name.to_string(),
+        listen,
+        insecure: n.insecure,
+        state_dir,
+        on_full,
+        run_as,
+        metrics_listen,
+        sample_every,
+        memory_recovery,
+        tls,
+        cgroups,
+        memory_slack,
+        socket_group,
+        allow: Allowlist {
+            uids: n.allow_uids.clone(),
+            gids: n.allow_gids.clone(),
+        },
+        max_instances,
+        durable_answers: n.durable_answers.unwrap_or(true),
+    })
+}
+
+fn on_full(src: &Source<'_>, s: Option<&Spanned<String>>) -> Result<Policy> {
+    match s.map(|s| (s, s.get_ref().as_str())) {
+        None | Some((_, "refuse")) => Ok(Policy::Refuse),
+        Some((_, "evict")) => Ok(Policy::Evict),
+        Some((s, other)) => {
+            let msg = format!("{other:?} is not a policy (use \"refuse\" or \"evict\")");
+            Err(src.err(s.span(), "node.on_full", msg))
+        }
+    }
+}
+
+fn metrics_listen(
+    src: &Source<'_>,
+    s: Option<&Spanned<String>>,
+) -> Result<Option<std::net::SocketAddr>> {
+    let Some(s) = s else {
+        return Ok(None);
+    };
+    let addr = s.get_ref().parse().map_err(|_| {
+        src.err(
+            s.span(),
+            "node.metrics_listen",
+            format!(
+                "{:?} is not an address like \"127.0.0.1:9464\"",
+                s.get_ref()
+            ),
+        )
+    })?;
+    Ok(Some(addr))
+}
+
+fn cgroups(src: &Source<'_>, s: Option<&Spanned<String>>) -> Result<CgroupMode> {
+    match s.map(|s| (s, s.get_ref().as_str())) {
+        None | Some((_, "auto")) => Ok(CgroupMode::Auto),
+        Some((_, "off")) => Ok(CgroupMode::Off),
+        Some((s, other)) => {
+            let msg = format!("{other:?} is not a cgroup mode (use \"auto\" or \"off\")");
+            Err(src.err(s.span(), "node.cgroups", msg))
+        }
+    }
+}
+
+/// The group's name as written, and its gid.
+fn socket_group(src: &Source<'_>, g: &Spanned<String>, host: Lookups) -> Result<(String, u32)> {
+    let gid = host
+        .group(g.get_ref())
+        .map_err(|m| src.err(g.span(), "node.socket_group", m))?;
+    Ok((g.get_ref().clone(), gid))
+}
+
+fn max_instances(src: &Source<'_>, m: Option<&Spanned<u32>>) -> Result<usize> {
+    match m {
+        None => Ok(256),
+        Some(m) if *m.get_ref() == 0 => {
+            Err(src.err(m.span(), "node.max_instances", "must be at least 1"))
+        }
+        Some(m) => Ok(*m.get_ref() as usize),
+    }
+}

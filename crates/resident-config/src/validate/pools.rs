@@ -1,0 +1,85 @@
+//! The `[[pool]]` sections: names declared once, budget and reserve, and
+//! what a live pool is bound to (host memory or one device).
+
+use std::collections::BTreeSet;
+use std::ops::Range;
+
+use resident_core::{PoolConfig, PoolName};
+use toml::Spanned;
+
+use super::{Result, bytes, spanned_str};
+use crate::error::Source;
+use crate::{PoolDef, raw};
+
+pub(super) fn pools(src: &Source<'_>, raw: &[Spanned<raw::Pool>]) -> Result<Vec<PoolDef>> {
+    let mut seen = BTreeSet::new();
+    let mut out = Vec::new();
+    for p in raw {
+        let span = p.span();
+        let p = p.get_ref();
+        let name = PoolName::new(spanned_str(&p.name))
+            .map_err(|e| src.err(p.name.span(), "pool.name", e.to_string()))?;
+        let key = |k: &str| format!("pool[{name}].{k}");
+        if !seen.insert(name.clone()) {
+            return Err(src.err(p.name.span(), key("name"), "declared twice"));
+        }
+        let budget = p
+            .budget
+            .as_ref()
+            .map(|b| bytes(src, b, &key("budget")))
+            .transpose()?;
+        let reserve = p
+            .reserve
+            .as_ref()
+            .map(|r| bytes(src, r, &key("reserve")))
+            .transpose()?
+            .unwrap_or(0);
+        if let Some(d) = &p.device {
+            device(src, d, p.host, span, &key("device"))?;
+        }
+        let live = p.host || p.device.is_some();
+        out.push(PoolDef {
+            pool: PoolConfig {
+                name,
+                budget,
+                reserve,
+                live,
+            },
+            host: p.host,
+            device: p.device.as_ref().map(|d| d.get_ref().clone()),
+        });
+    }
+    Ok(out)
+}
+
+/// `device = "nvml:N"` or `"file:/path"`, on a pool not bound to host
+/// memory (`pool` is the span of the whole pool, `host` its `host` key).
+fn device(
+    src: &Source<'_>,
+    d: &Spanned<String>,
+    host: bool,
+    pool: Range<usize>,
+    key: &str,
+) -> Result<()> {
+    let text = d.get_ref();
+    let nvml = text
+        .strip_prefix("nvml:")
+        .is_some_and(|n| n.parse::<u32>().is_ok());
+    let file = text
+        .strip_prefix("file:")
+        .is_some_and(|p| p.starts_with('/'));
+    if !(nvml || file) {
+        let msg = format!(
+            "{text:?}: expected \"nvml:N\" (a GPU) or \"file:/path\" (a reading kept in a file)"
+        );
+        return Err(src.err(d.span(), key, msg));
+    }
+    if host {
+        return Err(src.err(
+            pool,
+            key,
+            "a pool is bound to host memory or to a device, not both",
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,157 @@
+//! The `[[workload]]` sections: names declared once, role, excludes,
+//! memory per pool (`demand.rs`), the command and environment with their
+//! macros, readiness and restart (`lifecycle.rs`), stop grace, idle TTL
+//! and the user it runs as.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use resident_core::{Role, Spec, WorkloadName};
+use resident_supervisor::MACROS;
+use toml::Spanned;
+
+use super::demand::memory;
+use super::lifecycle::{readiness, restart};
+use super::{Result, duration, spanned_str, user};
+use crate::error::Source;
+use crate::host::Lookups;
+use crate::{PoolDef, Workload, raw};
+
+pub(super) fn workloads(
+    src: &Source<'_>,
+    raw: &[Spanned<raw::Workload>],
+    pools: &[PoolDef],
+    host: Lookups,
+) -> Result<BTreeMap<String, Arc<Workload>>> {
+    let mut out = BTreeMap::new();
+    for w in raw {
+        let w = w.get_ref();
+        let name = WorkloadName::new(spanned_str(&w.name))
+            .map_err(|e| src.err(w.name.span(), "workload.name", e.to_string()))?;
+        if out.contains_key(name.as_str()) {
+            return Err(src.err(
+                w.name.span(),
+                format!("workload[{name}].name"),
+                "declared twice",
+            ));
+        }
+        let workload = workload(src, &name, w, pools, host)?;
+        out.insert(name.to_string(), Arc::new(workload));
+    }
+    Ok(out)
+}
+
+fn workload(
+    src: &Source<'_>,
+    name: &WorkloadName,
+    w: &raw::Workload,
+    pools: &[PoolDef],
+    host: Lookups,
+) -> Result<Workload> {
+    let key = |k: &str| format!("workload[{name}].{k}");
+    let spec = spec(src, name, w, pools, &key, host)?;
+    let (argv, env) = command(src, w, &key)?;
+    let (readiness, readiness_timeout) = readiness(src, w, &key)?;
+    let restart = restart(src, w, &key)?;
+    let stop_grace = match &w.stop_grace {
+        Some(d) => duration(src, d, &key("stop_grace"))?,
+        None => Duration::from_secs(10),
+    };
+    let idle_ttl = match &w.idle_ttl {
+        Some(d) => Some(duration(src, d, &key("idle_ttl"))?).filter(|d| !d.is_zero()),
+        None => None,
+    };
+    let host_bytes = pools
+        .iter()
+        .filter(|p| p.device.is_none())
+        .map(|p| spec.footprint(p.pool.name.as_str()))
+        .fold(0u64, u64::saturating_add);
+    Ok(Workload {
+        host_bytes,
+        spec: Arc::new(spec),
+        argv,
+        env,
+        pass_env: w.pass_env.clone(),
+        cwd: w.cwd.as_ref().map(PathBuf::from),
+        readiness,
+        readiness_timeout,
+        restart,
+        stop_grace,
+        idle_ttl,
+        run_as: w
+            .run_as
+            .as_ref()
+            .map(|u| user(src, u, &key("run_as"), host))
+            .transpose()?,
+    })
+}
+
+/// What the planner needs: role, priority, excludes and memory per pool.
+fn spec(
+    src: &Source<'_>,
+    name: &WorkloadName,
+    w: &raw::Workload,
+    pools: &[PoolDef],
+    key: &dyn Fn(&str) -> String,
+    host: Lookups,
+) -> Result<Spec> {
+    let mut spec = Spec::new(name.clone());
+    if let Some(role) = &w.role {
+        spec.role = Role::new(spanned_str(role))
+            .map_err(|e| src.err(role.span(), key("role"), e.to_string()))?;
+    }
+    spec.priority = w.priority;
+    for x in &w.excludes {
+        let bare = x.get_ref().strip_prefix("role:").unwrap_or(x.get_ref());
+        Role::new(bare).map_err(|e| src.err(x.span(), key("excludes"), e.to_string()))?;
+        spec.excludes.push(x.get_ref().clone());
+    }
+    spec.demand = memory(src, &w.memory, pools, key, host)?;
+    Ok(spec)
+}
+
+/// The argv (a program first) and the environment, their macros checked.
+fn command(
+    src: &Source<'_>,
+    w: &raw::Workload,
+    key: &dyn Fn(&str) -> String,
+) -> Result<(Vec<String>, BTreeMap<String, String>)> {
+    let argv = w.command.get_ref().clone();
+    if argv.first().is_none_or(|p| p.is_empty()) {
+        return Err(src.err(
+            w.command.span(),
+            key("command"),
+            "must name a program (an argv list, never a shell string)",
+        ));
+    }
+    for arg in &argv {
+        check_macros(arg).map_err(|m| src.err(w.command.span(), key("command"), m))?;
+    }
+    let mut env = BTreeMap::new();
+    for (k, v) in &w.env {
+        check_macros(v.get_ref()).map_err(|m| src.err(v.span(), key(&format!("env.{k}")), m))?;
+        env.insert(k.clone(), v.get_ref().clone());
+    }
+    Ok((argv, env))
+}
+
+/// Refuses `${NAME}` for a NAME the supervisor does not fill in.
+fn check_macros(s: &str) -> std::result::Result<(), String> {
+    let mut rest = s;
+    while let Some(start) = rest.find("${") {
+        let after = &rest[start + 2..];
+        let Some(end) = after.find('}') else {
+            return Err(format!("{s:?}: unterminated ${{"));
+        };
+        let name = &after[..end];
+        if !MACROS.contains(&name) {
+            return Err(format!(
+                "{s:?}: unknown macro ${{{name}}} (known: ${{PORT}}, ${{INSTANCE}}, ${{WORKLOAD}}, ${{ROLE}})"
+            ));
+        }
+        rest = &after[end + 1..];
+    }
+    Ok(())
+}
