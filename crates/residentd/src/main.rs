@@ -26,6 +26,10 @@ struct Args {
     /// Validate a configuration file and exit (0: valid, 78: not).
     #[arg(long, value_name = "FILE")]
     check_config: Option<PathBuf>,
+    /// With --check-config: the file is for another machine, so nothing is
+    /// looked up on this one (users, groups, programs, TLS and GGUF files).
+    #[arg(long, requires = "check_config")]
+    for_another_host: bool,
     /// Log as JSON lines instead of human-readable text.
     #[arg(long)]
     log_json: bool,
@@ -35,7 +39,12 @@ fn main() -> ExitCode {
     let args = Args::parse();
     init_logging(args.log_json);
     if let Some(path) = &args.check_config {
-        return match resident_config::load(path) {
+        let host = if args.for_another_host {
+            resident_config::Host::Elsewhere
+        } else {
+            resident_config::Host::Local
+        };
+        return match resident_config::load_with(path, host) {
             Ok(c) => {
                 for w in &c.warnings {
                     eprintln!("residentd: warning: {w}");
