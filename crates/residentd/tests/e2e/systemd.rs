@@ -3,12 +3,9 @@
 //! children of an agent that protects itself from the OOM killer do not
 //! inherit that protection.
 
-mod support;
-
-use std::path::PathBuf;
 use std::process::Command;
 
-use support::*;
+use crate::support::*;
 
 /// The drop-in with the restart keys that systemd before 254 does not know.
 const BACKOFF: &str = "residentd.service.d/backoff.conf";
@@ -46,12 +43,11 @@ fn the_unit_verifies() {
             std::env::var_os("CI").is_none(),
             "CI installs systemd-analyze (.ci/run)"
         );
-        eprintln!("SKIPPED: no systemd-analyze on this machine (Debian package systemd)");
-        return;
+        return skip("no systemd-analyze on this machine (Debian package systemd)");
     };
     assert!(version.status.success());
     let systemd = major(&String::from_utf8_lossy(&version.stdout));
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../systemd");
+    let root = workspace().join("systemd");
     let text = std::fs::read_to_string(root.join("residentd.service")).expect("the unit");
     for key in [
         "Type=notify",
@@ -86,8 +82,9 @@ fn the_unit_verifies() {
         "systemd-analyze verify (systemd {systemd}) printed:\n{said}"
     );
     if systemd < 254 {
-        eprintln!("SKIPPED: the backoff drop-in needs systemd >= 254; this is systemd {systemd}");
-        return;
+        return skip(&format!(
+            "the drop-in half: the backoff drop-in needs systemd >= 254; this is systemd {systemd}"
+        ));
     }
     let drop_in = dir.path().join(BACKOFF);
     std::fs::create_dir_all(drop_in.parent().expect("a directory")).expect("mkdir");
@@ -101,14 +98,9 @@ fn the_unit_verifies() {
 
 #[tokio::test]
 async fn children_do_not_inherit_the_agents_oom_protection() {
-    let config = String::from("[[pool]]\nname = \"ram\"\nbudget = \"1GB\"\n\n")
-        + &sleeper("a", "ram", 1, "");
+    let config = pool("ram", "1GB") + &sleeper("a", "ram", 1, "");
     let dir = tempfile::tempdir().expect("tempdir");
-    std::fs::write(
-        dir.path().join("residentd.toml"),
-        config_text(dir.path(), &config),
-    )
-    .expect("config");
+    write_config(dir.path(), &config);
     // Start the agent with a score of its own. systemd's OOMScoreAdjust=-900
     // needs CAP_SYS_RESOURCE, which the test machines lack; any non-zero
     // score shows the same thing: the child does not keep the agent's.
@@ -140,9 +132,9 @@ async fn children_do_not_inherit_the_agents_oom_protection() {
 
 #[test]
 fn the_packaged_config_runs_models_as_a_dedicated_user() {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../systemd/residentd.toml");
+    let path = workspace().join("systemd/residentd.toml");
     let text = std::fs::read_to_string(&path).expect("the packaged config");
-    let unit = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../systemd/residentd.service");
+    let unit = workspace().join("systemd/residentd.service");
     let unit = std::fs::read_to_string(&unit).expect("the unit");
     assert!(unit.contains("User=residentd"));
     assert!(text.contains("run_as = \"residentd\""));

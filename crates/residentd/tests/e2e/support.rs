@@ -1,7 +1,9 @@
-//! Runs the real `residentd` binary on a temporary socket and talks to it
-//! with the generated client.
-#![allow(dead_code)]
+//! What every end-to-end test shares: the real `residentd` on a temporary
+//! socket with the generated client (`Daemon`), config snippets, waiting
+//! with one patience (`eventually`, `until`, `Daemon::wait_state`), and
+//! `skip` for a test that cannot run on this machine.
 
+use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -12,13 +14,82 @@ use resident_api::pb::node_agent_client::NodeAgentClient;
 use tonic::transport::Channel;
 
 pub const RESIDENTD: &str = env!("CARGO_BIN_EXE_residentd");
-pub const PATIENCE: Duration = Duration::from_secs(15);
+
+/// How long any test waits for something that should happen soon. A wait
+/// that runs out fails the test; passing tests never wait this long.
+pub const PATIENCE: Duration = Duration::from_secs(30);
+
+/// How often a wait looks again.
+const POLL: Duration = Duration::from_millis(10);
+
+pub type Client = NodeAgentClient<Channel>;
+
+/// The workspace root, where `examples/`, `docs/`, `tests/` and `.venv` are.
+pub fn workspace() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// Polls `check` until it gives a value, for at most `PATIENCE`; `None`
+/// when it never did.
+pub async fn until<T>(mut check: impl AsyncFnMut() -> Option<T>) -> Option<T> {
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        if let Some(v) = check().await {
+            return Some(v);
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+/// Polls `check` until it holds, for at most `PATIENCE`; whether it held.
+pub async fn eventually(mut check: impl AsyncFnMut() -> bool) -> bool {
+    until(async || check().await.then_some(())).await.is_some()
+}
+
+/// Says that the calling test, or the part of it `why` names, cannot run
+/// on this machine: the line `SKIPPED: <test>: <why>` on stdout and,
+/// where `RESIDENT_SKIPPED` names a file, appended to it. cargo test shows
+/// a passing test's stdout only with `--nocapture`, so `scripts/test` sets
+/// the file and prints what it collected after the run; `.ci/run` counts
+/// those lines. libtest names each test's thread after the test.
+pub fn skip(why: &str) {
+    let test = std::thread::current().name().unwrap_or("?").to_string();
+    let line = format!("SKIPPED: {test}: {why}");
+    println!("{line}");
+    if let Some(path) = std::env::var_os("RESIDENT_SKIPPED") {
+        let mut file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .expect("the RESIDENT_SKIPPED file");
+        // One write, so that lines of tests running side by side stay whole.
+        file.write_all(format!("{line}\n").as_bytes())
+            .expect("write the RESIDENT_SKIPPED file");
+    }
+}
+
+/// The workspace's `.venv` python (scripts/test creates it), or `None`
+/// after saying the test is skipped; CI installs it, so there a missing
+/// venv fails instead.
+pub fn venv_python(for_what: &str) -> Option<PathBuf> {
+    let python = workspace().join(".venv/bin/python");
+    if python.exists() {
+        return Some(python);
+    }
+    let why = format!("no .venv for {for_what}: run scripts/test, which creates it");
+    assert!(std::env::var_os("CI").is_none(), "{why}");
+    skip(&why);
+    None
+}
 
 pub struct Daemon {
     pub dir: tempfile::TempDir,
     pub socket: PathBuf,
     pub child: Option<Child>,
-    pub client: NodeAgentClient<Channel>,
+    pub client: Client,
 }
 
 /// The `[node]` table for a daemon in `dir`, then `rest` (pools, workloads).
@@ -30,13 +101,19 @@ pub fn config_text(dir: &Path, rest: &str) -> String {
     )
 }
 
+/// Writes `dir/residentd.toml`: the test `[node]` table, then `rest` (whose
+/// leading keys, before any table, are more `[node]` keys).
+pub fn write_config(dir: &Path, rest: &str) {
+    let text = config_text(dir, rest);
+    std::fs::write(dir.join("residentd.toml"), text).expect("write the config");
+}
+
 impl Daemon {
     /// Starts residentd with `rest` after a test `[node]` table; returns once
     /// it answers.
     pub async fn start(rest: &str) -> Self {
         let dir = tempfile::tempdir().expect("a temporary directory");
-        let config = dir.path().join("residentd.toml");
-        std::fs::write(&config, config_text(dir.path(), rest)).expect("write the config");
+        write_config(dir.path(), rest);
         Self::start_in(dir).await
     }
 
@@ -104,15 +181,27 @@ impl Daemon {
         self.client.get(req).await.expect("get").into_inner()
     }
 
+    /// The node now: its pools and instances.
+    pub async fn node(&mut self) -> pb::NodeStatus {
+        let node = self.client.node(pb::NodeRequest {}).await;
+        node.expect("node").into_inner()
+    }
+
+    /// What the first pool holds now.
+    pub async fn used(&mut self) -> u64 {
+        self.node().await.pools[0].used_bytes
+    }
+
+    /// Every instance now, in id order.
+    pub async fn list(&mut self) -> Vec<pb::Instance> {
+        let list = self.client.list(pb::ListRequest {}).await;
+        list.expect("list").into_inner().instances
+    }
+
     /// The ids of every instance, in id order.
     pub async fn ids(&mut self) -> Vec<String> {
-        let list = self
-            .client
-            .list(pb::ListRequest {})
-            .await
-            .expect("list")
-            .into_inner();
-        list.instances.into_iter().map(|i| i.instance_id).collect()
+        let list = self.list().await;
+        list.into_iter().map(|i| i.instance_id).collect()
     }
 
     /// Starts residentd again on this daemon's config and state (the
@@ -126,22 +215,33 @@ impl Daemon {
 
     /// Waits (bounded) until instance `id` is in `state`; returns it.
     pub async fn wait_state(&mut self, id: &str, state: pb::State) -> pb::Instance {
-        let deadline = tokio::time::Instant::now() + PATIENCE;
-        loop {
+        let mut last = None;
+        let reached = until(async || {
             let i = self.get(id).await;
-            if i.state == state as i32 {
-                return i;
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "{id} never reached {state:?}: {i:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+            let done = i.state == state as i32;
+            last = Some(i.clone());
+            done.then_some(i)
+        })
+        .await;
+        reached.unwrap_or_else(|| panic!("{id} never reached {state:?}: {last:?}"))
+    }
+
+    /// kill -9 of the agent (its children die with it, by their
+    /// parent-death signal); returns once it is reaped.
+    pub fn kill(&mut self) {
+        let mut agent = self.child.take().expect("running");
+        agent.kill().expect("kill -9");
+        agent.wait().expect("reaped");
     }
 
     pub fn pid(&self) -> i32 {
         self.child.as_ref().map(|c| c.id() as i32).expect("running")
+    }
+
+    /// Sends `signal` to the agent.
+    pub fn signal(&self, signal: nix::sys::signal::Signal) {
+        let pid = nix::unistd::Pid::from_raw(self.pid());
+        nix::sys::signal::kill(pid, signal).expect("signal residentd");
     }
 
     pub fn log(&self) -> String {
@@ -151,20 +251,10 @@ impl Daemon {
     /// SIGTERM, then waits (bounded, without blocking the runtime, so the
     /// client's connection can close) for the exit status.
     pub async fn terminate(&mut self) -> std::process::ExitStatus {
+        self.signal(nix::sys::signal::Signal::SIGTERM);
         let mut child = self.child.take().expect("running");
-        let pid = nix::unistd::Pid::from_raw(child.id() as i32);
-        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).expect("signal residentd");
-        let deadline = tokio::time::Instant::now() + PATIENCE;
-        loop {
-            if let Some(status) = child.try_wait().expect("wait on residentd") {
-                return status;
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "residentd did not exit after SIGTERM"
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        let status = until(async || child.try_wait().expect("wait on residentd")).await;
+        status.expect("residentd did not exit after SIGTERM")
     }
 }
 
@@ -180,21 +270,22 @@ impl Drop for Daemon {
 }
 
 /// Connects to `socket`, retrying until the agent answers (bounded).
-pub async fn connect(socket: &Path) -> NodeAgentClient<Channel> {
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    loop {
-        if let Ok(mut c) = resident_api::connect_unix(socket).await
-            && c.node(pb::NodeRequest {}).await.is_ok()
-        {
-            return c;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "residentd did not answer on {}",
-            socket.display()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+pub async fn connect(socket: &Path) -> Client {
+    let client = until(async || {
+        let mut c = resident_api::connect_unix(socket).await.ok()?;
+        c.node(pb::NodeRequest {}).await.ok()?;
+        Some(c)
+    })
+    .await;
+    client.unwrap_or_else(|| panic!("residentd did not answer on {}", socket.display()))
+}
+
+/// A free TCP port on 127.0.0.1 (free when asked; a test binds it soon).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
 }
 
 pub fn start_req(workload: &str, id: &str) -> pb::StartRequest {
@@ -231,18 +322,9 @@ pub fn alive(pid: i32) -> bool {
     resident_supervisor::procfs::stat(pid).is_some_and(|s| s.state != 'Z' && s.state != 'X')
 }
 
-/// Polls `check` until it holds or `bound` passes.
-pub async fn eventually(bound: Duration, mut check: impl FnMut() -> bool) -> bool {
-    let deadline = tokio::time::Instant::now() + bound;
-    loop {
-        if check() {
-            return true;
-        }
-        if tokio::time::Instant::now() >= deadline {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+/// A pool `name` with `budget` ("10GB"), as a config snippet.
+pub fn pool(name: &str, budget: &str) -> String {
+    format!("[[pool]]\nname = \"{name}\"\nbudget = \"{budget}\"\n\n")
 }
 
 /// A workload that sleeps (exits on SIGTERM), holding `gb` of `pool`.

@@ -4,16 +4,17 @@
 //! allows; and random messages against a live agent never break it, while
 //! an INVALID_ARGUMENT changes nothing.
 
-mod support;
-
 use std::path::Path;
 
+use crate::support::*;
 use proptest::prelude::*;
 use resident_api::pb;
 use residentd::validate;
-use support::*;
 
-const BRIEF: &str = include_str!("../../../examples/brief.toml");
+const BRIEF: &str = include_str!(concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../../examples/brief.toml"
+));
 
 /// Strings that look like what the parsers meet: ids, units, TOML bits.
 fn texty() -> impl Strategy<Value = String> {
@@ -116,8 +117,6 @@ fn call() -> impl Strategy<Value = Call> {
     ]
 }
 
-type Client = pb::node_agent_client::NodeAgentClient<tonic::transport::Channel>;
-
 async fn books(c: &mut Client) -> (Vec<pb::Instance>, Vec<pb::PoolStatus>) {
     let list = c.list(pb::ListRequest {}).await.expect("list").into_inner();
     let node = c.node(pb::NodeRequest {}).await.expect("node").into_inner();
@@ -170,12 +169,8 @@ async fn send(c: &mut Client, call: Call) -> Result<(), tonic::Status> {
 #[test]
 fn random_messages_never_break_the_agent_and_invalid_ones_change_nothing() {
     let rt = tokio::runtime::Runtime::new().expect("runtime");
-    let pool = "[[pool]]\nname = \"ram\"\nbudget = \"10GB\"\n\n";
-    let roster = format!(
-        "{pool}{}{}",
-        sleeper("nap", "ram", 1, ""),
-        sleeper("big", "ram", 20, "")
-    );
+    let roster =
+        pool("ram", "10GB") + &sleeper("nap", "ram", 1, "") + &sleeper("big", "ram", 20, "");
     let mut d = rt.block_on(Daemon::start(&roster));
     let invalid = std::cell::Cell::new(0usize);
     let client = d.client.clone();

@@ -2,16 +2,14 @@
 //! `insecure = true`): a plaintext client is refused, a client with a
 //! certificate from another CA is refused, the right one works.
 
-mod support;
-
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use crate::support::*;
 use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
 use resident_api::pb;
 use resident_api::pb::node_agent_client::NodeAgentClient;
-use support::*;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
 struct Ca {
@@ -36,13 +34,6 @@ fn leaf(ca: &Ca, names: &[&str]) -> (String, String) {
         .expect("params");
     let cert = params.signed_by(&key, &ca.cert, &ca.key).expect("signed");
     (cert.pem(), key.serialize_pem())
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a port")
 }
 
 async fn client(
@@ -99,17 +90,14 @@ async fn tcp_needs_a_client_certificate_from_the_configured_ca() {
         .expect("start residentd");
     let ca_pem = server_ca.cert.pem();
     // The right client: wait (bounded) for the agent to listen.
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    let mut good = loop {
-        match client(port, &ca_pem, Some((&good_cert, &good_key))).await {
-            Ok(c) => break c,
-            Err(e) => assert!(
-                tokio::time::Instant::now() < deadline,
-                "the right client never got in: {e}"
-            ),
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let mut last = String::new();
+    let good = until(async || {
+        let c = client(port, &ca_pem, Some((&good_cert, &good_key))).await;
+        c.map_err(|e| last = e).ok()
+    });
+    let mut good = good
+        .await
+        .unwrap_or_else(|| panic!("the right client never got in: {last}"));
     let node = good
         .node(pb::NodeRequest {})
         .await

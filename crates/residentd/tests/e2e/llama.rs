@@ -6,31 +6,34 @@
 //! installs them; the build of llama.cpp takes minutes the first time).
 //! Outside CI the test skips itself, saying so, when they are missing.
 
-mod support;
-
 use std::io::{Read as _, Write as _};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
+use crate::support::*;
 use resident_api::pb;
-use support::*;
 use tokio_stream::StreamExt as _;
 
 const MB: u64 = 1_000_000;
 
-fn workspace() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-/// The venv's python, when it can import the server and the GGUF writer.
+/// The venv's python, when it can import the server and the GGUF writer;
+/// else `None`, after saying the test is skipped (CI installs them, so
+/// there it fails instead).
 fn python() -> Option<PathBuf> {
     let python = workspace().join(".venv/bin/python");
     let ok = Command::new(&python)
         .args(["-c", "import llama_cpp.server, gguf"])
         .output()
         .is_ok_and(|o| o.status.success());
-    ok.then_some(python)
+    if ok {
+        return Some(python);
+    }
+    let why =
+        "no .venv with llama-cpp-python[server] and gguf: run scripts/test, which installs them";
+    assert!(std::env::var_os("CI").is_none(), "{why}");
+    skip(why);
+    None
 }
 
 fn make_model(python: &Path, out: &Path, embd: u32, layers: u32) {
@@ -102,9 +105,6 @@ async fn completes(port: u32) -> u16 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn llama_cpp_servers_are_placed_refused_evicted_and_restarted() {
     let Some(python) = python() else {
-        let msg = "no .venv with llama-cpp-python[server] and gguf: run scripts/test to include the llama.cpp test";
-        assert!(std::env::var_os("CI").is_none(), "{msg}");
-        eprintln!("SKIPPED: {msg}");
         return;
     };
     let dir = tempfile::tempdir().expect("tempdir");
@@ -131,11 +131,7 @@ async fn llama_cpp_servers_are_placed_refused_evicted_and_restarted() {
     );
     config += &workload("big", &python, &big, "policy = \"never\"");
     config += &workload("big2", &python, &big, "policy = \"never\"");
-    std::fs::write(
-        dir.path().join("residentd.toml"),
-        config_text(dir.path(), &config),
-    )
-    .expect("config");
+    write_config(dir.path(), &config);
     let mut d = Daemon::start_in(dir).await;
     let ready = |w: &str, id: &str| pb::StartRequest {
         wait_ready: true,
@@ -170,15 +166,14 @@ async fn llama_cpp_servers_are_placed_refused_evicted_and_restarted() {
     // stay resident beside the repacked copy), and the KV cache: measured
     // must exceed the weights and stay within declared plus a base of 40
     // to 200 MB.
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    let measured = |i: pb::Instance| i.measured_bytes;
-    let (mut m_t, mut m_b) = (0, 0);
-    while m_t == 0 || m_b == 0 {
-        assert!(tokio::time::Instant::now() < deadline, "no memory measured");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        m_t = measured(d.get("t").await);
-        m_b = measured(d.get("b").await);
-    }
+    let measured = until(async || {
+        let (m_t, m_b) = (
+            d.get("t").await.measured_bytes,
+            d.get("b").await.measured_bytes,
+        );
+        (m_t != 0 && m_b != 0).then_some((m_t, m_b))
+    });
+    let (m_t, m_b) = measured.await.expect("no memory measured");
     println!("measured: tiny {m_t} bytes (declared {d_tiny}), big {m_b} bytes (declared {d_big})");
     for (name, m, dcl) in [("tiny", m_t, d_tiny), ("big", m_b, d_big)] {
         let base = m.saturating_sub(dcl);
@@ -240,20 +235,8 @@ async fn llama_cpp_servers_are_placed_refused_evicted_and_restarted() {
     assert_eq!(completes(b2.port).await, 200);
 
     // 6. kill -9 of a server: seen within a second, restarted by its policy.
-    let instances = d
-        .client
-        .list(pb::ListRequest {})
-        .await
-        .expect("list")
-        .into_inner()
-        .instances
-        .len();
-    let mut watch = d
-        .client
-        .watch(pb::WatchRequest { since_revision: 0 })
-        .await
-        .expect("watch")
-        .into_inner();
+    let instances = d.list().await.len();
+    let mut watch = d.watch(0).await;
     for _ in 0..instances {
         let e = watch.next().await.expect("a snapshot").expect("ok");
         assert_eq!(e.kind, pb::EventKind::Snapshot as i32);
@@ -281,28 +264,11 @@ async fn llama_cpp_servers_are_placed_refused_evicted_and_restarted() {
         seen.message
     );
     assert_eq!(seen.exit_signal, 9);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
-    let restarted = loop {
-        let i = d.get("t").await;
-        if i.state == pb::State::Ready as i32 {
-            break i;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "tiny was not restarted: {i:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let restarted = d.wait_state("t", pb::State::Ready).await;
     assert_eq!(restarted.restarts, 1);
     assert_eq!(completes(restarted.port).await, 200);
-    let node = d
-        .client
-        .node(pb::NodeRequest {})
-        .await
-        .expect("node")
-        .into_inner();
     assert_eq!(
-        node.pools[0].used_bytes,
+        d.node().await.pools[0].used_bytes,
         d_tiny + d_big,
         "the restarted tiny kept its one reservation"
     );

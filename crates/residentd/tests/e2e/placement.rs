@@ -1,15 +1,13 @@
 //! The agent over gRPC: the reference scenario, exclusions, idempotent
 //! starts, eviction, concurrency and bad input, against the real binary.
 
-mod support;
-
+use crate::support::*;
 use resident_api::pb;
-use support::*;
 use tokio_stream::StreamExt as _;
 use tonic::Code;
 
 fn reference_config() -> String {
-    let mut c = String::from("[[pool]]\nname = \"unified\"\nbudget = \"96GB\"\n\n");
+    let mut c = pool("unified", "96GB");
     c += &sleeper("coder-daily", "unified", 55, "");
     c += &sleeper("coder-small", "unified", 9, "");
     c += &sleeper("planner", "unified", 55, "excludes = [\"role:swarm\"]");
@@ -224,7 +222,7 @@ async fn evict_stops_the_least_recently_used_first_or_nothing() {
 
 #[tokio::test]
 async fn concurrent_starts_never_over_commit() {
-    let mut config = String::from("[[pool]]\nname = \"unified\"\nbudget = \"10GB\"\n\n");
+    let mut config = pool("unified", "10GB");
     config += &sleeper("one", "unified", 1, "");
     let d = Daemon::start(&config).await;
     let starts = (0..64).map(|i| {

@@ -4,19 +4,17 @@
 //! books must equal what runs. And a kill -9 of the agent in the middle of
 //! a start storm.
 //!
-//! `CHAOS_SEED=N cargo test -p residentd --test chaos` replays a run; the
-//! seed is printed at the start and in every failure.
-
-mod support;
+//! `CHAOS_SEED=N cargo test -p residentd --test e2e chaos::` replays a run;
+//! the seed is printed at the start and in every failure.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::support::*;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use resident_api::pb;
-use support::*;
 use tokio_stream::StreamExt as _;
 
 const OPS: usize = 500;
@@ -50,7 +48,6 @@ fn seed() -> u64 {
 
 /// Workloads with every restart policy; the pool fits about three.
 fn roster() -> String {
-    let pool = "[[pool]]\nname = \"ram\"\nbudget = \"10GB\"\n\n";
     let w = |name: &str, gb: u64, command: &str, extra: &str| {
         format!(
             "[[workload]]\nname = \"{name}\"\ncommand = {command}\nstop_grace = \"1s\"\n{extra}\n[workload.memory.ram]\nweights = \"{gb}GB\"\n"
@@ -61,7 +58,7 @@ fn roster() -> String {
             "[workload.restart]\npolicy = \"{policy}\"\nmax_restarts = {max}\nbackoff = \"20ms\"\nbackoff_max = \"100ms\"\n"
         )
     };
-    let mut text = pool.to_string();
+    let mut text = pool("ram", "10GB");
     text += &w(
         "steady",
         3,
@@ -246,22 +243,19 @@ fn children_of(parent: i32) -> BTreeSet<i32> {
 
 /// Waits (bounded) until no instance is on its way anywhere; returns them.
 async fn quiescent(d: &mut Daemon, seed: u64) -> Vec<pb::Instance> {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let list = d.client.list(pb::ListRequest {}).await.expect("list");
-        let list = list.into_inner().instances;
-        // A crashy instance is READY only until its next crash.
-        let crashing =
-            |i: &pb::Instance| i.workload == "crashy" && i.state == pb::State::Ready as i32;
+    // A crashy instance is READY only until its next crash.
+    let crashing = |i: &pb::Instance| i.workload == "crashy" && i.state == pb::State::Ready as i32;
+    let mut last = Vec::new();
+    let settled_list = until(async || {
+        let list = d.list().await;
         if list.iter().all(|i| settled(i.state) && !crashing(i)) {
-            return list;
+            return Some(list);
         }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "seed {seed}: never quiescent: {list:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+        last = list;
+        None
+    })
+    .await;
+    settled_list.unwrap_or_else(|| panic!("seed {seed}: never quiescent: {last:?}"))
 }
 
 /// The books at quiescence: the pool holds exactly the footprints of the
@@ -275,8 +269,7 @@ async fn check_books(d: &mut Daemon, seed: u64, budget: u64) -> Vec<pb::Instance
         .flat_map(|i| i.demand.iter())
         .map(|dm| dm.weights_bytes + dm.kv_budget_bytes)
         .sum();
-    let node = d.client.node(pb::NodeRequest {}).await.expect("node");
-    let used = node.into_inner().pools[0].used_bytes;
+    let used = d.node().await.pools[0].used_bytes;
     assert_eq!(used, declared, "seed {seed}: ledger vs instances {list:?}");
     assert!(used <= budget, "seed {seed}: over budget");
     let running: BTreeSet<i32> = list
@@ -331,7 +324,7 @@ async fn random_operations_leave_the_books_straight() {
     let list = check_books(&mut d, seed, 10 * GB).await;
 
     // The watcher saw every revision, in order, and ends where List is.
-    let caught_up = eventually(PATIENCE, || {
+    let caught_up = eventually(async || {
         let s = seen.lock().expect("seen");
         list.iter()
             .all(|i| s.last_state.get(&i.instance_id) == Some(&i.state))
@@ -360,8 +353,7 @@ async fn random_operations_leave_the_books_straight() {
         };
         d.client.stop(stop).await.expect("stop");
     }
-    let node = d.client.node(pb::NodeRequest {}).await.expect("node");
-    assert_eq!(node.into_inner().pools[0].used_bytes, 0, "seed {seed}");
+    assert_eq!(d.node().await.pools[0].used_bytes, 0, "seed {seed}");
     let left: Vec<i32> = pids.into_iter().filter(|p| alive(*p)).collect();
     assert!(left.is_empty(), "seed {seed}: processes left: {left:?}");
     assert!(children_of(d.pid()).is_empty(), "seed {seed}");
@@ -369,8 +361,7 @@ async fn random_operations_leave_the_books_straight() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_during_a_start_storm_leaves_no_orphan_and_reserves_once() {
-    let pool = "[[pool]]\nname = \"ram\"\nbudget = \"1000GB\"\n\n";
-    let mut d = Daemon::start(&format!("{pool}{}", sleeper("nap", "ram", 1, ""))).await;
+    let mut d = Daemon::start(&(pool("ram", "1000GB") + &sleeper("nap", "ram", 1, ""))).await;
     const PER_CLIENT: usize = 60;
     let seen = Arc::new(Mutex::new(Seen::default()));
     let watcher = watch_all(d.client.clone(), seen.clone());
@@ -391,7 +382,7 @@ async fn kill_9_during_a_start_storm_leaves_no_orphan_and_reserves_once() {
         .collect();
     // Crash the agent once the storm is well under way and the journal
     // (written in the background, changes gathered) holds a good part of it.
-    let under_way = eventually(PATIENCE, || seen.lock().expect("seen").pids.len() >= 25).await;
+    let under_way = eventually(async || seen.lock().expect("seen").pids.len() >= 25).await;
     assert!(under_way, "the storm got going");
     let journal = d.dir.path().join("state/instances.journal");
     let journaled = || {
@@ -403,11 +394,9 @@ async fn kill_9_during_a_start_storm_leaves_no_orphan_and_reserves_once() {
             })
             .unwrap_or_else(|_| BTreeSet::new())
     };
-    let recorded = eventually(PATIENCE, || journaled().len() >= 20).await;
+    let recorded = eventually(async || journaled().len() >= 20).await;
     assert!(recorded, "the journal caught up with the storm");
-    let mut agent = d.child.take().expect("running");
-    agent.kill().expect("kill -9");
-    agent.wait().expect("reaped");
+    d.kill();
     let mut done = 0;
     for s in storm {
         done += s.await.expect("a client panicked");

@@ -3,13 +3,11 @@
 //! group, programs checked when the config loads, and the limits on
 //! message size and instance count.
 
-mod support;
-
 use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
 use std::process::Command;
 
+use crate::support::*;
 use resident_api::pb;
-use support::*;
 use tonic::Code;
 
 const POOL: &str = "[[pool]]\nname = \"ram\"\nbudget = \"100GB\"\n";
@@ -53,8 +51,7 @@ async fn callers_outside_the_allowlist_change_nothing() {
     };
     let placement = d.client.place(place).await.expect("place is a read");
     assert!(placement.into_inner().admitted);
-    let node = d.client.node(pb::NodeRequest {}).await.expect("node");
-    assert_eq!(node.into_inner().pools[0].used_bytes, 0);
+    assert_eq!(d.node().await.pools[0].used_bytes, 0);
     assert!(
         d.log()
             .contains("refused: caller not in allow_uids / allow_gids")
@@ -70,21 +67,16 @@ async fn callers_outside_the_allowlist_change_nothing() {
         ),
     );
     std::fs::write(d.dir.path().join("residentd.toml"), text).expect("rewrite the config");
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(d.pid()),
-        nix::sys::signal::Signal::SIGHUP,
-    )
-    .expect("SIGHUP");
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    loop {
-        match d.client.start(start_req("nap", "n1")).await {
-            Ok(_) => break,
-            Err(e) if e.code() == Code::PermissionDenied => {}
-            Err(e) => panic!("unexpected {e:?}"),
-        }
-        assert!(tokio::time::Instant::now() < deadline, "reload never took");
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
+    d.signal(nix::sys::signal::Signal::SIGHUP);
+    // Denied until the reload takes; any other error is a failure.
+    let started = until(
+        async || match d.client.start(start_req("nap", "n1")).await {
+            Err(e) if e.code() == Code::PermissionDenied => None,
+            other => Some(other),
+        },
+    );
+    let started = started.await.expect("reload never took");
+    started.expect("the start, once the group is allowed");
     assert_eq!(d.ids().await, ["n1"]);
 }
 
@@ -171,23 +163,23 @@ fn programs_are_checked_when_the_config_loads() {
     let out = check_config(dir.path(), &workload("/bin/true"));
     assert_eq!(out.status.code(), Some(0));
     let err = String::from_utf8_lossy(&out.stderr);
-    if nix::unistd::geteuid().is_root() {
-        assert!(
-            err.contains("warning: workload[w] would run as root"),
-            "{err}"
-        );
-    }
-    let user = nix::unistd::User::from_uid(1.into()).ok().flatten();
-    if let Some(user) = user {
-        let with_user = workload("/bin/true").replace(
-            "name = \"w\"\n",
-            &format!("name = \"w\"\nrun_as = \"{}\"\n", user.name),
-        );
-        let out = check_config(dir.path(), &with_user);
-        assert_eq!(out.status.code(), Some(0));
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!err.contains("would run as root"), "{err}");
-    }
+    // Warned exactly when the agent runs as root, as the child would.
+    assert_eq!(
+        err.contains("warning: workload[w] would run as root"),
+        nix::unistd::geteuid().is_root(),
+        "{err}"
+    );
+    let Some(user) = nix::unistd::User::from_uid(1.into()).ok().flatten() else {
+        return skip("the run_as half: no user with uid 1 on this machine");
+    };
+    let with_user = workload("/bin/true").replace(
+        "name = \"w\"\n",
+        &format!("name = \"w\"\nrun_as = \"{}\"\n", user.name),
+    );
+    let out = check_config(dir.path(), &with_user);
+    assert_eq!(out.status.code(), Some(0));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("would run as root"), "{err}");
 }
 
 #[tokio::test]

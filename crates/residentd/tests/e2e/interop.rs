@@ -4,27 +4,16 @@
 //! reflection, health and rich errors; and a bare HTTP/2 client that
 //! sends the `:authority` values other stacks send over a Unix socket.
 
-mod support;
-
-use std::path::PathBuf;
 use std::process::Command;
 
-use support::*;
-
-fn workspace() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
+use crate::support::*;
 
 #[tokio::test]
 async fn python_grpcio_finds_the_service_checks_health_and_decodes_refusals() {
-    let python = workspace().join(".venv/bin/python");
-    if !python.exists() {
-        let msg = "no .venv with grpcio: run scripts/test (it creates the venv) to include the Python interop test";
-        assert!(std::env::var_os("CI").is_none(), "{msg}");
-        eprintln!("SKIPPED: {msg}");
+    let Some(python) = venv_python("the Python grpcio client") else {
         return;
-    }
-    let mut config = String::from("[[pool]]\nname = \"unified\"\nbudget = \"96GB\"\n\n");
+    };
+    let mut config = pool("unified", "96GB");
     config += &sleeper("coder-daily", "unified", 55, "");
     config += &sleeper("coder-small", "unified", 9, "");
     config += &sleeper("planner", "unified", 55, "");
@@ -50,12 +39,12 @@ async fn python_grpcio_finds_the_service_checks_health_and_decodes_refusals() {
 /// frames itself, so it can send any `:authority`, or none, as grpc-core
 /// and grpc-java do.
 mod raw {
-    use std::time::Duration;
-
     use loona_hpack::Decoder;
     use loona_hpack::encoder::encode_integer_into;
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     use tokio::net::UnixStream;
+
+    use crate::support::PATIENCE;
 
     const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
     const DATA: u8 = 0x0;
@@ -137,9 +126,9 @@ mod raw {
             // An empty HealthCheckRequest: uncompressed, zero length.
             out.extend(frame(DATA, END_STREAM, stream, &[0, 0, 0, 0, 0]));
             self.sock.write_all(&out).await.expect("request");
-            tokio::time::timeout(Duration::from_secs(10), self.answer(stream))
+            tokio::time::timeout(PATIENCE, self.answer(stream))
                 .await
-                .expect("an answer within 10 s")
+                .expect("an answer in time")
         }
 
         async fn answer(&mut self, stream: u32) -> Answer {
@@ -197,10 +186,7 @@ fn health_request(authority: Option<&str>) -> Vec<(&str, &str)> {
 /// An agent on plaintext TCP, which has no authority layer; returns it
 /// with its port once it accepts connections.
 async fn plain_tcp_agent() -> (tempfile::TempDir, std::process::Child, u16) {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port();
+    let port = free_port();
     let dir = tempfile::tempdir().expect("tempdir");
     let text = format!(
         "[node]\nname = \"tcp\"\nlisten = \"tcp://127.0.0.1:{port}\"\ninsecure = true\nstate_dir = \"{}/state\"\n\n[[pool]]\nname = \"ram\"\nbudget = \"1GB\"\n",
@@ -214,16 +200,14 @@ async fn plain_tcp_agent() -> (tempfile::TempDir, std::process::Child, u16) {
         .stderr(std::process::Stdio::null())
         .spawn()
         .expect("start residentd");
-    let up = eventually(PATIENCE, || {
-        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
-    });
+    let up = eventually(async || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok());
     assert!(up.await, "the TCP agent never accepted a connection");
     (dir, child, port)
 }
 
 #[tokio::test]
 async fn any_authority_a_client_sends_reaches_the_service_and_malformed_requests_are_refused() {
-    let d = Daemon::start("[[pool]]\nname = \"unified\"\nbudget = \"1GB\"\n").await;
+    let d = Daemon::start(&pool("unified", "1GB")).await;
     let path = d.socket.to_str().expect("utf-8 path").to_string();
     let encoded = path.replace('/', "%2F");
     let mut conn = raw::Conn::unix(&d.socket).await;

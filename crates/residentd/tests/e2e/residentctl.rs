@@ -1,25 +1,25 @@
 //! residentctl against a real residentd: tables, JSON, exit codes, and
 //! `logs -f`, which ends with the instance's run.
 
-mod support;
-
 use std::io::{BufRead as _, BufReader};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc;
-use std::time::Duration;
 
+use crate::support::*;
 use resident_api::pb;
-use support::*;
 
 const CTL: &str = env!("CARGO_BIN_EXE_residentctl");
 
+/// residentctl with `args` against `d`.
+fn ctl_command(d: &Daemon, args: &[&str]) -> Command {
+    let mut cmd = Command::new(CTL);
+    cmd.arg("--socket").arg(&d.socket).args(args);
+    cmd
+}
+
+/// Runs residentctl with `args` against `d` to its end.
 fn ctl(d: &Daemon, args: &[&str]) -> Output {
-    Command::new(CTL)
-        .arg("--socket")
-        .arg(&d.socket)
-        .args(args)
-        .output()
-        .expect("run residentctl")
+    ctl_command(d, args).output().expect("run residentctl")
 }
 
 fn text(o: &Output) -> (String, String) {
@@ -31,7 +31,7 @@ fn text(o: &Output) -> (String, String) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_subcommand_against_a_live_agent() {
-    let mut config = String::from("[[pool]]\nname = \"unified\"\nbudget = \"96GB\"\n\n");
+    let mut config = pool("unified", "96GB");
     config += &sleeper("coder-daily", "unified", 55, "");
     config += &sleeper("coder-small", "unified", 9, "");
     config += &sleeper("planner", "unified", 55, "");
@@ -153,10 +153,7 @@ async fn every_subcommand_against_a_live_agent() {
 
 /// Starts residentctl with `args` against `d`, its stdout and stderr piped.
 fn spawn_ctl(d: &Daemon, args: &[&str]) -> Child {
-    Command::new(CTL)
-        .arg("--socket")
-        .arg(&d.socket)
-        .args(args)
+    ctl_command(d, args)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -165,15 +162,15 @@ fn spawn_ctl(d: &Daemon, args: &[&str]) -> Child {
 
 /// Waits (bounded) until `child` has exited; then its status and what is
 /// left of its output. Kills it and fails the test at the bound.
-async fn exits_within(mut child: Child, bound: Duration, what: &str) -> Output {
-    let exited = eventually(bound, || matches!(child.try_wait(), Ok(Some(_)))).await;
+async fn exits(mut child: Child, what: &str) -> Output {
+    let exited = eventually(async || matches!(child.try_wait(), Ok(Some(_)))).await;
     if !exited {
         let _ = child.kill();
     }
     let out = tokio::task::block_in_place(|| child.wait_with_output()).expect("residentctl output");
     assert!(
         exited,
-        "{what} did not return within {bound:?}: {:?}",
+        "{what} did not return within {PATIENCE:?}: {:?}",
         text(&out)
     );
     out
@@ -201,7 +198,7 @@ async fn logs_follow_ends_when_the_run_ends_not_at_a_restart() {
     let fifo_dir = tempfile::tempdir().expect("tempdir");
     let fifo = fifo_dir.path().join("go");
     nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).expect("mkfifo");
-    let mut config = String::from("[[pool]]\nname = \"ram\"\nbudget = \"10GB\"\n\n");
+    let mut config = pool("ram", "10GB");
     config += &shell(
         "relay",
         &format!("echo run; read x < {}; exit 1", fifo.display()),
@@ -224,7 +221,7 @@ async fn logs_follow_ends_when_the_run_ends_not_at_a_restart() {
         "a restart does not end the follow"
     );
     release();
-    let out = exits_within(follow, PATIENCE, "logs -f of a failed instance").await;
+    let out = exits(follow, "logs -f of a failed instance").await;
     assert!(out.status.success(), "{:?}", text(&out));
     let (_, err) = text(&out);
     assert!(
@@ -237,14 +234,14 @@ async fn logs_follow_ends_when_the_run_ends_not_at_a_restart() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn logs_follow_of_an_ended_instance_prints_its_lines_and_returns() {
-    let mut config = String::from("[[pool]]\nname = \"ram\"\nbudget = \"10GB\"\n\n");
+    let mut config = pool("ram", "10GB");
     config += &shell("once", "echo old; exit 0", "policy = \"never\"");
     config += &sleeper("idle", "ram", 1, "");
     let mut d = Daemon::start(&config).await;
     d.started("once", "o").await;
     d.wait_state("o", pb::State::Exited).await;
     let follow = spawn_ctl(&d, &["logs", "o", "-f"]);
-    let out = exits_within(follow, PATIENCE, "logs -f of an exited instance").await;
+    let out = exits(follow, "logs -f of an exited instance").await;
     assert!(out.status.success(), "{:?}", text(&out));
     let (lines, err) = text(&out);
     assert_eq!(lines, "old\n");
@@ -256,7 +253,7 @@ async fn logs_follow_of_an_ended_instance_prints_its_lines_and_returns() {
     d.started("idle", "i").await;
     let follow = spawn_ctl(&d, &["logs", "i", "-f"]);
     d.stopped("i").await;
-    let out = exits_within(follow, PATIENCE, "logs -f of a stopped instance").await;
+    let out = exits(follow, "logs -f of a stopped instance").await;
     assert!(out.status.success(), "{:?}", text(&out));
     assert!(
         text(&out).1.contains("instance i has exited (stopped ("),
@@ -275,19 +272,14 @@ fn quiet(out: &Output, what: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_closed_output_pipe_ends_residentctl_quietly() {
-    let config = String::from("[[pool]]\nname = \"ram\"\nbudget = \"10GB\"\n\n")
-        + &sleeper("a", "ram", 1, "")
-        + &sleeper("b", "ram", 1, "");
+    let config = pool("ram", "10GB") + &sleeper("a", "ram", 1, "") + &sleeper("b", "ram", 1, "");
     let mut d = Daemon::start(&config).await;
     d.started("a", "a").await;
     // A pipe whose reader has gone before the first write.
     for args in [&["node"][..], &["--json", "node"], &["ls"], &["get", "a"]] {
         let (reader, writer) = std::io::pipe().expect("pipe");
         drop(reader);
-        let out = Command::new(CTL)
-            .arg("--socket")
-            .arg(&d.socket)
-            .args(args)
+        let out = ctl_command(&d, args)
             .stdout(writer)
             .stderr(Stdio::piped())
             .output()
@@ -303,13 +295,13 @@ async fn a_closed_output_pipe_ends_residentctl_quietly() {
     assert!(first.contains("SNAPSHOT"), "{first}");
     drop(reader);
     d.started("b", "b").await;
-    let out = exits_within(watch, PATIENCE, "watch into a closed pipe").await;
+    let out = exits(watch, "watch into a closed pipe").await;
     quiet(&out, "watch into a pipe closed after its first line");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn logs_print_both_streams_on_stdout_and_pick_one_with_stream() {
-    let mut config = String::from("[[pool]]\nname = \"ram\"\nbudget = \"10GB\"\n\n");
+    let mut config = pool("ram", "10GB");
     config += &shell(
         "both",
         "echo to-out; echo to-err >&2; echo more-err >&2; exit 0",

@@ -2,10 +2,8 @@
 //! (the stand-in for NVML): foreign use tightens the budget, never loosens
 //! it, and the budget comes back when the foreign process goes.
 
-mod support;
-
+use crate::support::*;
 use resident_api::pb;
-use support::*;
 use tonic::Code;
 
 const GB: u64 = 1_000_000_000;
@@ -23,13 +21,16 @@ async fn gpu_daemon(
     let reading = dir.path().join("gpu0.available");
     std::fs::write(&reading, format!("{available}\n")).expect("reading");
     let config = format!(
-        "[[pool]]\nname = \"gpu0\"\nbudget = \"24GB\"\ndevice = \"file:{}\"\n{pool_extra}\n\n{workloads}",
+        "{node_extra}[[pool]]\nname = \"gpu0\"\nbudget = \"24GB\"\ndevice = \"file:{}\"\n{pool_extra}\n\n{workloads}",
         reading.display()
     );
-    let node = format!("[node]\n{node_extra}");
-    let text = config_text(dir.path(), &config).replace("[node]\n", &node);
-    std::fs::write(dir.path().join("residentd.toml"), text).expect("config");
+    write_config(dir.path(), &config);
     (Daemon::start_in(dir).await, reading)
+}
+
+/// The one pool of these agents.
+fn gpu(node: pb::NodeStatus) -> pb::PoolStatus {
+    node.pools.into_iter().next().expect("gpu0")
 }
 
 #[tokio::test]
@@ -37,20 +38,13 @@ async fn foreign_use_of_the_gpu_tightens_the_budget_until_it_exits() {
     // A 24 GB card with a foreign process holding 8 GB: 16 GB free.
     let workloads = sleeper("m15", "gpu0", 15, "") + &sleeper("m16", "gpu0", 16, "");
     let (mut d, reading) = gpu_daemon(16 * GB, "reserve = \"1GB\"", "", &workloads).await;
-    let pool = |n: pb::NodeStatus| n.pools.into_iter().next().expect("gpu0");
-    let gpu = pool(
-        d.client
-            .node(pb::NodeRequest {})
-            .await
-            .expect("node")
-            .into_inner(),
-    );
+    let gpu0 = gpu(d.node().await);
     assert_eq!(
-        gpu.effective_budget_bytes,
+        gpu0.effective_budget_bytes,
         Some(15 * GB),
         "16 GB free less the 1 GB reserve"
     );
-    assert_eq!(gpu.available_bytes, Some(16 * GB));
+    assert_eq!(gpu0.available_bytes, Some(16 * GB));
     // 16 GB does not fit the live ceiling though it fits the budget.
     let e = d
         .client
@@ -68,25 +62,8 @@ async fn foreign_use_of_the_gpu_tightens_the_budget_until_it_exits() {
     );
     // The foreign process exits: 24 GB free, the budget is back.
     std::fs::write(&reading, format!("{}\n", 24 * GB)).expect("reading");
-    let back = {
-        let deadline = tokio::time::Instant::now() + PATIENCE;
-        loop {
-            let gpu = pool(
-                d.client
-                    .node(pb::NodeRequest {})
-                    .await
-                    .expect("node")
-                    .into_inner(),
-            );
-            if gpu.effective_budget_bytes == Some(23 * GB) {
-                break true;
-            }
-            if tokio::time::Instant::now() > deadline {
-                break false;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-        }
-    };
+    let back = eventually(async || gpu(d.node().await).effective_budget_bytes == Some(23 * GB));
+    let back = back.await;
     assert!(back, "the budget came back (24 GB less the reserve)");
     d.client
         .start(start_req("m16", "big"))
@@ -95,21 +72,11 @@ async fn foreign_use_of_the_gpu_tightens_the_budget_until_it_exits() {
     // A garbled reading is no reading: the configured budget stands, and a
     // reading above the budget never raises it.
     std::fs::write(&reading, "unknown\n").expect("reading");
-    let place = |c: &mut resident_api::pb::node_agent_client::NodeAgentClient<
-        tonic::transport::Channel,
-    >| {
-        let mut c = c.clone();
-        async move {
-            c.place(pb::PlaceRequest {
-                workload: "m16".into(),
-                on_full: 0,
-            })
-            .await
-            .expect("place")
-            .into_inner()
-        }
+    let place = pb::PlaceRequest {
+        workload: "m16".into(),
+        on_full: 0,
     };
-    let p = place(&mut d.client).await;
+    let p = d.client.place(place).await.expect("place").into_inner();
     assert_eq!(p.pools[0].effective_budget_bytes, Some(24 * GB));
     assert!(!p.admitted, "16 + 16 GB exceed the 24 GB budget");
 }
@@ -125,9 +92,29 @@ async fn eviction_setup(recovery: &str) -> (Daemon, std::path::PathBuf) {
     (d, reading)
 }
 
+/// The next event that moves instance `id` out of PENDING: its spawn.
+async fn spawned(events: &mut tonic::Streaming<pb::Event>, id: &str) -> pb::Instance {
+    use tokio_stream::StreamExt as _;
+    loop {
+        let e = events.next().await.expect("the watch goes on").expect("ok");
+        if let Some(i) = e.instance
+            && i.instance_id == id
+            && i.state != pb::State::Pending as i32
+        {
+            return i;
+        }
+    }
+}
+
+/// How long a start must stay unspawned after its victim exited while the
+/// memory does not show free: 15 rounds of the agent's 20 ms re-reading of
+/// the probe. A start that did not wait spawns at once, within one.
+const NOT_BEFORE: std::time::Duration = std::time::Duration::from_millis(300);
+
 #[tokio::test]
 async fn a_start_waits_until_the_evicted_memory_shows_free_again() {
     let (mut d, reading) = eviction_setup("30s").await;
+    let mut events = d.watch(0).await;
     let mut c = d.client.clone();
     let mut req = start_req("new", "new");
     req.on_full = pb::Policy::Evict as i32;
@@ -138,9 +125,14 @@ async fn a_start_waits_until_the_evicted_memory_shows_free_again() {
     std::fs::write(&reading, format!("{}\n", 4 * GB)).expect("reading");
     d.wait_state("old", pb::State::Exited).await;
     // The victim is gone but only 4 GB show free (less than 3/4 of its
-    // 16 GB): the new model must not be spawned. Give the agent time to
-    // (wrongly) go ahead, then check it did not.
-    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    // 16 GB): the new model must not be spawned. Nothing the agent shows
+    // says "still waiting" (it re-reads the probe and tells no one), so
+    // this check is bounded by the clock: no spawn for NOT_BEFORE.
+    let early = tokio::time::timeout(NOT_BEFORE, spawned(&mut events, "new")).await;
+    assert!(
+        early.is_err(),
+        "the new model was spawned before the memory came back: {early:?}"
+    );
     assert!(
         !start.is_finished(),
         "the start went ahead before the memory came back"
@@ -148,6 +140,8 @@ async fn a_start_waits_until_the_evicted_memory_shows_free_again() {
     assert_eq!(d.get("new").await.state, pb::State::Pending as i32);
     std::fs::write(&reading, format!("{}\n", 20 * GB)).expect("reading");
     let released = tokio::time::Instant::now();
+    let spawn = tokio::time::timeout(PATIENCE, spawned(&mut events, "new")).await;
+    assert_ne!(spawn.expect("spawned once the memory is back").pid, 0);
     let started = tokio::time::timeout(PATIENCE, start)
         .await
         .expect("in time")

@@ -1,16 +1,13 @@
 //! The Prometheus endpoint, parsed by the reference Python parser, and
 //! its documentation (docs/operations.md) listing exactly what it serves.
 
-mod support;
-
 use std::collections::BTreeSet;
 use std::io::{Read as _, Write as _};
-use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
+use crate::support::*;
 use resident_api::pb;
 use serde_json::Value;
-use support::*;
 
 fn scrape(port: u16) -> String {
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
@@ -31,18 +28,11 @@ fn scrape(port: u16) -> String {
     body.to_string()
 }
 
-fn samples(body: &str) -> Vec<Value> {
-    let python = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/python");
-    let script =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/interop/parse_metrics.py");
-    if !python.exists() {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "no .venv: scripts/test creates it"
-        );
-        eprintln!("SKIPPED the Python parser: no .venv (run scripts/test)");
-        return Vec::new();
-    }
+/// The samples of `body` as the reference Python parser reads them, one
+/// JSON object each; `None` where there is no `.venv` (skipped, saying so).
+fn samples(body: &str) -> Option<Vec<Value>> {
+    let python = venv_python("the reference Python parser half")?;
+    let script = workspace().join("tests/interop/parse_metrics.py");
     let mut child = Command::new(python)
         .arg(script)
         .stdin(Stdio::piped())
@@ -62,10 +52,12 @@ fn samples(body: &str) -> Vec<Value> {
         "the parser refused the text:\n{}\n{body}",
         String::from_utf8_lossy(&out.stderr)
     );
-    String::from_utf8_lossy(&out.stdout)
+    let samples: Vec<Value> = String::from_utf8_lossy(&out.stdout)
         .lines()
         .map(|l| serde_json::from_str(l).expect("json"))
-        .collect()
+        .collect();
+    assert!(!samples.is_empty(), "the parser read no sample of:\n{body}");
+    Some(samples)
 }
 
 fn value(samples: &[Value], name: &str, label: (&str, &str)) -> Option<f64> {
@@ -77,20 +69,11 @@ fn value(samples: &[Value], name: &str, label: (&str, &str)) -> Option<f64> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_endpoint_counts_what_happened_and_parses() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("port")
-        .port();
-    let mut config = String::from("[[pool]]\nname = \"unified\"\nbudget = \"10GB\"\n\n");
+    let port = free_port();
+    let mut config = format!("metrics_listen = \"127.0.0.1:{port}\"\n") + &pool("unified", "10GB");
     config += &sleeper("big", "unified", 6, "");
     config += &sleeper("small", "unified", 2, "");
-    let dir = tempfile::tempdir().expect("tempdir");
-    let text = config_text(dir.path(), &config).replace(
-        "[node]\n",
-        &format!("[node]\nmetrics_listen = \"127.0.0.1:{port}\"\n"),
-    );
-    std::fs::write(dir.path().join("residentd.toml"), text).expect("config");
-    let mut d = Daemon::start_in(dir).await;
+    let mut d = Daemon::start(&config).await;
     d.client.start(start_req("big", "b1")).await.expect("fits");
     d.client
         .start(start_req("small", "s1"))
@@ -122,10 +105,9 @@ async fn the_endpoint_counts_what_happened_and_parses() {
         body.contains("residentd_evictions_total{evicting=\"big\",evicted=\"big\"} 1"),
         "{body}"
     );
-    let parsed = samples(&body);
-    if parsed.is_empty() {
+    let Some(parsed) = samples(&body) else {
         return;
-    }
+    };
     assert_eq!(
         value(&parsed, "residentd_pool_budget_bytes", ("pool", "unified")),
         Some(10e9)
@@ -159,7 +141,7 @@ async fn the_endpoint_counts_what_happened_and_parses() {
 
 /// The metric names in the table of docs/operations.md's Metrics section.
 fn documented() -> BTreeSet<String> {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../docs/operations.md");
+    let path = workspace().join("docs/operations.md");
     let doc = std::fs::read_to_string(path).expect("docs/operations.md");
     let (_, section) = doc.split_once("\n## Metrics\n").expect("a Metrics section");
     let section = section.split("\n## ").next().unwrap_or_default();
@@ -172,26 +154,17 @@ fn documented() -> BTreeSet<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_metric_served_is_documented_and_every_documented_one_served() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("port")
-        .port();
+    let port = free_port();
     // A run that makes every family show a series: an admission, an
     // eviction, a refusal, a restart, RPCs.
-    let mut config = String::from("[[pool]]\nname = \"ram\"\nbudget = \"10GB\"\n\n");
+    let mut config = format!("metrics_listen = \"127.0.0.1:{port}\"\n") + &pool("ram", "10GB");
     config += &sleeper("big", "ram", 6, "");
     config += &shell(
         "crasher",
         "exit 1",
         "policy = \"on-failure\"\nmax_restarts = 1\nbackoff = \"50ms\"",
     );
-    let dir = tempfile::tempdir().expect("tempdir");
-    let text = config_text(dir.path(), &config).replace(
-        "[node]\n",
-        &format!("[node]\nmetrics_listen = \"127.0.0.1:{port}\"\n"),
-    );
-    std::fs::write(dir.path().join("residentd.toml"), text).expect("config");
-    let mut d = Daemon::start_in(dir).await;
+    let mut d = Daemon::start(&config).await;
     d.started("crasher", "c").await;
     let c = d.wait_state("c", pb::State::Failed).await;
     assert_eq!(c.restarts, 1);

@@ -1,33 +1,19 @@
 //! Instances over time through the real agent: crashes and restarts and
-//! what they hold, Watch and Logs streams, what SIGTERM and kill -9 of the
-//! agent leave behind, and the laptop example the agent starts with.
+//! what they hold, Watch and Logs streams, reloads, idle expiry, and a
+//! start that meets its own instance stopping.
 
-mod support;
-
-use std::time::Duration;
-
+use crate::support::*;
+use nix::sys::signal::Signal;
 use resident_api::pb;
-use support::*;
 use tokio_stream::StreamExt as _;
 
-fn pool() -> String {
-    String::from("[[pool]]\nname = \"ram\"\nbudget = \"10GB\"\n\n")
-}
-
-async fn used(
-    c: &mut resident_api::pb::node_agent_client::NodeAgentClient<tonic::transport::Channel>,
-) -> u64 {
-    c.node(pb::NodeRequest {})
-        .await
-        .expect("node")
-        .into_inner()
-        .pools[0]
-        .used_bytes
+fn ram() -> String {
+    pool("ram", "10GB")
 }
 
 #[tokio::test]
 async fn crashes_release_memory_restarts_keep_it_giving_up_releases_it() {
-    let mut config = pool();
+    let mut config = ram();
     config += &shell("crasher", "exit 3", "policy = \"never\"");
     config += &shell(
         "looper",
@@ -41,7 +27,7 @@ async fn crashes_release_memory_restarts_keep_it_giving_up_releases_it() {
         .expect("starts");
     let failed = d.wait_state("c", pb::State::Failed).await;
     assert_eq!(failed.exit_code, 3);
-    assert_eq!(used(&mut d.client).await, 0, "a crash releases the memory");
+    assert_eq!(d.used().await, 0, "a crash releases the memory");
 
     d.client
         .start(start_req("looper", "l"))
@@ -54,7 +40,7 @@ async fn crashes_release_memory_restarts_keep_it_giving_up_releases_it() {
         backoff.message
     );
     assert_eq!(
-        used(&mut d.client).await,
+        d.used().await,
         4_000_000_000,
         "a restarting instance keeps its memory"
     );
@@ -65,12 +51,12 @@ async fn crashes_release_memory_restarts_keep_it_giving_up_releases_it() {
         "{}",
         gave_up.message
     );
-    assert_eq!(used(&mut d.client).await, 0, "giving up releases it");
+    assert_eq!(d.used().await, 0, "giving up releases it");
 }
 
 #[tokio::test]
 async fn watch_sees_every_transition_in_order_and_resumes() {
-    let mut config = pool();
+    let mut config = ram();
     config += &sleeper("a", "ram", 6, "");
     config += &sleeper("b", "ram", 6, "");
     let mut d = Daemon::start(&config).await;
@@ -166,7 +152,7 @@ async fn watch_sees_every_transition_in_order_and_resumes() {
 
 #[tokio::test]
 async fn logs_tail_then_follow_a_live_child() {
-    let mut config = pool();
+    let mut config = ram();
     config += &shell(
         "talker",
         "echo one; echo two >&2; sleep 0.5; echo three; sleep 3600",
@@ -218,144 +204,8 @@ async fn logs_tail_then_follow_a_live_child() {
 }
 
 #[tokio::test]
-async fn sigterm_stops_every_child_and_exits_zero() {
-    let mut config = pool();
-    config += &sleeper("a", "ram", 1, "");
-    config += &shell(
-        "stubborn",
-        "trap '' TERM; while true; do sleep 0.05; done",
-        "policy = \"never\"",
-    );
-    let mut d = Daemon::start(&config).await;
-    let a = d.started("a", "a").await;
-    let s = d.started("stubborn", "s").await;
-    let pids = [a.pid as i32, s.pid as i32];
-    let status = d.terminate().await;
-    assert!(status.success(), "residentd exited with {status:?}");
-    for pid in pids {
-        assert!(!alive(pid), "child {pid} outlived the agent");
-        assert!(
-            resident_supervisor::procfs::group_members(pid).is_empty(),
-            "group {pid} left members"
-        );
-    }
-    assert!(!d.socket.exists(), "the socket is removed");
-    // What ran at shutdown comes back with the next start.
-    let mut d = d.restart().await;
-    let ids = d.ids().await;
-    assert_eq!(ids, ["a", "s"]);
-}
-
-#[tokio::test]
-async fn after_kill_9_the_next_start_clears_leftovers_and_restores_the_journal() {
-    let mut config = pool();
-    // The shell forks a helper into its group; only the shell gets the
-    // parent-death signal, so the helper is a leftover to clear.
-    config += &shell(
-        "forker",
-        "sleep 3600 & echo helper=$!; wait",
-        "policy = \"never\"",
-    );
-    config += &sleeper("a", "ram", 1, "");
-    let mut d = Daemon::start(&config).await;
-    d.client
-        .start(start_req("a", "first"))
-        .await
-        .expect("starts");
-    let f = d.started("forker", "second").await;
-    let pgid = f.pid as i32;
-    let logs = pb::LogsRequest {
-        instance_id: "second".into(),
-        tail: 1,
-        follow: true,
-    };
-    let line = d
-        .client
-        .logs(logs)
-        .await
-        .expect("logs")
-        .into_inner()
-        .next()
-        .await
-        .expect("a line")
-        .expect("ok");
-    let helper: i32 = line
-        .line
-        .strip_prefix("helper=")
-        .and_then(|p| p.parse().ok())
-        .expect(&line.line);
-    // Let the journal catch up with the spawn (it is written in the
-    // background), then crash the agent.
-    let journal = d.dir.path().join("state/instances.journal");
-    let journaled = eventually(PATIENCE, || {
-        std::fs::read_to_string(&journal)
-            .is_ok_and(|j| j.contains(&format!("second\tforker\t{pgid}\t")))
-    })
-    .await;
-    assert!(journaled, "the journal records the running group");
-    let mut agent = d.child.take().expect("running");
-    agent.kill().expect("kill -9");
-    agent.wait().expect("reaped");
-    assert!(
-        alive(helper),
-        "the helper survives its agent (this is what restore must clean)"
-    );
-    let mut d = d.restart().await;
-    assert!(
-        !alive(helper),
-        "the leftover of the previous run was killed"
-    );
-    let ids = d.ids().await;
-    assert_eq!(
-        ids,
-        ["first", "second"],
-        "both journaled instances are back"
-    );
-    let list = d
-        .client
-        .list(pb::ListRequest {})
-        .await
-        .expect("list")
-        .into_inner();
-    assert!(
-        list.instances
-            .iter()
-            .all(|i| i.pid != 0 && i.pid as i32 != pgid)
-    );
-    let node = d
-        .client
-        .node(pb::NodeRequest {})
-        .await
-        .expect("node")
-        .into_inner();
-    assert_eq!(
-        node.pools[0].used_bytes, 5_000_000_000,
-        "each reserved once"
-    );
-}
-
-#[tokio::test]
-async fn kill_9_of_the_agent_leaves_no_child_behind() {
-    let mut config = pool();
-    config += &sleeper("a", "ram", 1, "");
-    config += &sleeper("b", "ram", 1, "");
-    let mut d = Daemon::start(&config).await;
-    let a = d.started("a", "a").await;
-    let b = d.started("b", "b").await;
-    let pids = [a.pid as i32, b.pid as i32];
-    let mut agent = d.child.take().expect("running");
-    agent.kill().expect("kill -9");
-    agent.wait().expect("reaped");
-    let gone = eventually(Duration::from_secs(1), || pids.iter().all(|p| !alive(*p))).await;
-    assert!(
-        gone,
-        "children outlived a kill -9 of the agent by more than a second"
-    );
-}
-
-#[tokio::test]
 async fn sighup_reloads_pools_without_touching_instances_and_refuses_a_bad_file() {
-    let config = pool() + &sleeper("a", "ram", 1, "");
+    let config = ram() + &sleeper("a", "ram", 1, "");
     let mut d = Daemon::start(&config).await;
     let a = d.started("a", "a").await;
     let pid = a.pid;
@@ -363,27 +213,10 @@ async fn sighup_reloads_pools_without_touching_instances_and_refuses_a_bad_file(
     let grown =
         config_text(d.dir.path(), &config).replace("budget = \"10GB\"", "budget = \"20GB\"");
     std::fs::write(&path, grown).expect("rewrite the config");
-    let hup = |d: &Daemon| {
-        let pid = nix::unistd::Pid::from_raw(d.pid());
-        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGHUP).expect("SIGHUP");
-    };
-    hup(&d);
+    d.signal(Signal::SIGHUP);
     let budget = |n: pb::NodeStatus| n.pools[0].budget_bytes;
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    while budget(
-        d.client
-            .node(pb::NodeRequest {})
-            .await
-            .expect("node")
-            .into_inner(),
-    ) != Some(20_000_000_000)
-    {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the reload did not take effect"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let grew = eventually(async || budget(d.node().await) == Some(20_000_000_000)).await;
+    assert!(grew, "the reload did not take effect");
     let a_now = d.get("a").await;
     assert_eq!(
         (a_now.pid, a_now.state),
@@ -392,28 +225,19 @@ async fn sighup_reloads_pools_without_touching_instances_and_refuses_a_bad_file(
     );
     // A broken file: refused, logged, the previous config stays.
     std::fs::write(&path, "[node\nname = ").expect("break the config");
-    hup(&d);
-    let refused = eventually(PATIENCE, || {
-        d.log().contains("configuration reload refused")
-    })
-    .await;
+    d.signal(Signal::SIGHUP);
+    let refused = eventually(async || d.log().contains("configuration reload refused")).await;
     assert!(refused, "the bad reload is logged: {}", d.log());
     assert!(
         d.log().contains("residentd.toml:1"),
         "the error names file and line"
     );
-    let node = d
-        .client
-        .node(pb::NodeRequest {})
-        .await
-        .expect("node")
-        .into_inner();
-    assert_eq!(budget(node), Some(20_000_000_000));
+    assert_eq!(budget(d.node().await), Some(20_000_000_000));
 }
 
 #[tokio::test]
 async fn an_idle_instance_is_stopped_after_its_ttl_and_a_touched_one_is_not() {
-    let mut config = pool();
+    let mut config = ram();
     config += &sleeper("idle", "ram", 1, "idle_ttl = \"1s\"");
     config += &sleeper("busy", "ram", 1, "idle_ttl = \"1s\"");
     let mut d = Daemon::start(&config).await;
@@ -426,29 +250,20 @@ async fn an_idle_instance_is_stopped_after_its_ttl_and_a_touched_one_is_not() {
         .await
         .expect("starts");
     // Keep "busy" in use while "idle" expires.
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    loop {
-        d.client
-            .touch(pb::TouchRequest {
-                instance_id: "busy".into(),
-                hold_ms: 0,
-            })
-            .await
-            .expect("touch");
-        let idle = d.get("idle").await;
-        if idle.state == pb::State::Exited as i32 {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the idle instance was never stopped"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let expired = eventually(async || {
+        let touch = pb::TouchRequest {
+            instance_id: "busy".into(),
+            hold_ms: 0,
+        };
+        d.client.touch(touch).await.expect("touch");
+        d.get("idle").await.state == pb::State::Exited as i32
+    })
+    .await;
+    assert!(expired, "the idle instance was never stopped");
     let busy = d.get("busy").await;
     assert_eq!(busy.state, pb::State::Ready as i32, "a used instance stays");
     assert_eq!(
-        used(&mut d.client).await,
+        d.used().await,
         1_000_000_000,
         "the idle one's memory is released"
     );
@@ -456,7 +271,7 @@ async fn an_idle_instance_is_stopped_after_its_ttl_and_a_touched_one_is_not() {
 
 #[tokio::test]
 async fn a_start_while_the_same_instance_stops_waits_and_answers_a_new_run() {
-    let mut config = pool();
+    let mut config = ram();
     // Ignores SIGTERM, so each stop lasts its whole 1 s grace.
     config += &shell(
         "stubborn",
@@ -496,75 +311,5 @@ async fn a_start_while_the_same_instance_stops_waits_and_answers_a_new_run() {
     let stopped = stopped.instance.expect("an instance");
     assert_eq!(stopped.state, pb::State::Exited as i32, "{stopped:?}");
     assert_eq!(d.get("s").await.pid, new.pid);
-    assert_eq!(used(&mut d.client).await, 4_000_000_000, "one reservation");
-}
-
-#[tokio::test]
-async fn the_laptop_example_runs_as_shipped_and_embedded() {
-    let example =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/laptop.toml");
-    let out = std::process::Command::new(RESIDENTD)
-        .arg("--check-config")
-        .arg(&example)
-        .output()
-        .expect("run residentd --check-config");
-    let said =
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{said}");
-    assert!(said.contains("valid (1 pools, 3 workloads)"), "{said}");
-    // With no --config the same file runs, its socket under the runtime
-    // directory.
-    let dir = tempfile::tempdir().expect("tempdir");
-    let log = std::fs::File::create(dir.path().join("residentd.log")).expect("log");
-    let child = std::process::Command::new(RESIDENTD)
-        .env("XDG_RUNTIME_DIR", dir.path())
-        .stdout(std::process::Stdio::null())
-        .stderr(log)
-        .spawn()
-        .expect("start residentd");
-    let socket = dir.path().join("residentd/residentd.sock");
-    let client = connect(&socket).await;
-    let mut d = Daemon {
-        dir,
-        socket,
-        child: Some(child),
-        client,
-    };
-    let node = d
-        .client
-        .node(pb::NodeRequest {})
-        .await
-        .expect("node")
-        .into_inner();
-    assert_eq!(node.node, "laptop");
-    let pools: Vec<&str> = node.pools.iter().map(|p| p.name.as_str()).collect();
-    assert_eq!(pools, ["ram"]);
-    assert!(d.dir.path().join("residentd/state").is_dir(), "{}", d.log());
-    assert!(d.terminate().await.success(), "{}", d.log());
-}
-
-#[tokio::test]
-async fn an_answered_start_or_stop_survives_kill_9_of_the_agent_right_after() {
-    let mut config = pool();
-    config += &sleeper("sleeper", "ram", 1, "");
-    let mut d = Daemon::start(&config).await;
-    for round in 0..50 {
-        let id = format!("r{round}");
-        d.started("sleeper", &id).await;
-        // kill -9 as soon as the answer is in (restart drops the old
-        // agent with SIGKILL), then a new agent on the same state.
-        d = d.restart().await;
-        let restored = d.get(&id).await;
-        let live = [pb::State::Starting as i32, pb::State::Ready as i32];
-        assert!(
-            live.contains(&restored.state),
-            "round {round}: the answered start is back: {restored:?}"
-        );
-        d.stopped(&id).await;
-        d = d.restart().await;
-        assert!(
-            !d.ids().await.contains(&id),
-            "round {round}: the answered stop stays done"
-        );
-    }
+    assert_eq!(d.used().await, 4_000_000_000, "one reservation");
 }

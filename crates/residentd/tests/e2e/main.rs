@@ -1,0 +1,22 @@
+//! The end-to-end tests of residentd: one binary, a module per topic, each
+//! starting the real `residentd` (and `residentctl`) and talking to it over
+//! its socket, with the helpers of `support`.
+//!
+//! `cargo test -p residentd --test e2e lifecycle::` runs one topic.
+
+mod support;
+
+mod chaos;
+mod device;
+mod hostile_input;
+mod interop;
+mod lifecycle;
+mod llama;
+mod metrics;
+mod oom;
+mod placement;
+mod residentctl;
+mod security;
+mod shutdown;
+mod systemd;
+mod tls;

@@ -1,0 +1,193 @@
+//! The agent's own end and its next start: what SIGTERM and kill -9 of
+//! the agent leave behind, what the journal brings back, and the laptop
+//! example the agent starts with when given no config.
+
+use std::time::Duration;
+
+use resident_api::pb;
+use tokio_stream::StreamExt as _;
+
+use crate::support::*;
+
+fn ram() -> String {
+    pool("ram", "10GB")
+}
+
+#[tokio::test]
+async fn sigterm_stops_every_child_and_exits_zero() {
+    let mut config = ram();
+    config += &sleeper("a", "ram", 1, "");
+    config += &shell(
+        "stubborn",
+        "trap '' TERM; while true; do sleep 0.05; done",
+        "policy = \"never\"",
+    );
+    let mut d = Daemon::start(&config).await;
+    let a = d.started("a", "a").await;
+    let s = d.started("stubborn", "s").await;
+    let pids = [a.pid as i32, s.pid as i32];
+    let status = d.terminate().await;
+    assert!(status.success(), "residentd exited with {status:?}");
+    for pid in pids {
+        assert!(!alive(pid), "child {pid} outlived the agent");
+        assert!(
+            resident_supervisor::procfs::group_members(pid).is_empty(),
+            "group {pid} left members"
+        );
+    }
+    assert!(!d.socket.exists(), "the socket is removed");
+    // What ran at shutdown comes back with the next start.
+    let mut d = d.restart().await;
+    let ids = d.ids().await;
+    assert_eq!(ids, ["a", "s"]);
+}
+
+#[tokio::test]
+async fn after_kill_9_the_next_start_clears_leftovers_and_restores_the_journal() {
+    let mut config = ram();
+    // The shell forks a helper into its group; only the shell gets the
+    // parent-death signal, so the helper is a leftover to clear.
+    config += &shell(
+        "forker",
+        "sleep 3600 & echo helper=$!; wait",
+        "policy = \"never\"",
+    );
+    config += &sleeper("a", "ram", 1, "");
+    let mut d = Daemon::start(&config).await;
+    d.client
+        .start(start_req("a", "first"))
+        .await
+        .expect("starts");
+    let f = d.started("forker", "second").await;
+    let pgid = f.pid as i32;
+    let logs = pb::LogsRequest {
+        instance_id: "second".into(),
+        tail: 1,
+        follow: true,
+    };
+    let line = d
+        .client
+        .logs(logs)
+        .await
+        .expect("logs")
+        .into_inner()
+        .next()
+        .await
+        .expect("a line")
+        .expect("ok");
+    let helper: i32 = line
+        .line
+        .strip_prefix("helper=")
+        .and_then(|p| p.parse().ok())
+        .expect(&line.line);
+    // Let the journal catch up with the spawn (it is written in the
+    // background), then crash the agent.
+    let journal = d.dir.path().join("state/instances.journal");
+    let journaled = eventually(async || {
+        std::fs::read_to_string(&journal)
+            .is_ok_and(|j| j.contains(&format!("second\tforker\t{pgid}\t")))
+    })
+    .await;
+    assert!(journaled, "the journal records the running group");
+    d.kill();
+    assert!(
+        alive(helper),
+        "the helper survives its agent (this is what restore must clean)"
+    );
+    let mut d = d.restart().await;
+    assert!(
+        !alive(helper),
+        "the leftover of the previous run was killed"
+    );
+    let ids = d.ids().await;
+    assert_eq!(
+        ids,
+        ["first", "second"],
+        "both journaled instances are back"
+    );
+    let list = d.list().await;
+    assert!(list.iter().all(|i| i.pid != 0 && i.pid as i32 != pgid));
+    assert_eq!(d.used().await, 5_000_000_000, "each reserved once");
+}
+
+#[tokio::test]
+async fn kill_9_of_the_agent_leaves_no_child_behind() {
+    let mut config = ram();
+    config += &sleeper("a", "ram", 1, "");
+    config += &sleeper("b", "ram", 1, "");
+    let mut d = Daemon::start(&config).await;
+    let a = d.started("a", "a").await;
+    let b = d.started("b", "b").await;
+    let pids = [a.pid as i32, b.pid as i32];
+    d.kill();
+    let killed = tokio::time::Instant::now();
+    let gone = eventually(async || pids.iter().all(|p| !alive(*p))).await;
+    assert!(
+        gone && killed.elapsed() < Duration::from_secs(1),
+        "children outlived a kill -9 of the agent by more than a second"
+    );
+}
+
+#[tokio::test]
+async fn the_laptop_example_runs_as_shipped_and_embedded() {
+    let example = workspace().join("examples/laptop.toml");
+    let out = std::process::Command::new(RESIDENTD)
+        .arg("--check-config")
+        .arg(&example)
+        .output()
+        .expect("run residentd --check-config");
+    let said =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{said}");
+    assert!(said.contains("valid (1 pools, 3 workloads)"), "{said}");
+    // With no --config the same file runs, its socket under the runtime
+    // directory.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let log = std::fs::File::create(dir.path().join("residentd.log")).expect("log");
+    let child = std::process::Command::new(RESIDENTD)
+        .env("XDG_RUNTIME_DIR", dir.path())
+        .stdout(std::process::Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("start residentd");
+    let socket = dir.path().join("residentd/residentd.sock");
+    let client = connect(&socket).await;
+    let mut d = Daemon {
+        dir,
+        socket,
+        child: Some(child),
+        client,
+    };
+    let node = d.node().await;
+    assert_eq!(node.node, "laptop");
+    let pools: Vec<&str> = node.pools.iter().map(|p| p.name.as_str()).collect();
+    assert_eq!(pools, ["ram"]);
+    assert!(d.dir.path().join("residentd/state").is_dir(), "{}", d.log());
+    assert!(d.terminate().await.success(), "{}", d.log());
+}
+
+#[tokio::test]
+async fn an_answered_start_or_stop_survives_kill_9_of_the_agent_right_after() {
+    let mut config = ram();
+    config += &sleeper("sleeper", "ram", 1, "");
+    let mut d = Daemon::start(&config).await;
+    for round in 0..50 {
+        let id = format!("r{round}");
+        d.started("sleeper", &id).await;
+        // kill -9 as soon as the answer is in (restart drops the old
+        // agent with SIGKILL), then a new agent on the same state.
+        d = d.restart().await;
+        let restored = d.get(&id).await;
+        let live = [pb::State::Starting as i32, pb::State::Ready as i32];
+        assert!(
+            live.contains(&restored.state),
+            "round {round}: the answered start is back: {restored:?}"
+        );
+        d.stopped(&id).await;
+        d = d.restart().await;
+        assert!(
+            !d.ids().await.contains(&id),
+            "round {round}: the answered stop stays done"
+        );
+    }
+}
