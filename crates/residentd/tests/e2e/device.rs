@@ -88,7 +88,7 @@ async fn eviction_setup(recovery: &str) -> (Daemon, std::path::PathBuf) {
     let workloads = String::from(old) + &sleeper("new", "gpu0", 16, "");
     let node = format!("memory_recovery = \"{recovery}\"\n");
     let (mut d, reading) = gpu_daemon(24 * GB, "", &node, &workloads).await;
-    d.client.start(start_req("old", "old")).await.expect("fits");
+    d.started("old", "old").await;
     (d, reading)
 }
 

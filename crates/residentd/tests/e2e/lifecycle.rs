@@ -21,18 +21,12 @@ async fn crashes_release_memory_restarts_keep_it_giving_up_releases_it() {
         "policy = \"on-failure\"\nmax_restarts = 2\nbackoff = \"200ms\"",
     );
     let mut d = Daemon::start(&config).await;
-    d.client
-        .start(start_req("crasher", "c"))
-        .await
-        .expect("starts");
+    d.started("crasher", "c").await;
     let failed = d.wait_state("c", pb::State::Failed).await;
     assert_eq!(failed.exit_code, 3);
     assert_eq!(d.used().await, 0, "a crash releases the memory");
 
-    d.client
-        .start(start_req("looper", "l"))
-        .await
-        .expect("starts");
+    d.started("looper", "l").await;
     let backoff = d.wait_state("l", pb::State::Backoff).await;
     assert!(
         backoff.message.contains("restart 1 of 2"),
@@ -60,7 +54,7 @@ async fn watch_sees_every_transition_in_order_and_resumes() {
     config += &sleeper("a", "ram", 6, "");
     config += &sleeper("b", "ram", 6, "");
     let mut d = Daemon::start(&config).await;
-    d.client.start(start_req("a", "a1")).await.expect("starts");
+    d.started("a", "a1").await;
     let mut stream = d
         .client
         .watch(pb::WatchRequest { since_revision: 0 })
@@ -159,10 +153,7 @@ async fn logs_tail_then_follow_a_live_child() {
         "policy = \"never\"",
     );
     let mut d = Daemon::start(&config).await;
-    d.client
-        .start(start_req("talker", "t"))
-        .await
-        .expect("starts");
+    d.started("talker", "t").await;
     let req = pb::LogsRequest {
         instance_id: "t".into(),
         tail: 10,
@@ -241,14 +232,8 @@ async fn an_idle_instance_is_stopped_after_its_ttl_and_a_touched_one_is_not() {
     config += &sleeper("idle", "ram", 1, "idle_ttl = \"1s\"");
     config += &sleeper("busy", "ram", 1, "idle_ttl = \"1s\"");
     let mut d = Daemon::start(&config).await;
-    d.client
-        .start(start_req("idle", "idle"))
-        .await
-        .expect("starts");
-    d.client
-        .start(start_req("busy", "busy"))
-        .await
-        .expect("starts");
+    d.started("idle", "idle").await;
+    d.started("busy", "busy").await;
     // Keep "busy" in use while "idle" expires.
     let expired = eventually(async || {
         let touch = pb::TouchRequest {

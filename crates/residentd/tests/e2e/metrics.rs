@@ -74,11 +74,8 @@ async fn the_endpoint_counts_what_happened_and_parses() {
     config += &sleeper("big", "unified", 6, "");
     config += &sleeper("small", "unified", 2, "");
     let mut d = Daemon::start(&config).await;
-    d.client.start(start_req("big", "b1")).await.expect("fits");
-    d.client
-        .start(start_req("small", "s1"))
-        .await
-        .expect("fits");
+    d.started("big", "b1").await;
+    d.started("small", "s1").await;
     d.client
         .start(start_req("big", "b2"))
         .await

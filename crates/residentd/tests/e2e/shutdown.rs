@@ -54,10 +54,7 @@ async fn after_kill_9_the_next_start_clears_leftovers_and_restores_the_journal()
     );
     config += &sleeper("a", "ram", 1, "");
     let mut d = Daemon::start(&config).await;
-    d.client
-        .start(start_req("a", "first"))
-        .await
-        .expect("starts");
+    d.started("a", "first").await;
     let f = d.started("forker", "second").await;
     let pgid = f.pid as i32;
     let logs = pb::LogsRequest {
