@@ -274,8 +274,7 @@ async fn shutdown_stops_every_child_in_parallel() {
 #[tokio::test]
 async fn run_as_drops_to_the_user_and_its_group_only() {
     if !nix::unistd::getuid().is_root() {
-        eprintln!("SKIPPED: changing users needs root");
-        return;
+        return skip("changing users needs root");
     }
     let mut h = Harness::new();
     let mut spec = child("nobody", &[]);

@@ -195,8 +195,8 @@ pub async fn logged_number(sup: &Supervisor, id: &str, key: &str) -> i32 {
 }
 
 /// Whether this test process can make cgroups (root, a writable
-/// hierarchy). Tests of cgroup behaviour say so and return early where it
-/// cannot: a plain user on a laptop still runs the rest of the suite.
+/// hierarchy). Where it cannot, says the calling test is skipped: a plain
+/// user on a laptop still runs the rest of the suite.
 pub fn cgroups_usable() -> bool {
     let h = resident_supervisor::cgroup::Hierarchies::of_self();
     let writable = |d: &Option<std::path::PathBuf>| {
@@ -206,7 +206,29 @@ pub fn cgroups_usable() -> bool {
     };
     let usable = writable(&h.v2) || writable(&h.v1_memory);
     if !usable {
-        eprintln!("NOTE: no writable cgroup hierarchy here; this cgroup test checks nothing");
+        skip("no writable cgroup hierarchy here (needs root or a delegated cgroup)");
     }
     usable
+}
+
+/// Says that the calling test, or the part of it `why` names, cannot run
+/// on this machine: the line `SKIPPED: <test>: <why>` on stdout and,
+/// where `RESIDENT_SKIPPED` names a file, appended to it (scripts/test
+/// prints what it collected; `.ci/run` counts the lines). The twin of
+/// residentd's `tests/e2e/support.rs::skip`.
+pub fn skip(why: &str) {
+    use std::io::Write as _;
+    let test = std::thread::current().name().unwrap_or("?").to_string();
+    let line = format!("SKIPPED: {test}: {why}");
+    println!("{line}");
+    if let Some(path) = std::env::var_os("RESIDENT_SKIPPED") {
+        let mut file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .expect("the RESIDENT_SKIPPED file");
+        // One write, so that lines of tests running side by side stay whole.
+        file.write_all(format!("{line}\n").as_bytes())
+            .expect("write the RESIDENT_SKIPPED file");
+    }
 }
