@@ -148,6 +148,26 @@ struct Tally {
     paused: usize,
 }
 
+/// A refusal and the Placement beside it come out of one decision: the
+/// reason's free bytes are the pool's, and its holders hold the pool's
+/// used bytes.
+fn refusal_agrees_with_its_placement(e: &tonic::Status) {
+    let (_, placement) = refusal_details(e);
+    let Some(pb::refusal::Reason::OverBudget(r)) =
+        placement.refusals.first().and_then(|f| f.reason.clone())
+    else {
+        return;
+    };
+    let pool = placement
+        .pools
+        .iter()
+        .find(|p| p.name == r.pool)
+        .expect("the refused pool is in the Placement");
+    assert_eq!(Some(r.free_bytes), pool.free_bytes, "{r:?} vs {pool:?}");
+    let held: u64 = r.holders.iter().map(|h| h.bytes).sum();
+    assert_eq!(held, pool.used_bytes, "{r:?} vs {pool:?}");
+}
+
 async fn client_ops(socket: std::path::PathBuf, mut rng: Rng, ops: usize) -> Tally {
     let mut t = Tally::default();
     let mut c = resident_api::connect_unix(&socket).await.expect("connect");
@@ -165,7 +185,10 @@ async fn client_ops(socket: std::path::PathBuf, mut rng: Rng, ops: usize) -> Tal
                 // here; the books are checked at the end.
                 match c.start(req).await {
                     Ok(r) if r.get_ref().created => t.admitted += 1,
-                    Err(e) if e.code() == tonic::Code::ResourceExhausted => t.refused += 1,
+                    Err(e) if e.code() == tonic::Code::ResourceExhausted => {
+                        refusal_agrees_with_its_placement(&e);
+                        t.refused += 1;
+                    }
                     _ => {}
                 }
             }

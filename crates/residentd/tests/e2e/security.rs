@@ -148,6 +148,15 @@ fn programs_are_checked_when_the_config_loads() {
         assert!(err.contains("check.toml:"), "{err}");
         assert!(err.contains("workload[w].command"), "{err}");
         assert!(err.contains(want), "{program}: {err}");
+        // A file for another machine is checked without looking here.
+        let elsewhere = Command::new(RESIDENTD)
+            .arg("--check-config")
+            .arg(dir.path().join("check.toml"))
+            .arg("--for-another-host")
+            .output()
+            .expect("run residentd --check-config --for-another-host");
+        let said = String::from_utf8_lossy(&elsewhere.stderr);
+        assert_eq!(elsewhere.status.code(), Some(0), "{program}: {said}");
     }
     // A name is looked up on the PATH the child gets: its own, if it sets one.
     let bin = dir.path().join("bin");
