@@ -12,7 +12,9 @@
 //! Header blocks are HPACK-compressed with a dynamic table per connection
 //! and direction (RFC 7541), so one field cannot be patched in place: the
 //! layer decodes every header block the client sends (HEADERS plus its
-//! CONTINUATION frames) with a decoder that follows the client's encoder,
+//! CONTINUATION frames) with a decoder that follows the client's encoder
+//! (`hpack.rs`: bounded, and fast on Huffman-coded strings, which the
+//! hpack-rs family of crates decodes bit by bit through hash maps),
 //! and re-encodes it with literals only. h2's decoder therefore never
 //! sees a dynamic-table insertion and its table stays empty, which keeps
 //! both sides consistent without tracking the server's state. Every other
@@ -32,7 +34,6 @@ use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
 use bytes::{Buf as _, BufMut as _, BytesMut};
-use loona_hpack::Decoder;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::UnixStream;
 use tonic::transport::server::{Connected, UdsConnectInfo};
@@ -70,7 +71,7 @@ const UNDECODABLE: [u8; 1] = [0x80];
 /// Rewrites the client-to-server byte stream of one HTTP/2 connection.
 /// Pure: bytes in, bytes out, so it is tested without sockets.
 pub struct Rewriter {
-    decoder: Decoder<'static>,
+    decoder: hpack::Decoder,
     preface_left: usize,
     /// Bytes of a passed-through frame's payload still to copy.
     passing: usize,
@@ -117,10 +118,8 @@ impl Default for Rewriter {
 impl Rewriter {
     /// A rewriter at the start of a connection.
     pub fn new() -> Self {
-        let mut decoder = Decoder::new();
-        decoder.set_max_allowed_table_size(HEADER_TABLE_SIZE);
         Self {
-            decoder,
+            decoder: hpack::Decoder::new(HEADER_TABLE_SIZE),
             preface_left: PREFACE_LEN,
             passing: 0,
             block: None,
@@ -298,22 +297,16 @@ type Fields = Vec<(Vec<u8>, Vec<u8>)>;
 
 /// Decodes a block, replacing an `:authority` that does not parse. Err
 /// when the block does not decode or decodes beyond [`MAX_HEADER_LIST`].
-fn decode(decoder: &mut Decoder<'static>, fragment: &[u8]) -> Result<Fields, ()> {
+fn decode(decoder: &mut hpack::Decoder, fragment: &[u8]) -> Result<Fields, ()> {
     let mut fields = Vec::new();
     let mut size = 0usize;
-    let mut over = false;
-    let decoded = decoder.decode_with_cb(fragment, |name, value| {
-        size += name.len() + value.len() + 32;
-        if size > MAX_HEADER_LIST {
-            over = true;
-        }
-        if !over {
-            fields.push((name.into_owned(), value.into_owned()));
-        }
-    });
-    if decoded.is_err() || over {
-        return Err(());
-    }
+    decoder
+        .decode(fragment, |name, value| {
+            size += name.len() + value.len() + 32;
+            fields.push((name.to_vec(), value.to_vec()));
+            size <= MAX_HEADER_LIST
+        })
+        .map_err(|_| ())?;
     for (name, value) in &mut fields {
         if name.as_slice() == b":authority" && !valid_authority(value) {
             *value = LOCAL_AUTHORITY.as_bytes().to_vec();
@@ -334,12 +327,28 @@ fn encode(fields: &Fields) -> Vec<u8> {
     for (name, value) in fields {
         out.push(0);
         for s in [name, value] {
-            loona_hpack::encoder::encode_integer_into(s.len(), 7, 0, &mut out)
-                .expect("writing to a Vec");
+            put_integer(&mut out, s.len(), 7);
             out.extend_from_slice(s);
         }
     }
     out
+}
+
+/// An HPACK integer with a `prefix`-bit prefix and zero high bits (RFC
+/// 7541, 5.1).
+fn put_integer(out: &mut Vec<u8>, mut value: usize, prefix: u8) {
+    let max = (1usize << prefix) - 1;
+    if value < max {
+        out.push(value as u8);
+        return;
+    }
+    out.push(max as u8);
+    value -= max;
+    while value >= 0x80 {
+        out.push((value & 0x7f) as u8 | 0x80);
+        value >>= 7;
+    }
+    out.push(value as u8);
 }
 
 fn put_frame(out: &mut BytesMut, kind: u8, flags: u8, stream: u32, payload: &[u8]) {
@@ -446,6 +455,8 @@ impl AsyncWrite for AuthorityFix {
         Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
     }
 }
+
+mod hpack;
 
 #[cfg(test)]
 mod tests;

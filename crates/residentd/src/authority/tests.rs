@@ -3,6 +3,8 @@
 //! priority, CONTINUATION) must reach h2 as the same header lists, with
 //! only an unparseable `:authority` changed.
 
+use loona_hpack::Decoder;
+
 use super::*;
 
 const PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
