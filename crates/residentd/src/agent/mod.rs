@@ -71,6 +71,9 @@ pub struct Agent {
     journal_changes: AtomicU64,
     /// Which change is on disk (`durable` waits on it).
     durable: tokio::sync::watch::Sender<persist::Durable>,
+    /// The start time of each journaled process group's leader, by
+    /// instance, run and pid.
+    start_ticks: Mutex<std::collections::HashMap<(String, u64, i32), u64>>,
     metrics: crate::metrics::Metrics,
 }
 
@@ -102,6 +105,7 @@ impl Agent {
             journal_lock: Mutex::new(()),
             journal_changes: AtomicU64::new(0),
             durable: tokio::sync::watch::Sender::new(persist::Durable::default()),
+            start_ticks: Mutex::new(std::collections::HashMap::new()),
             metrics: crate::metrics::Metrics::new(),
         });
         agent.open_device_probes();

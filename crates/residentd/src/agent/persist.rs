@@ -139,7 +139,13 @@ impl Agent {
     /// released.
     pub(super) fn journal_entries(&self) -> Vec<journal::Entry> {
         let live = self.books.journal_rows();
-        live.into_iter()
+        // A group's start time is read from /proc once per process, not at
+        // every write: a storm of starts writes often. Called only by the
+        // one journal writer (under `journal_lock`).
+        let mut known = self.start_ticks.lock().unwrap_or_else(|e| e.into_inner());
+        let mut kept = std::collections::HashMap::with_capacity(live.len());
+        let entries = live
+            .into_iter()
             .map(|(id, workload, generation)| {
                 let pid = self
                     .sup
@@ -147,8 +153,15 @@ impl Agent {
                     .filter(|s| s.generation == generation)
                     .and_then(|s| s.pid)
                     .map_or(0, |p| p as i32);
-                let start_ticks =
-                    resident_supervisor::procfs::stat(pid).map_or(0, |s| s.start_ticks);
+                // Keyed by the run and its pid, so a reused pid is read anew.
+                let key = (id.clone(), generation, pid);
+                let start_ticks = match known.get(&key) {
+                    Some(ticks) => *ticks,
+                    None => resident_supervisor::procfs::stat(pid).map_or(0, |s| s.start_ticks),
+                };
+                if pid > 0 && start_ticks > 0 {
+                    kept.insert(key, start_ticks);
+                }
                 journal::Entry {
                     instance: id,
                     workload,
@@ -156,7 +169,9 @@ impl Agent {
                     start_ticks,
                 }
             })
-            .collect()
+            .collect();
+        *known = kept;
+        entries
     }
 }
 
