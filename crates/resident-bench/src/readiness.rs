@@ -22,7 +22,7 @@ use tokio_stream::StreamExt as _;
 use crate::report::{Row, Table};
 use crate::{Plan, connect, spawn_agent_text};
 
-const CONFIG: &str = r#"[node]
+const NODE: &str = r#"[node]
 name = "bench-readiness"
 listen = "unix://@DIR@/agent.sock"
 state_dir = "@DIR@/state"
@@ -30,31 +30,26 @@ state_dir = "@DIR@/state"
 [[pool]]
 name = "ram"
 budget = "1000GB"
-
-[[workload]]
-name = "loading-silent"
-command = ["@BENCH@", "--serve-loading", "@MS@"]
-env = { PORT = "${PORT}", READY_AT = "@DIR@/ready-${INSTANCE}", ANNOUNCE = "0" }
-[workload.memory.ram]
-weights = "1GB"
-[workload.readiness]
-http = "/health"
-timeout = "60s"
-[workload.restart]
-policy = "never"
-
-[[workload]]
-name = "loading-announced"
-command = ["@BENCH@", "--serve-loading", "@MS@"]
-env = { PORT = "${PORT}", READY_AT = "@DIR@/ready-${INSTANCE}", ANNOUNCE = "1" }
-[workload.memory.ram]
-weights = "1GB"
-[workload.readiness]
-http = "/health"
-timeout = "60s"
-[workload.restart]
-policy = "never"
 "#;
+
+/// A workload of this binary's loading server; `announce` is 0 or 1.
+fn workload(name: &str, announce: u8) -> String {
+    format!(
+        r#"
+[[workload]]
+name = "{name}"
+command = ["@BENCH@", "--serve-loading", "@MS@"]
+env = {{ PORT = "${{PORT}}", READY_AT = "@DIR@/ready-${{INSTANCE}}", ANNOUNCE = "{announce}" }}
+[workload.memory.ram]
+weights = "1GB"
+[workload.readiness]
+http = "/health"
+timeout = "60s"
+[workload.restart]
+policy = "never"
+"#
+    )
+}
 
 /// The child: serves `GET /health` on `$PORT`, 503 for `loading_ms`, then
 /// 200; writes the instant it turns ready (Unix ns) to `$READY_AT` first,
@@ -93,9 +88,13 @@ pub fn serve_loading(loading_ms: u64) -> anyhow::Result<()> {
 /// One row per kind of server: the median lag over every instance.
 pub async fn rows(plan: &Plan, residentd: &Path, table: &mut Table) -> anyhow::Result<()> {
     let bench = std::env::current_exe()?;
-    let config = CONFIG
-        .replace("@BENCH@", &bench.display().to_string())
-        .replace("@MS@", &plan.loading_ms.to_string());
+    let config = format!(
+        "{NODE}{}{}",
+        workload("loading-silent", 0),
+        workload("loading-announced", 1)
+    )
+    .replace("@BENCH@", &bench.display().to_string())
+    .replace("@MS@", &plan.loading_ms.to_string());
     let agent = spawn_agent_text(residentd, &config)?;
     let dir = agent.socket.parent().context("the agent's directory")?;
     for (workload, label) in [
