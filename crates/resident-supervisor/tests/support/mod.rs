@@ -211,24 +211,6 @@ pub fn cgroups_usable() -> bool {
     usable
 }
 
-/// Says that the calling test, or the part of it `why` names, cannot run
-/// on this machine: the line `SKIPPED: <test>: <why>` on stdout and,
-/// where `RESIDENT_SKIPPED` names a file, appended to it (scripts/test
-/// prints what it collected; `.ci/run` counts the lines). The twin of
-/// residentd's `tests/e2e/support.rs::skip`.
-pub fn skip(why: &str) {
-    use std::io::Write as _;
-    let test = std::thread::current().name().unwrap_or("?").to_string();
-    let line = format!("SKIPPED: {test}: {why}");
-    println!("{line}");
-    if let Some(path) = std::env::var_os("RESIDENT_SKIPPED") {
-        let mut file = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&path)
-            .expect("the RESIDENT_SKIPPED file");
-        // One write, so that lines of tests running side by side stay whole.
-        file.write_all(format!("{line}\n").as_bytes())
-            .expect("write the RESIDENT_SKIPPED file");
-    }
-}
+// `skip` is shared with residentd's e2e tests: one file, included by both.
+mod skip;
+pub use skip::skip;

@@ -3,7 +3,6 @@
 //! with one patience (`eventually`, `until`, `Daemon::wait_state`), and
 //! `skip` for a test that cannot run on this machine.
 
-use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -49,27 +48,10 @@ pub async fn eventually(mut check: impl AsyncFnMut() -> bool) -> bool {
     until(async || check().await.then_some(())).await.is_some()
 }
 
-/// Says that the calling test, or the part of it `why` names, cannot run
-/// on this machine: the line `SKIPPED: <test>: <why>` on stdout and,
-/// where `RESIDENT_SKIPPED` names a file, appended to it. cargo test shows
-/// a passing test's stdout only with `--nocapture`, so `scripts/test` sets
-/// the file and prints what it collected after the run; `.ci/run` counts
-/// those lines. libtest names each test's thread after the test.
-pub fn skip(why: &str) {
-    let test = std::thread::current().name().unwrap_or("?").to_string();
-    let line = format!("SKIPPED: {test}: {why}");
-    println!("{line}");
-    if let Some(path) = std::env::var_os("RESIDENT_SKIPPED") {
-        let mut file = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&path)
-            .expect("the RESIDENT_SKIPPED file");
-        // One write, so that lines of tests running side by side stay whole.
-        file.write_all(format!("{line}\n").as_bytes())
-            .expect("write the RESIDENT_SKIPPED file");
-    }
-}
+// The supervisor's tests report skips the same way: one file for both.
+#[path = "../../../resident-supervisor/tests/support/skip.rs"]
+mod skip;
+pub use skip::skip;
 
 /// The workspace's `.venv` python (scripts/test creates it), or `None`
 /// after saying the test is skipped; CI installs it, so there a missing
