@@ -494,5 +494,6 @@ fn start(workload: &str, id: &str) -> pb::StartRequest {
         instance_id: id.into(),
         on_full: 0,
         wait_ready: true,
+        lease_ms: 0,
     }
 }

@@ -345,6 +345,7 @@ pub async fn churn(socket: &Path, calls: usize, clients: usize) -> anyhow::Resul
                             instance_id: id,
                             on_full: policy,
                             wait_ready: false,
+                            lease_ms: 0,
                         };
                         match c.start(req).await {
                             Ok(r) if r.get_ref().created => admitted += 1,

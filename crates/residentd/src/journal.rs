@@ -5,7 +5,9 @@
 //! journaled instances again, in their original order.
 //!
 //! Format: one instance per line, tab-separated:
-//! `instance_id  workload  pgid  start_ticks` (pgid 0: not spawned yet).
+//! `instance_id  workload  pgid  start_ticks  lease_ms` (pgid 0: not
+//! spawned yet; lease 0: none; a line without the lease, from before
+//! leases, reads as none).
 //! Ids and workload names are tokens without tabs or newlines.
 
 use std::io::Write as _;
@@ -25,6 +27,8 @@ pub struct Entry {
     pub pgid: i32,
     /// The group leader's start time, against pid reuse.
     pub start_ticks: u64,
+    /// The owner's lease in milliseconds, 0 for none.
+    pub lease_ms: u64,
 }
 
 /// The journal file.
@@ -68,8 +72,8 @@ impl Journal {
         for e in entries {
             writeln!(
                 f,
-                "{}\t{}\t{}\t{}",
-                e.instance, e.workload, e.pgid, e.start_ticks
+                "{}\t{}\t{}\t{}\t{}",
+                e.instance, e.workload, e.pgid, e.start_ticks, e.lease_ms
             )?;
         }
         f.sync_all()?;
@@ -89,6 +93,11 @@ fn parse(line: &str) -> Option<Entry> {
         workload: fields.next()?.to_string(),
         pgid: fields.next()?.parse().ok()?,
         start_ticks: fields.next()?.parse().ok()?,
+        // Journals written before leases have four fields.
+        lease_ms: match fields.next() {
+            Some(ms) => ms.parse().ok()?,
+            None => 0,
+        },
     };
     fields.next().is_none().then_some(entry)
 }
@@ -129,18 +138,23 @@ mod tests {
                 workload: "w".into(),
                 pgid: 42,
                 start_ticks: 7,
+                lease_ms: 30_000,
             },
             Entry {
                 instance: "a".into(),
                 workload: "v".into(),
                 pgid: 0,
                 start_ticks: 0,
+                lease_ms: 0,
             },
         ];
         j.write(&entries).expect("write");
         assert_eq!(j.read(), entries);
         assert_eq!(parse("a\tb\tnot-a-number\t0"), None);
-        assert_eq!(parse("a\tb\t1\t2\textra"), None);
+        assert_eq!(parse("a\tb\t1\t2\t3\textra"), None);
+        // A journal from before leases: four fields, no lease.
+        let old = parse("a\tb\t1\t2").expect("a line of four fields");
+        assert_eq!(old.lease_ms, 0);
         let _ = std::fs::remove_dir_all(dir);
     }
 }

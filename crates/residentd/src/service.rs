@@ -89,7 +89,7 @@ impl pb::node_agent_server::NodeAgent for Service {
             tracing::info_span!("start", workload = %r.workload, instance_id = %r.instance_id);
         let started = self
             .agent
-            .start(&r.workload, id, on_full, r.wait_ready)
+            .start(&r.workload, id, on_full, r.wait_ready, r.lease_ms)
             .instrument(span)
             .await?;
         Ok(Response::new(pb::StartResponse {

@@ -12,6 +12,8 @@ use resident_core::{InstanceId, Policy};
 pub const MAX_ID: usize = 128;
 /// Most log lines one `Logs` call may ask for.
 pub const MAX_TAIL: u32 = 100_000;
+/// The longest owner's lease a Start may ask for: a week.
+pub const MAX_LEASE_MS: u64 = 7 * 24 * 3600 * 1000;
 
 /// A `Policy` enum value: unspecified means the node's default.
 pub fn policy(field: &str, value: i32) -> Result<Option<Policy>, ApiError> {
@@ -66,6 +68,12 @@ pub fn start(r: &pb::StartRequest) -> Result<(Option<InstanceId>, Option<Policy>
         .map_err(&mut keep)
         .ok()
         .flatten();
+    if r.lease_ms > MAX_LEASE_MS {
+        keep(ApiError::invalid(
+            "lease_ms",
+            format!("at most {MAX_LEASE_MS} (a week)"),
+        ));
+    }
     if bad.is_empty() {
         Ok((id, on_full))
     } else {

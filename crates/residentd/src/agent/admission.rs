@@ -44,8 +44,9 @@ impl Agent {
         id: Option<InstanceId>,
         policy: Option<Policy>,
         wait_ready: bool,
+        lease_ms: u64,
     ) -> Result<Started, ApiError> {
-        self.start_answering(workload, id, policy, wait_ready, Answer::Durable)
+        self.start_answering(workload, id, policy, wait_ready, lease_ms, Answer::Durable)
             .await
     }
 
@@ -56,6 +57,7 @@ impl Agent {
         id: Option<InstanceId>,
         policy: Option<Policy>,
         wait_ready: bool,
+        lease_ms: u64,
         answer: Answer,
     ) -> Result<Started, ApiError> {
         let config = self.config();
@@ -70,7 +72,8 @@ impl Agent {
             if self.closing.load(Ordering::Acquire) {
                 return Err(ApiError::Unavailable("the agent is shutting down".into()));
             }
-            match self.books.admit(&config, &w, &id, policy, self.now_ms()) {
+            let now = self.now_ms();
+            match self.books.admit(&config, &w, &id, policy, now, lease_ms) {
                 Err(ApiError::Refused { refusal, placement }) => {
                     self.refused(workload, &refusal, policy);
                     return Err(ApiError::Refused { refusal, placement });

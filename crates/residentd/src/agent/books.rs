@@ -27,6 +27,26 @@ pub(super) struct Record {
     pub(super) generation: u64,
     /// A Stop (or an eviction) has been asked for this run.
     pub(super) cancelled: bool,
+    /// The owner's lease, if any.
+    pub(super) lease: Option<Lease>,
+}
+
+/// An owner's lease on an instance: it runs out at `until` (the agent's
+/// monotonic milliseconds) unless a Touch renews it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Lease {
+    pub(super) ms: u64,
+    pub(super) until: u64,
+}
+
+impl Lease {
+    /// A lease of `ms` from `now`; none for 0.
+    pub(super) fn new(ms: u64, now: u64) -> Option<Self> {
+        (ms > 0).then(|| Self {
+            ms,
+            until: now.saturating_add(ms),
+        })
+    }
 }
 
 /// A victim of a Start: who, of which workload, and the cause its stop
@@ -112,6 +132,7 @@ impl Books {
         id: &InstanceId,
         policy: Policy,
         now: u64,
+        lease_ms: u64,
     ) -> Result<Decision, ApiError> {
         let mut b = self.lock();
         let cancelled = b.records.get(id.as_str()).is_some_and(|r| r.cancelled);
@@ -147,11 +168,16 @@ impl Books {
             }
             Err(AdmitError::Invalid(e)) => return Err(plan_error(e)),
             Ok(a) if !a.created => {
+                // A repeat by the owner sets its lease anew.
+                if let Some(r) = b.records.get_mut(id.as_str()) {
+                    r.lease = Lease::new(lease_ms, now);
+                }
                 let record = b.records.get(id.as_str()).cloned();
                 let record = record.unwrap_or_else(|| Record {
                     workload: w.clone(),
                     generation: 0,
                     cancelled: false,
+                    lease: None,
                 });
                 return Ok(Decision::Existing(record));
             }
@@ -170,6 +196,7 @@ impl Books {
             workload: w.clone(),
             generation,
             cancelled: false,
+            lease: Lease::new(lease_ms, now),
         };
         b.records.insert(id.to_string(), record);
         let forgotten = prune_ended(&mut b, max);
@@ -269,9 +296,31 @@ impl Books {
         pool_statuses(&self.lock().ledger)
     }
 
-    /// Records a use of `id`; false when it holds no reservation.
+    /// Records a use of `id` and renews its lease; false when it holds no
+    /// reservation.
     pub(super) fn touch(&self, id: &str, now: u64, hold_ms: u64) -> bool {
-        self.lock().ledger.touch(id, now, hold_ms)
+        let mut b = self.lock();
+        if !b.ledger.touch(id, now, hold_ms) {
+            return false;
+        }
+        if let Some(lease) = b.records.get_mut(id).and_then(|r| r.lease.as_mut()) {
+            lease.until = now.saturating_add(lease.ms);
+        }
+        true
+    }
+
+    /// Resident instances no Stop asked for whose lease ran out by `now`,
+    /// with the lease's length.
+    pub(super) fn leases_expired(&self, now: u64) -> Vec<(String, u64)> {
+        let b = self.lock();
+        b.records
+            .iter()
+            .filter(|(id, r)| !r.cancelled && b.ledger.resident(id).is_some())
+            .filter_map(|(id, r)| {
+                let lease = r.lease?;
+                (lease.until <= now).then(|| (id.clone(), lease.ms))
+            })
+            .collect()
     }
 
     /// New pools and groups (a reload); residents keep their reservations.
@@ -326,22 +375,21 @@ impl Books {
     }
 
     /// What the journal should hold: resident instances no Stop asked for,
-    /// in admission order, as (id, workload, generation).
-    pub(super) fn journal_rows(&self) -> Vec<(String, String, u64)> {
+    /// in admission order.
+    pub(super) fn journal_rows(&self) -> Vec<JournalRow> {
         let b = self.lock();
-        let mut rows: Vec<(String, String, u64)> = b
+        let mut rows: Vec<JournalRow> = b
             .records
             .iter()
             .filter(|(id, r)| !r.cancelled && b.ledger.resident(id).is_some())
-            .map(|(id, r)| {
-                (
-                    id.clone(),
-                    r.workload.spec.workload.to_string(),
-                    r.generation,
-                )
+            .map(|(id, r)| JournalRow {
+                id: id.clone(),
+                workload: r.workload.spec.workload.to_string(),
+                generation: r.generation,
+                lease_ms: r.lease.map_or(0, |l| l.ms),
             })
             .collect();
-        rows.sort_by_key(|(_, _, generation)| *generation);
+        rows.sort_by_key(|r| r.generation);
         rows
     }
 
@@ -350,6 +398,15 @@ impl Books {
         let b = self.lock();
         b.ledger.residents().map(|r| r.id.to_string()).collect()
     }
+}
+
+/// One instance as the journal keeps it.
+#[derive(Debug)]
+pub(super) struct JournalRow {
+    pub(super) id: String,
+    pub(super) workload: String,
+    pub(super) generation: u64,
+    pub(super) lease_ms: u64,
 }
 
 /// Probe readings for [`Books::set_readings`].

@@ -1,5 +1,5 @@
 //! The supervisor's transitions applied to the books and the event log,
-//! and the periodic work (probe readings, idle expiry). A run's terminal
+//! and the periodic work (probe readings, idle expiry, owners' leases). A run's terminal
 //! event is the one place its memory is released.
 
 use std::sync::{Arc, Weak};
@@ -26,8 +26,9 @@ impl Agent {
         if status.state == State::Backoff {
             self.metrics.restarted(&status.workload);
         }
-        let instance =
+        let mut instance =
             resident_api::instance(&status.instance, &record.workload.spec, Some(&status));
+        self.with_lease(&mut instance, &record);
         self.events.publish(pb::Event {
             instance: Some(instance),
             kind: pb::EventKind::Transition as i32,
@@ -43,6 +44,21 @@ impl Agent {
             tracing::info!(instance_id = %id, "idle TTL reached, stopping");
             let me = self.clone();
             let cause = Some("stopped after its idle TTL".to_string());
+            tokio::spawn(async move { me.stop_because(&id, None, cause).await });
+        }
+    }
+}
+
+impl Agent {
+    /// Stops instances whose owner's lease ran out (monotonic time, so a
+    /// step of the wall clock changes nothing).
+    fn expire_leases(self: &Arc<Self>) {
+        for (id, ms) in self.books.leases_expired(self.now_ms()) {
+            tracing::info!(instance_id = %id, lease_ms = ms, "lease expired, stopping");
+            let me = self.clone();
+            let cause = Some(format!(
+                "LEASE_EXPIRED: its owner did not renew its lease of {ms} ms"
+            ));
             tokio::spawn(async move { me.stop_because(&id, None, cause).await });
         }
     }
@@ -69,5 +85,6 @@ pub(super) async fn tick(agent: Weak<Agent>) {
         };
         agent.refresh_probes();
         agent.expire_idle();
+        agent.expire_leases();
     }
 }

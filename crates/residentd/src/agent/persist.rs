@@ -47,14 +47,11 @@ impl Agent {
                 continue;
             };
             let (workload, policy) = (&e.workload, Some(Policy::Refuse));
+            // A restored lease runs afresh from now: its owner has had no
+            // agent to renew it with.
+            let answer = super::admission::Answer::Prompt;
             match self
-                .start_answering(
-                    workload,
-                    Some(id),
-                    policy,
-                    false,
-                    super::admission::Answer::Prompt,
-                )
+                .start_answering(workload, Some(id), policy, false, e.lease_ms, answer)
                 .await
             {
                 Ok(_) => {
@@ -146,7 +143,8 @@ impl Agent {
         let mut kept = std::collections::HashMap::with_capacity(live.len());
         let entries = live
             .into_iter()
-            .map(|(id, workload, generation)| {
+            .map(|row| {
+                let (id, generation) = (row.id, row.generation);
                 let pid = self
                     .sup
                     .status(&id)
@@ -164,9 +162,10 @@ impl Agent {
                 }
                 journal::Entry {
                     instance: id,
-                    workload,
+                    workload: row.workload,
                     pgid: pid,
                     start_ticks,
+                    lease_ms: row.lease_ms,
                 }
             })
             .collect();

@@ -22,7 +22,16 @@ impl Agent {
             out.state = pb::State::Exited as i32;
             out.message = "stopped before it was spawned".into();
         }
+        self.with_lease(&mut out, record);
         out
+    }
+
+    /// Fills in the record's lease: its length and what is left now.
+    pub(super) fn with_lease(&self, out: &mut pb::Instance, record: &Record) {
+        if let Some(lease) = record.lease {
+            out.lease_ms = lease.ms;
+            out.lease_left_ms = lease.until.saturating_sub(self.now_ms());
+        }
     }
 
     /// One instance.

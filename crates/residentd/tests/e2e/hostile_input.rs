@@ -70,18 +70,21 @@ proptest! {
         id in texty(),
         on_full in any::<i32>(),
         tail in any::<u32>(),
+        lease_ms in prop_oneof![Just(0u64), any::<u64>(), 0..=validate::MAX_LEASE_MS],
     ) {
         let start = pb::StartRequest {
             workload: workload.clone(),
             instance_id: id.clone(),
             on_full,
             wait_ready: false,
+            lease_ms,
         };
         match validate::start(&start) {
             Ok((got, _)) => {
                 prop_assert!(!workload.is_empty() && workload.len() <= validate::MAX_ID);
                 prop_assert!(got.is_none_or(|g| id_ok(g.as_str())));
                 prop_assert!((0..=2).contains(&on_full));
+                prop_assert!(lease_ms <= validate::MAX_LEASE_MS);
             }
             Err(resident_api::ApiError::InvalidArgument(v)) => prop_assert!(!v.is_empty()),
             Err(e) => prop_assert!(false, "not an invalid argument: {e}"),
@@ -141,6 +144,7 @@ async fn send(c: &mut Client, call: Call) -> Result<(), tonic::Status> {
                 instance_id,
                 on_full,
                 wait_ready: false,
+                lease_ms: 0,
             })
             .await
             .map(drop),

@@ -10,6 +10,7 @@ mod chaos;
 mod device;
 mod hostile_input;
 mod interop;
+mod leases;
 mod lifecycle;
 mod llama;
 mod metrics;

@@ -34,7 +34,7 @@ fn admit(
 ) -> Result<Decision, ApiError> {
     let w = c.workloads[workload].clone();
     let id = InstanceId::new(id).expect("an id");
-    b.admit(c, &w, &id, policy, 0)
+    b.admit(c, &w, &id, policy, 0, 0)
 }
 
 fn generation_of(d: Result<Decision, ApiError>) -> u64 {

@@ -69,6 +69,10 @@ enum Command {
         /// Wait until the instance is READY.
         #[arg(long)]
         wait: bool,
+        /// An owner's lease, e.g. "30s": the agent stops the instance
+        /// unless a touch renews it within that time.
+        #[arg(long)]
+        lease: Option<String>,
     },
     /// Stop an instance (SIGTERM, grace, SIGKILL).
     Stop {
@@ -283,12 +287,14 @@ async fn run(cli: &Cli) -> Result<ExitCode, Failure> {
             id,
             policy: p,
             wait,
+            lease,
         } => {
             let req = pb::StartRequest {
                 workload: workload.clone(),
                 instance_id: id.clone().unwrap_or_default(),
                 on_full: policy(*p),
                 wait_ready: *wait,
+                lease_ms: millis(lease.as_deref(), "lease")?,
             };
             let spinner =
                 (*wait && !json).then(|| render::Spinner::start(format!("starting {workload}")));
