@@ -15,7 +15,8 @@ fn holders(hs: &[Holder]) -> Vec<pb::Holder> {
         .collect()
 }
 
-/// One refusal reason, with its operator text.
+/// One refusal reason, with its operator text (`temporary` is the whole
+/// refusal's, set where the refusal is known).
 pub fn refusal(reason: &Reason) -> pb::Refusal {
     use pb::refusal::Reason as R;
     let detail = match reason {
@@ -79,6 +80,7 @@ pub fn refusal(reason: &Reason) -> pb::Refusal {
     pb::Refusal {
         message: reason.to_string(),
         reason: Some(detail),
+        temporary: false,
     }
 }
 
@@ -112,7 +114,14 @@ pub fn placement(plan: &Plan, pools: Vec<pb::PoolStatus>) -> pb::Placement {
         },
         Plan::Refuse(r) => pb::Placement {
             admitted: false,
-            refusals: r.reasons().iter().map(refusal).collect(),
+            refusals: r
+                .reasons()
+                .iter()
+                .map(|reason| pb::Refusal {
+                    temporary: r.temporary(),
+                    ..refusal(reason)
+                })
+                .collect(),
             pools,
             ..Default::default()
         },

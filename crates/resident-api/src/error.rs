@@ -74,11 +74,14 @@ fn refused(refusal: &Refusal, placement: &pb::Placement) -> Status {
     } else {
         Code::FailedPrecondition
     };
-    let metadata: HashMap<String, String> = first
+    let mut metadata: HashMap<String, String> = first
         .facts()
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
         .collect();
+    if refusal.temporary() {
+        metadata.insert("temporary".into(), "true".into());
+    }
     let info = tonic_types::pb::ErrorInfo {
         reason: first.code().into(),
         domain: ERROR_DOMAIN.into(),

@@ -144,6 +144,32 @@ pub fn plan(
     policy: Policy,
     now: u64,
 ) -> Result<Plan, PlanError> {
+    let plan = plan_at(state, id, spec, policy, now)?;
+    // A refusal under evict is temporary when the same start, with every
+    // hold lapsed (`now` at the end of time), would be admitted: only held
+    // residents stand in the way, so waiting may help.
+    Ok(match plan {
+        Plan::Refuse(refusal)
+            if policy == Policy::Evict
+                && matches!(
+                    plan_at(state, id, spec, policy, u64::MAX)?,
+                    Plan::Admit { .. }
+                ) =>
+        {
+            Plan::Refuse(refusal.mark_temporary())
+        }
+        plan => plan,
+    })
+}
+
+/// [`plan`] at `now`, without telling temporary refusals apart.
+fn plan_at(
+    state: &NodeState,
+    id: Option<&InstanceId>,
+    spec: &Spec,
+    policy: Policy,
+    now: u64,
+) -> Result<Plan, PlanError> {
     if let Some((id, r)) = id.and_then(|id| Some((id, state.residents.get(id)?))) {
         if r.spec.workload != spec.workload {
             let existing = r.spec.workload.clone();

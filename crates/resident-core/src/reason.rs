@@ -269,12 +269,27 @@ fn write_holders(f: &mut fmt::Formatter<'_>, holders: &[Holder]) -> fmt::Result 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Refusal {
     reasons: Vec<Reason>,
+    temporary: bool,
 }
 
 impl Refusal {
     /// A refusal for these reasons. `None` when there are none.
     pub fn new(reasons: Vec<Reason>) -> Option<Self> {
-        (!reasons.is_empty()).then_some(Self { reasons })
+        (!reasons.is_empty()).then_some(Self {
+            reasons,
+            temporary: false,
+        })
+    }
+
+    /// Whether only residents under a hold block the target (under the
+    /// evict policy): once the holds lapse it would be admitted.
+    pub fn temporary(&self) -> bool {
+        self.temporary
+    }
+
+    pub(crate) fn mark_temporary(mut self) -> Self {
+        self.temporary = true;
+        self
     }
 
     /// Every reason, co-residency rules first, then pools by name.

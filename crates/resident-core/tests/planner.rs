@@ -355,6 +355,22 @@ fn priority_and_holds_protect_residents() {
         .plan(&id("t"), &unified("t", 4), Policy::Evict, 150)
         .expect("valid");
     assert_eq!(show(&later), "admit [plain, held]");
+    // So the refusal at t=100 is temporary: only the hold stands in the
+    // way. One that no eviction could fix, or one under refuse, is not.
+    let temporary = |n: &NodeState, gb: u64, policy: Policy| match plan(n, unified("t", gb), policy)
+    {
+        Plan::Refuse(r) => r.temporary(),
+        other => panic!("refused: {other:?}"),
+    };
+    assert!(temporary(&n, 4, Policy::Evict), "blocked by the hold alone");
+    assert!(
+        !temporary(&n, 9, Policy::Evict),
+        "does not fit even with the hold lapsed"
+    );
+    assert!(
+        !temporary(&n, 4, Policy::Refuse),
+        "refuse evicts nothing, held or not"
+    );
     // An equal or higher-priority target may evict "important" (held still
     // stands at t=100, so 7 GB is the most that can be freed).
     let mut boss = unified("boss", 7);

@@ -215,7 +215,10 @@ impl Agent {
         self.metrics.refused(refusal.first().code());
         self.events.publish(pb::Event {
             kind: pb::EventKind::Refused as i32,
-            refusal: Some(resident_api::refusal(refusal.first())),
+            refusal: Some(pb::Refusal {
+                temporary: refusal.temporary(),
+                ..resident_api::refusal(refusal.first())
+            }),
             workload: workload.to_string(),
             ..Default::default()
         });

@@ -149,6 +149,24 @@ async fn evict_stops_the_least_recently_used_first_or_nothing() {
         .await
         .expect_err("a is held: no room even with eviction");
     assert_eq!(e.code(), Code::ResourceExhausted);
+    // Only the hold stands in the way: the refusal says waiting may help.
+    let (info, placement) = refusal_details(&e);
+    assert_eq!(
+        info.metadata.get("temporary").map(String::as_str),
+        Some("true")
+    );
+    assert!(
+        placement.refusals.iter().all(|r| r.temporary),
+        "{placement:?}"
+    );
+    // Under refuse, holds do not matter: not temporary.
+    let e = c
+        .start(start_req("planner", "y"))
+        .await
+        .expect_err("refused under refuse");
+    let (info, placement) = refusal_details(&e);
+    assert_eq!(info.metadata.get("temporary"), None);
+    assert!(placement.refusals.iter().all(|r| !r.temporary));
     assert!(
         alive(a_pid),
         "nothing was stopped for a start that could not fit"
