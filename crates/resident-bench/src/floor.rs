@@ -66,6 +66,12 @@ impl NodeAgent for Floor {
     async fn node(&self, _: Request<pb::NodeRequest>) -> Result<Response<pb::NodeStatus>, Status> {
         none()
     }
+    async fn workloads(
+        &self,
+        _: Request<pb::WorkloadsRequest>,
+    ) -> Result<Response<pb::WorkloadsResponse>, Status> {
+        none()
+    }
 }
 
 /// Serves the floor on `socket` until killed.

@@ -159,6 +159,12 @@ pub struct Workload {
     /// Its declared footprint on pools of host memory (every pool not bound
     /// to a device); 0 when it declares none.
     pub host_bytes: u64,
+    /// Other names it answers to (`aliases`), unique among every workload
+    /// name and alias of the roster.
+    pub aliases: Vec<String>,
+    /// The most requests a front door (the router) sends it at once
+    /// (`concurrency_limit`); `None`: no limit.
+    pub concurrency_limit: Option<u32>,
 }
 
 impl Workload {
@@ -211,6 +217,15 @@ pub struct Config {
 }
 
 impl Config {
+    /// The workload named `name`, or whose aliases include it.
+    pub fn workload(&self, name: &str) -> Option<&Arc<Workload>> {
+        self.workloads.get(name).or_else(|| {
+            self.workloads
+                .values()
+                .find(|w| w.aliases.iter().any(|a| a == name))
+        })
+    }
+
     /// The planner's pool configs.
     pub fn pool_configs(&self) -> Vec<PoolConfig> {
         self.pools.iter().map(|p| p.pool.clone()).collect()

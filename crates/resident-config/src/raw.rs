@@ -170,6 +170,9 @@ pub struct Workload {
     pub memory: BTreeMap<String, Spanned<Demand>>,
     pub readiness: Option<Spanned<Readiness>>,
     pub restart: Option<Spanned<Restart>>,
+    #[serde(default)]
+    pub aliases: Vec<Spanned<String>>,
+    pub concurrency_limit: Option<Spanned<u32>>,
 }
 
 #[derive(Debug, Deserialize)]

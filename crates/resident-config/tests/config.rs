@@ -397,3 +397,47 @@ fn load_with_switches_the_host_look_ups() {
     let c = resident_config::load_with(&path, Host::Elsewhere).expect("valid elsewhere");
     assert_eq!(c.source, path);
 }
+
+#[test]
+fn aliases_and_concurrency_limits() {
+    let text = BRIEF.replacen(
+        "priority = 0\n",
+        "priority = 0\naliases = [\"coder\", \"qwen-coder\"]\nconcurrency_limit = 4\n",
+        1,
+    );
+    let c = parse(Path::new("brief.toml"), &text).expect("valid");
+    let w = &c.workloads["coder-daily"];
+    assert_eq!(w.aliases, ["coder", "qwen-coder"]);
+    assert_eq!(w.concurrency_limit, Some(4));
+    assert_eq!(c.workloads["planner"].concurrency_limit, None);
+    // An alias names one workload only, and is a name like any other.
+    check(
+        "idle_ttl = \"0s\"",
+        "aliases = [\"planner\"]",
+        "workload[coder-daily].aliases[0]: is the name of workload 'planner'",
+    );
+    check(
+        "idle_ttl = \"0s\"",
+        "aliases = [\"a b\"]",
+        "workload[coder-daily].aliases[0]",
+    );
+    check(
+        "idle_ttl = \"0s\"",
+        "concurrency_limit = 0",
+        "workload[coder-daily].concurrency_limit: must be at least 1",
+    );
+    let twice = text.replacen(
+        "name = \"coder-small\"\n",
+        "name = \"coder-small\"\naliases = [\"coder\"]\n",
+        1,
+    );
+    let err = parse(Path::new("/etc/residentd.toml"), &twice)
+        .expect_err("an alias used twice")
+        .to_string();
+    assert!(
+        err.contains(
+            "workload[coder-small].aliases[0]: is already an alias of workload 'coder-daily'"
+        ),
+        "{err}"
+    );
+}

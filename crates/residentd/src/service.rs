@@ -266,6 +266,26 @@ impl pb::node_agent_server::NodeAgent for Service {
             instances: self.agent.list(),
         }))
     }
+
+    async fn workloads(
+        &self,
+        _req: Request<pb::WorkloadsRequest>,
+    ) -> Result<Response<pb::WorkloadsResponse>, Status> {
+        let _timer = self.agent.metrics().time("Workloads");
+        let config = self.agent.config();
+        let workloads = config
+            .workloads
+            .iter()
+            .map(|(name, w)| pb::Workload {
+                name: name.clone(),
+                aliases: w.aliases.clone(),
+                role: w.spec.role.to_string(),
+                demand: resident_api::instance(name, &w.spec, None).demand,
+                concurrency_limit: w.concurrency_limit.unwrap_or(0),
+            })
+            .collect();
+        Ok(Response::new(pb::WorkloadsResponse { workloads }))
+    }
 }
 
 fn log_line(l: resident_supervisor::LogLine, id: &str) -> pb::LogLine {

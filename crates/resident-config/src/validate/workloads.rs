@@ -40,7 +40,36 @@ pub(super) fn workloads(
         let workload = workload(src, &name, w, pools, host)?;
         out.insert(name.to_string(), Arc::new(workload));
     }
+    aliases_unique(src, raw, &out)?;
     Ok(out)
+}
+
+/// Every alias names one workload: none repeats a workload's name or
+/// another alias.
+fn aliases_unique(
+    src: &Source<'_>,
+    raw: &[Spanned<raw::Workload>],
+    workloads: &BTreeMap<String, Arc<Workload>>,
+) -> Result<()> {
+    let mut seen: BTreeMap<&str, &str> = BTreeMap::new();
+    for w in raw {
+        let w = w.get_ref();
+        let owner = w.name.get_ref().as_str();
+        for (i, alias) in w.aliases.iter().enumerate() {
+            let a = alias.get_ref().as_str();
+            let clash = if workloads.contains_key(a) {
+                Some(format!("is the name of workload '{a}'"))
+            } else {
+                seen.get(a)
+                    .map(|other| format!("is already an alias of workload '{other}'"))
+            };
+            if let Some(why) = clash {
+                return Err(src.err(alias.span(), format!("workload[{owner}].aliases[{i}]"), why));
+            }
+            seen.insert(a, owner);
+        }
+    }
+    Ok(())
 }
 
 fn workload(
@@ -68,8 +97,26 @@ fn workload(
         .filter(|p| p.device.is_none())
         .map(|p| spec.footprint(p.pool.name.as_str()))
         .fold(0u64, u64::saturating_add);
+    let aliases = w
+        .aliases
+        .iter()
+        .enumerate()
+        .map(|(i, a)| {
+            WorkloadName::new(spanned_str(a))
+                .map(|n| n.to_string())
+                .map_err(|e| src.err(a.span(), key(&format!("aliases[{i}]")), e.to_string()))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let concurrency_limit = match &w.concurrency_limit {
+        Some(n) if *n.get_ref() == 0 => {
+            return Err(src.err(n.span(), key("concurrency_limit"), "must be at least 1"));
+        }
+        n => n.as_ref().map(|n| *n.get_ref()),
+    };
     Ok(Workload {
         host_bytes,
+        aliases,
+        concurrency_limit,
         spec: Arc::new(spec),
         argv,
         env,

@@ -269,7 +269,7 @@ impl Agent {
     }
 }
 
-/// The workload `name` of `config`'s roster.
+/// The workload `name` (or alias) of `config`'s roster.
 pub(super) fn workload_of(config: &Config, name: &str) -> Result<Arc<Workload>, ApiError> {
     if name.is_empty() {
         return Err(ApiError::invalid(
@@ -277,7 +277,7 @@ pub(super) fn workload_of(config: &Config, name: &str) -> Result<Arc<Workload>, 
             "must name a workload of the roster",
         ));
     }
-    config.workloads.get(name).cloned().ok_or_else(|| {
+    config.workload(name).cloned().ok_or_else(|| {
         let name = resident_core::Excerpt::of(name);
         ApiError::NotFound(format!("no workload {name} in the roster"))
     })

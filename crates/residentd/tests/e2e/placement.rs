@@ -400,3 +400,41 @@ async fn place_is_the_same_plan_without_side_effects() {
         "nothing was stopped"
     );
 }
+
+#[tokio::test]
+async fn the_roster_is_served_and_a_start_may_name_an_alias() {
+    let mut config = pool("ram", "10GB");
+    config += &sleeper(
+        "chat-7b",
+        "ram",
+        2,
+        "aliases = [\"chat\", \"gpt-4o-mini\"]\nconcurrency_limit = 4",
+    );
+    config += &sleeper("embed", "ram", 1, "");
+    let mut d = Daemon::start(&config).await;
+    let roster = d
+        .client
+        .workloads(pb::WorkloadsRequest {})
+        .await
+        .expect("workloads")
+        .into_inner()
+        .workloads;
+    let names: Vec<&str> = roster.iter().map(|w| w.name.as_str()).collect();
+    assert_eq!(names, ["chat-7b", "embed"]);
+    assert_eq!(roster[0].aliases, ["chat", "gpt-4o-mini"]);
+    assert_eq!(roster[0].concurrency_limit, 4);
+    assert_eq!(roster[0].demand[0].weights_bytes, 2_000_000_000);
+    assert_eq!(roster[1].concurrency_limit, 0, "no limit");
+    let started = d.started("gpt-4o-mini", "c1").await;
+    assert_eq!(started.workload, "chat-7b", "an alias starts its workload");
+    let placed = d
+        .client
+        .place(pb::PlaceRequest {
+            workload: "chat".into(),
+            on_full: 0,
+        })
+        .await
+        .expect("place by alias")
+        .into_inner();
+    assert!(placed.admitted);
+}
