@@ -241,8 +241,8 @@ impl Rewriter {
     /// Decodes a whole block, fixes the authority, and emits the block
     /// re-encoded as HEADERS plus CONTINUATIONs.
     fn finish(&mut self, block: Block, out: &mut BytesMut) {
-        let encoded = match decode(&mut self.decoder, &block.fragment) {
-            Ok(fields) => encode(&fields),
+        let encoded = match reencode(&mut self.decoder, &block.fragment) {
+            Ok(encoded) => encoded,
             Err(()) => {
                 self.mode = Mode::Ended;
                 UNDECODABLE.to_vec()
@@ -293,45 +293,36 @@ fn open_block(stream: u32, flags: u8, payload: &[u8]) -> Option<Block> {
     })
 }
 
-type Fields = Vec<(Vec<u8>, Vec<u8>)>;
-
-/// Decodes a block, replacing an `:authority` that does not parse. Err
-/// when the block does not decode or decodes beyond [`MAX_HEADER_LIST`].
-fn decode(decoder: &mut hpack::Decoder, fragment: &[u8]) -> Result<Fields, ()> {
-    let mut fields = Vec::new();
+/// Decodes a block and re-encodes each field as it comes, as a literal
+/// without indexing (RFC 7541, 6.2.2), so nothing enters the server's
+/// dynamic table; an `:authority` that does not parse becomes
+/// [`LOCAL_AUTHORITY`]. Err when the block does not decode or decodes
+/// beyond [`MAX_HEADER_LIST`].
+fn reencode(decoder: &mut hpack::Decoder, fragment: &[u8]) -> Result<Vec<u8>, ()> {
+    let mut out = Vec::with_capacity(fragment.len() * 2);
     let mut size = 0usize;
     decoder
         .decode(fragment, |name, value| {
             size += name.len() + value.len() + 32;
-            fields.push((name.to_vec(), value.to_vec()));
+            let value = if name == b":authority" && !valid_authority(value) {
+                LOCAL_AUTHORITY.as_bytes()
+            } else {
+                value
+            };
+            out.push(0);
+            for s in [name, value] {
+                put_integer(&mut out, s.len(), 7);
+                out.extend_from_slice(s);
+            }
             size <= MAX_HEADER_LIST
         })
         .map_err(|_| ())?;
-    for (name, value) in &mut fields {
-        if name.as_slice() == b":authority" && !valid_authority(value) {
-            *value = LOCAL_AUTHORITY.as_bytes().to_vec();
-        }
-    }
-    Ok(fields)
+    Ok(out)
 }
 
 /// Whether h2 accepts `value` as an authority.
 fn valid_authority(value: &[u8]) -> bool {
     http::uri::Authority::try_from(value).is_ok()
-}
-
-/// Every field as a literal without indexing, new name (RFC 7541, 6.2.2):
-/// nothing enters the server's dynamic table.
-fn encode(fields: &Fields) -> Vec<u8> {
-    let mut out = Vec::new();
-    for (name, value) in fields {
-        out.push(0);
-        for s in [name, value] {
-            put_integer(&mut out, s.len(), 7);
-            out.extend_from_slice(s);
-        }
-    }
-    out
 }
 
 /// An HPACK integer with a `prefix`-bit prefix and zero high bits (RFC
