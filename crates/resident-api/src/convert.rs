@@ -140,18 +140,22 @@ fn state(s: State) -> pb::State {
     }
 }
 
-/// An instance: its declared demand from `spec`, and what the supervisor
-/// reports (`None`: admitted, not handed to the supervisor yet: PENDING).
-pub fn instance(id: &str, spec: &Spec, status: Option<&Status>) -> pb::Instance {
-    let demand = spec
-        .demand
+/// What `spec` declares, pool by pool.
+pub fn demand(spec: &Spec) -> Vec<pb::PoolDemand> {
+    spec.demand
         .iter()
         .map(|(pool, d)| pb::PoolDemand {
             pool: pool.to_string(),
             weights_bytes: d.weights,
             kv_budget_bytes: d.kv,
         })
-        .collect();
+        .collect()
+}
+
+/// An instance: its declared demand from `spec`, and what the supervisor
+/// reports (`None`: admitted, not handed to the supervisor yet: PENDING).
+pub fn instance(id: &str, spec: &Spec, status: Option<&Status>) -> pb::Instance {
+    let demand = demand(spec);
     let mut out = pb::Instance {
         instance_id: id.to_string(),
         workload: spec.workload.to_string(),

@@ -280,7 +280,7 @@ impl pb::node_agent_server::NodeAgent for Service {
                 name: name.clone(),
                 aliases: w.aliases.clone(),
                 role: w.spec.role.to_string(),
-                demand: resident_api::instance(name, &w.spec, None).demand,
+                demand: resident_api::demand(&w.spec),
                 concurrency_limit: w.concurrency_limit.unwrap_or(0),
             })
             .collect();

@@ -151,6 +151,16 @@ fn fields(list: &[(&str, &str)]) -> Option<Vec<(String, String)>> {
     )
 }
 
+/// `request(Some(socket path))` as h2 should see it.
+const REWRITTEN: [(&str, &str); 6] = [
+    (":method", "POST"),
+    (":scheme", "http"),
+    (":path", "/pkg.Svc/Call"),
+    (":authority", LOCAL_AUTHORITY),
+    ("content-type", "application/grpc"),
+    ("te", "trailers"),
+];
+
 fn request(authority: Option<&str>) -> Block {
     // :method POST and :scheme http from the static table; the rest enters
     // the dynamic table, as grpc-core's encoder does.
@@ -185,14 +195,7 @@ fn a_socket_path_becomes_localhost_and_dynamic_references_still_resolve() {
     input.extend(frame(HEADERS, END_HEADERS | END_STREAM, 3, &second.0));
 
     let want = |extra: &[(&str, &str)]| {
-        let mut all = vec![
-            (":method", "POST"),
-            (":scheme", "http"),
-            (":path", "/pkg.Svc/Call"),
-            (":authority", LOCAL_AUTHORITY),
-            ("content-type", "application/grpc"),
-            ("te", "trailers"),
-        ];
+        let mut all = REWRITTEN.to_vec();
         all.extend_from_slice(extra);
         fields(&all)
     };
@@ -280,14 +283,7 @@ fn padding_priority_and_continuations_are_gathered_into_one_block() {
             stream: 3,
             flags: END_STREAM | PRIORITY,
             priority: Some(vec![0x80, 0, 0, 1, 15]),
-            fields: fields(&[
-                (":method", "POST"),
-                (":scheme", "http"),
-                (":path", "/pkg.Svc/Call"),
-                (":authority", LOCAL_AUTHORITY),
-                ("content-type", "application/grpc"),
-                ("te", "trailers"),
-            ]),
+            fields: fields(&REWRITTEN),
         }
     );
 }
