@@ -74,7 +74,11 @@ impl EventLog {
     }
 
     /// Begins a watch. `since == 0`: one SNAPSHOT event per instance from
-    /// `snapshot` (at the current revision), then every later event.
+    /// `snapshot`, numbered with the current revision, then every later
+    /// event. The snapshot is the books as they are, which can be a step
+    /// ahead of the published events (a run spawned whose STARTING event
+    /// the follower has not published yet): such a change shows in the
+    /// snapshot and again in its event.
     /// `since > 0`: the kept events after `since`, then every later one.
     pub fn resume(&self, since: u64, snapshot: impl FnOnce() -> Vec<pb::Instance>) -> Resume {
         let inner = self.lock();

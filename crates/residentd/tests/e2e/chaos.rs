@@ -106,23 +106,37 @@ struct Seen {
     last_state: BTreeMap<String, i32>,
 }
 
-fn watch_all(
+/// Watches from revision 0 and records every event. Returns once the
+/// first watch is subscribed, so that nothing the caller does afterwards
+/// can happen before it (a fresh agent: no snapshot, revisions from 1).
+async fn watch_all(
     mut client: pb::node_agent_client::NodeAgentClient<tonic::transport::Channel>,
     seen: Arc<Mutex<Seen>>,
 ) -> tokio::task::JoinHandle<()> {
+    let first = client
+        .watch(pb::WatchRequest { since_revision: 0 })
+        .await
+        .expect("watch from 0")
+        .into_inner();
     tokio::spawn(async move {
         let mut since = 0;
+        let mut stream = Some(first);
         loop {
-            let Ok(stream) = client
-                .watch(pb::WatchRequest {
-                    since_revision: since,
-                })
-                .await
-            else {
-                return;
+            let mut current = match stream.take() {
+                Some(s) => s,
+                None => {
+                    let Ok(s) = client
+                        .watch(pb::WatchRequest {
+                            since_revision: since,
+                        })
+                        .await
+                    else {
+                        return;
+                    };
+                    s.into_inner()
+                }
             };
-            let mut stream = stream.into_inner();
-            while let Some(item) = stream.next().await {
+            while let Some(item) = current.next().await {
                 let Ok(e) = item else { break };
                 since = e.revision;
                 let mut s = seen.lock().expect("seen");
@@ -321,7 +335,7 @@ async fn random_operations_leave_the_books_straight() {
     eprintln!("chaos seed {seed} (replay with CHAOS_SEED={seed})");
     let mut d = Daemon::start(&roster()).await;
     let seen = Arc::new(Mutex::new(Seen::default()));
-    let watcher = watch_all(d.client.clone(), seen.clone());
+    let watcher = watch_all(d.client.clone(), seen.clone()).await;
     let mut rng = Rng(seed.max(1));
     let clients: Vec<_> = (0..CLIENTS)
         .map(|_| {
@@ -387,7 +401,7 @@ async fn kill_9_during_a_start_storm_leaves_no_orphan_and_reserves_once() {
     let mut d = Daemon::start(&(pool("ram", "1000GB") + &sleeper("nap", "ram", 1, ""))).await;
     const PER_CLIENT: usize = 60;
     let seen = Arc::new(Mutex::new(Seen::default()));
-    let watcher = watch_all(d.client.clone(), seen.clone());
+    let watcher = watch_all(d.client.clone(), seen.clone()).await;
     let storm: Vec<_> = (0..CLIENTS)
         .map(|c| {
             let socket = d.socket.clone();
