@@ -251,6 +251,17 @@ impl NodeState {
         true
     }
 
+    /// Marks a use of `id` at `now` and ends its hold. False when `id` is
+    /// not resident.
+    pub fn release_hold(&mut self, id: &str, now: u64) -> bool {
+        let Some(r) = self.residents.get_mut(id) else {
+            return false;
+        };
+        r.last_used = r.last_used.max(now);
+        r.hold_until = 0;
+        true
+    }
+
     /// Records what `id` measurably holds in `pool`.
     pub fn set_measured(&mut self, id: &str, pool: &PoolName, bytes: u64) -> bool {
         let Some(r) = self.residents.get_mut(id) else {

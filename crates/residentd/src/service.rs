@@ -14,7 +14,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 use tracing::Instrument as _;
 
-use crate::agent::Agent;
+use crate::agent::{Agent, Hold};
 use crate::events::Resume;
 use crate::validate;
 
@@ -151,7 +151,12 @@ impl pb::node_agent_server::NodeAgent for Service {
         let r = req.into_inner();
         let id = validate::instance_id("instance_id", &r.instance_id)?;
         let _span = tracing::info_span!("touch", instance_id = %id).entered();
-        Ok(Response::new(self.agent.touch(id.as_str(), r.hold_ms)?))
+        let hold = if r.release_hold {
+            Hold::Release
+        } else {
+            Hold::For(r.hold_ms)
+        };
+        Ok(Response::new(self.agent.touch(id.as_str(), hold)?))
     }
 
     type WatchStream = Streamed<pb::Event>;

@@ -19,6 +19,15 @@ use resident_config::{Config, Workload};
 use resident_core::{AdmitError, InstanceId, NodeState, Plan, PlanError, Policy, PoolName};
 use tokio::sync::watch;
 
+/// What a Touch does to an instance's hold against eviction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Hold {
+    /// Holds it at least this many milliseconds from now (0: no change).
+    For(u64),
+    /// Ends the hold now.
+    Release,
+}
+
 /// How an instance came to be and which run of it is current.
 #[derive(Debug, Clone)]
 pub(super) struct Record {
@@ -298,9 +307,13 @@ impl Books {
 
     /// Records a use of `id` and renews its lease; false when it holds no
     /// reservation.
-    pub(super) fn touch(&self, id: &str, now: u64, hold_ms: u64) -> bool {
+    pub(super) fn touch(&self, id: &str, now: u64, hold: Hold) -> bool {
         let mut b = self.lock();
-        if !b.ledger.touch(id, now, hold_ms) {
+        let used = match hold {
+            Hold::For(ms) => b.ledger.touch(id, now, ms),
+            Hold::Release => b.ledger.release_hold(id, now),
+        };
+        if !used {
             return false;
         }
         if let Some(lease) = b.records.get_mut(id).and_then(|r| r.lease.as_mut()) {

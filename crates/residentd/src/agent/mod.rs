@@ -30,6 +30,7 @@ mod persist;
 mod queries;
 
 use books::Books;
+pub use books::Hold;
 
 /// The result of a Start.
 #[derive(Debug)]

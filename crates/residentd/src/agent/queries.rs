@@ -8,7 +8,7 @@ use resident_core::Policy;
 
 use super::Agent;
 use super::admission::workload_of;
-use super::books::Record;
+use super::books::{Hold, Record};
 
 impl Agent {
     /// An instance as its record and its current run say.
@@ -62,9 +62,10 @@ impl Agent {
         self.books.place(&w, policy, self.now_ms())
     }
 
-    /// Marks a use of `id` and, with `hold_ms`, protects it from eviction.
-    pub fn touch(&self, id: &str, hold_ms: u64) -> Result<pb::Instance, ApiError> {
-        if !self.books.touch(id, self.now_ms(), hold_ms) {
+    /// Marks a use of `id` and protects it from eviction, or ends that
+    /// protection, as `hold` says.
+    pub fn touch(&self, id: &str, hold: Hold) -> Result<pb::Instance, ApiError> {
+        if !self.books.touch(id, self.now_ms(), hold) {
             self.get(id)?;
             return Err(ApiError::FailedPrecondition(format!(
                 "instance '{id}' is not resident"

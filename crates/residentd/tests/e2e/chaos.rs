@@ -232,6 +232,7 @@ async fn client_ops(socket: std::path::PathBuf, mut rng: Rng, ops: usize) -> Tal
                     .touch(pb::TouchRequest {
                         instance_id: id,
                         hold_ms,
+                        ..Default::default()
                     })
                     .await;
             }

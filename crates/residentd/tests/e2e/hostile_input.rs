@@ -163,6 +163,7 @@ async fn send(c: &mut Client, call: Call) -> Result<(), tonic::Status> {
             .touch(pb::TouchRequest {
                 instance_id,
                 hold_ms,
+                ..Default::default()
             })
             .await
             .map(drop),

@@ -42,6 +42,7 @@ async fn a_renewed_lease_keeps_its_instance_and_a_lapsed_one_stops_it() {
         c.touch(pb::TouchRequest {
             instance_id: "kept".into(),
             hold_ms: 0,
+            ..Default::default()
         })
         .await
         .expect("touch renews");

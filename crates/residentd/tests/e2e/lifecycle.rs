@@ -239,6 +239,7 @@ async fn an_idle_instance_is_stopped_after_its_ttl_and_a_touched_one_is_not() {
         let touch = pb::TouchRequest {
             instance_id: "busy".into(),
             hold_ms: 0,
+            ..Default::default()
         };
         d.client.touch(touch).await.expect("touch");
         d.get("idle").await.state == pb::State::Exited as i32

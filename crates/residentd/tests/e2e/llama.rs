@@ -210,6 +210,7 @@ async fn llama_cpp_servers_are_placed_refused_evicted_and_restarted() {
         .touch(pb::TouchRequest {
             instance_id: "t".into(),
             hold_ms: 0,
+            ..Default::default()
         })
         .await
         .expect("touch");

@@ -131,6 +131,7 @@ async fn evict_stops_the_least_recently_used_first_or_nothing() {
     c.touch(pb::TouchRequest {
         instance_id: "b".into(),
         hold_ms: 0,
+        ..Default::default()
     })
     .await
     .expect("touch");
@@ -141,6 +142,7 @@ async fn evict_stops_the_least_recently_used_first_or_nothing() {
     c.touch(pb::TouchRequest {
         instance_id: "a".into(),
         hold_ms: 60_000,
+        ..Default::default()
     })
     .await
     .expect("hold");
@@ -177,6 +179,24 @@ async fn evict_stops_the_least_recently_used_first_or_nothing() {
             .iter()
             .all(|i| i.state == pb::State::Ready as i32)
     );
+    // Ending the hold lets the same start evict at once (the release is a
+    // use of a: b is now the least recently used and goes first).
+    c.touch(pb::TouchRequest {
+        instance_id: "a".into(),
+        hold_ms: 60_000,
+        release_hold: true,
+    })
+    .await
+    .expect("release the hold");
+    let plan = c
+        .place(pb::PlaceRequest {
+            workload: "planner".into(),
+            on_full: pb::Policy::Evict as i32,
+        })
+        .await
+        .expect("place")
+        .into_inner();
+    assert!(plan.admitted && plan.evict == ["b", "a"], "{plan:?}");
     // Under no hold, a (55 GB) must go; b stays.
     let mut d2 = Daemon::start(&reference_config()).await;
     let c2 = &mut d2.client;
@@ -326,6 +346,7 @@ async fn bad_input_is_invalid_argument_with_field_violations_and_changes_nothing
         .touch(pb::TouchRequest {
             instance_id: "".into(),
             hold_ms: 5,
+            ..Default::default()
         })
         .await
         .expect_err("empty id");

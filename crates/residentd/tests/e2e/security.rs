@@ -40,6 +40,7 @@ async fn callers_outside_the_allowlist_change_nothing() {
     let touch = pb::TouchRequest {
         instance_id: "n1".into(),
         hold_ms: 1000,
+        ..Default::default()
     };
     let denied = d.client.touch(touch).await.expect_err("touch denied too");
     assert_eq!(denied.code(), Code::PermissionDenied);

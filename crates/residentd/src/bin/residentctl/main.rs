@@ -94,8 +94,11 @@ enum Command {
     /// Mark a use of an instance; with --hold, protect it from eviction.
     Touch {
         id: String,
-        #[arg(long)]
+        #[arg(long, conflicts_with = "release_hold")]
         hold: Option<String>,
+        /// End the instance's hold now (whoever set it).
+        #[arg(long)]
+        release_hold: bool,
     },
     /// The node: pools and instances.
     Node,
@@ -342,12 +345,17 @@ async fn run(cli: &Cli) -> Result<ExitCode, Failure> {
                 return Ok(ExitCode::from(EXIT_REFUSED));
             }
         }
-        Command::Touch { id, hold } => {
+        Command::Touch {
+            id,
+            hold,
+            release_hold,
+        } => {
             let hold_ms = millis(hold.as_deref(), "hold")?;
             let r = c
                 .touch(pb::TouchRequest {
                     instance_id: id.clone(),
                     hold_ms,
+                    release_hold: *release_hold,
                 })
                 .await?
                 .into_inner();
