@@ -87,6 +87,12 @@ impl Agent {
                     let _ = released.changed().await;
                 }
                 Ok(Decision::Existing(record)) => {
+                    if wait_ready {
+                        // A caller asking for READY gets READY (or why
+                        // not), whoever started the instance.
+                        self.ready_or_failed(id.as_str(), record.generation).await?;
+                    }
+                    let record = self.books.record(id.as_str()).unwrap_or(record);
                     return Ok(Started {
                         instance: self.view(id.as_str(), &record),
                         created: false,
@@ -196,18 +202,40 @@ impl Agent {
             }
         }
         if r.wait_ready {
-            let settled = self
-                .sup
-                .wait_for(id, |s| s.state == State::Ready || s.state.is_terminal())
-                .await;
-            if let Some(s) = settled.filter(|s| s.state.is_terminal()) {
-                return Err(ApiError::FailedPrecondition(format!(
-                    "instance '{id}' did not become ready: {}",
-                    s.reason
-                )));
-            }
+            self.ready_or_failed(id, generation).await?;
         }
         self.get(id)
+    }
+
+    /// Waits until run `generation` of `id` is READY; Err when it ended
+    /// first. A run admitted by another Start and not spawned yet is waited
+    /// for while the books still want it.
+    async fn ready_or_failed(&self, id: &str, generation: u64) -> Result<(), ApiError> {
+        let rx = loop {
+            match self.sup.subscribe(id) {
+                Some(rx) if rx.borrow().generation == generation => break rx,
+                _ if self.books.wanted(id, generation) => {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                _ => {
+                    return Err(ApiError::Aborted(format!(
+                        "instance '{id}' was stopped before it became ready"
+                    )));
+                }
+            }
+        };
+        let mut rx = rx;
+        let settled = rx
+            .wait_for(|s| s.state == State::Ready || s.state.is_terminal())
+            .await
+            .map(|s| s.clone());
+        match settled {
+            Ok(s) if s.state.is_terminal() => Err(ApiError::FailedPrecondition(format!(
+                "instance '{id}' did not become ready: {}",
+                s.reason
+            ))),
+            _ => Ok(()),
+        }
     }
 
     fn refused(&self, workload: &str, refusal: &resident_core::Refusal, policy: Policy) {

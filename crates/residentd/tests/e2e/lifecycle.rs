@@ -299,3 +299,36 @@ async fn a_start_while_the_same_instance_stops_waits_and_answers_a_new_run() {
     assert_eq!(d.get("s").await.pid, new.pid);
     assert_eq!(d.used().await, 4_000_000_000, "one reservation");
 }
+
+#[tokio::test]
+async fn a_start_with_wait_ready_of_a_starting_instance_answers_when_it_is_ready() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let go = dir.path().join("go");
+    // Listens (and so becomes READY) only once the file `go` exists.
+    let script = format!(
+        "while [ ! -e {go} ]; do sleep 0.02; done; exec python3 -m http.server $1 --bind 127.0.0.1",
+        go = go.display()
+    );
+    let mut config = ram();
+    config += &format!(
+        "[[workload]]\nname = \"late\"\ncommand = [\"/bin/sh\", \"-c\", \"{script}\", \"late\", \"${{PORT}}\"]\nstop_grace = \"2s\"\n[workload.memory.ram]\nweights = \"1GB\"\n[workload.readiness]\ntcp = true\ntimeout = \"60s\"\n"
+    );
+    write_config(dir.path(), &config);
+    let mut d = Daemon::start_in(dir).await;
+    d.started("late", "l").await;
+    assert_eq!(d.get("l").await.state, pb::State::Starting as i32);
+    let mut c = d.client.clone();
+    let second = tokio::spawn(async move {
+        let mut req = start_req("late", "l");
+        req.wait_ready = true;
+        c.start(req).await
+    });
+    std::fs::File::create(&go).expect("create go");
+    let answer = second.await.expect("join").expect("start").into_inner();
+    assert!(!answer.created, "the same run");
+    assert_eq!(
+        answer.instance.expect("instance").state,
+        pb::State::Ready as i32,
+        "wait_ready answers READY, also for an instance that already existed"
+    );
+}
