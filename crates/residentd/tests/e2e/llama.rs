@@ -20,7 +20,7 @@ const MB: u64 = 1_000_000;
 /// The venv's python, when it can import the server and the GGUF writer;
 /// else `None`, after saying the test is skipped (CI installs them, so
 /// there it fails instead).
-fn python() -> Option<PathBuf> {
+pub fn python() -> Option<PathBuf> {
     let python = workspace().join(".venv/bin/python");
     let ok = Command::new(&python)
         .args(["-c", "import llama_cpp.server, gguf"])
@@ -36,7 +36,7 @@ fn python() -> Option<PathBuf> {
     None
 }
 
-fn make_model(python: &Path, out: &Path, embd: u32, layers: u32) {
+pub fn make_model(python: &Path, out: &Path, embd: u32, layers: u32) {
     let script = workspace().join("tests/llama/make_model.py");
     let status = Command::new(python)
         .arg(script)
@@ -48,12 +48,12 @@ fn make_model(python: &Path, out: &Path, embd: u32, layers: u32) {
 }
 
 /// Declared bytes of a model at 512 tokens of f16 KV, by our GGUF reader.
-fn declared(model: &Path) -> u64 {
+pub fn declared(model: &Path) -> u64 {
     let m = resident_config::gguf::read(model).expect("our reader reads the test model");
     m.weights_bytes + m.kv_bytes(512, "f16").expect("f16")
 }
 
-fn workload(name: &str, python: &Path, model: &Path, restart: &str) -> String {
+pub fn workload(name: &str, python: &Path, model: &Path, restart: &str) -> String {
     format!(
         r#"[[workload]]
 name = "{name}"

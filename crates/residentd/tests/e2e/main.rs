@@ -1,6 +1,7 @@
 //! The end-to-end tests of residentd: one binary, a module per topic, each
 //! starting the real `residentd` (and `residentctl`) and talking to it over
-//! its socket, with the helpers of `support`.
+//! its socket, with the helpers of `support`. `router` runs
+//! residentd-router (its library, in the test process) in front of it.
 //!
 //! `cargo test -p residentd --test e2e lifecycle::` runs one topic.
 
@@ -17,6 +18,7 @@ mod metrics;
 mod oom;
 mod placement;
 mod residentctl;
+mod router;
 mod security;
 mod shutdown;
 mod systemd;

@@ -1,0 +1,162 @@
+//! The router's only way to the agent: its public gRPC API, over the Unix
+//! socket or TCP. Each call is one RPC; a refusal is decoded from the
+//! status's ErrorInfo (reason, `temporary`).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use hyper_util::rt::TokioIo;
+use resident_api::pb;
+use resident_api::pb::node_agent_client::NodeAgentClient;
+use tokio::net::UnixStream;
+use tonic::Code;
+use tonic::transport::{Channel, Endpoint, Uri};
+use tonic_types::StatusExt as _;
+
+/// How an on-demand start ended, when not with a READY instance.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StartError {
+    /// The agent refused to place it. `temporary`: only residents under a
+    /// hold stand in the way, so waiting may help.
+    Refused {
+        /// The first reason's code (`OVER_BUDGET`, `EXCLUDED`, ...).
+        reason: String,
+        /// The agent's text.
+        message: String,
+        /// Waiting may help.
+        temporary: bool,
+    },
+    /// It was admitted but did not become ready (or could not be spawned).
+    Failed(String),
+    /// The agent could not be asked.
+    Unavailable(String),
+}
+
+/// A client of one agent.
+#[derive(Debug, Clone)]
+pub struct Agent {
+    client: NodeAgentClient<Channel>,
+}
+
+impl Agent {
+    /// A client of the agent at `endpoint`: a Unix socket path (optionally
+    /// `unix:` or `unix://` before it) or `http://HOST:PORT`. Connects
+    /// lazily, so the router can start before the agent.
+    pub fn new(endpoint: &str) -> anyhow::Result<Self> {
+        let channel = if endpoint.starts_with("http://") {
+            Endpoint::from_shared(endpoint.to_string())?
+                .connect_timeout(Duration::from_secs(5))
+                .connect_lazy()
+        } else {
+            let path = PathBuf::from(
+                endpoint
+                    .strip_prefix("unix://")
+                    .or_else(|| endpoint.strip_prefix("unix:"))
+                    .unwrap_or(endpoint),
+            );
+            Endpoint::from_static("http://localhost")
+                .connect_timeout(Duration::from_secs(5))
+                .connect_with_connector_lazy(tower::service_fn(move |_: Uri| {
+                    let path = path.clone();
+                    async move {
+                        Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(path).await?))
+                    }
+                }))
+        };
+        Ok(Self {
+            client: NodeAgentClient::new(channel),
+        })
+    }
+
+    /// The roster: every workload with its aliases and limits.
+    pub async fn workloads(&self) -> Result<Vec<pb::Workload>, tonic::Status> {
+        let r = self
+            .client
+            .clone()
+            .workloads(pb::WorkloadsRequest {})
+            .await?;
+        Ok(r.into_inner().workloads)
+    }
+
+    /// Every instance.
+    pub async fn list(&self) -> Result<Vec<pb::Instance>, tonic::Status> {
+        let r = self.client.clone().list(pb::ListRequest {}).await?;
+        Ok(r.into_inner().instances)
+    }
+
+    /// A use of `id` that holds it against eviction for `hold`. `None`
+    /// when it is not resident (never started, stopped, ended).
+    pub async fn hold(
+        &self,
+        id: &str,
+        hold: Duration,
+    ) -> Result<Option<pb::Instance>, tonic::Status> {
+        let req = pb::TouchRequest {
+            instance_id: id.to_string(),
+            hold_ms: u64::try_from(hold.as_millis()).unwrap_or(u64::MAX),
+            release_hold: false,
+        };
+        not_resident_is_none(self.client.clone().touch(req).await)
+    }
+
+    /// A use of `id` that ends its hold.
+    pub async fn release(&self, id: &str) -> Result<Option<pb::Instance>, tonic::Status> {
+        let req = pb::TouchRequest {
+            instance_id: id.to_string(),
+            hold_ms: 0,
+            release_hold: true,
+        };
+        not_resident_is_none(self.client.clone().touch(req).await)
+    }
+
+    /// Starts instance `id` of `workload` under the agent's policy and
+    /// answers once it is READY.
+    pub async fn start(&self, workload: &str, id: &str) -> Result<pb::Instance, StartError> {
+        let req = pb::StartRequest {
+            workload: workload.to_string(),
+            instance_id: id.to_string(),
+            wait_ready: true,
+            ..Default::default()
+        };
+        match self.client.clone().start(req).await {
+            Ok(r) => r
+                .into_inner()
+                .instance
+                .ok_or_else(|| StartError::Failed("the agent answered no instance".into())),
+            Err(status) => Err(start_error(&status)),
+        }
+    }
+}
+
+fn not_resident_is_none(
+    r: Result<tonic::Response<pb::Instance>, tonic::Status>,
+) -> Result<Option<pb::Instance>, tonic::Status> {
+    match r {
+        Ok(r) => Ok(Some(r.into_inner())),
+        Err(s) if matches!(s.code(), Code::NotFound | Code::FailedPrecondition) => Ok(None),
+        Err(s) => Err(s),
+    }
+}
+
+/// What a failed Start status means for the router.
+pub fn start_error(status: &tonic::Status) -> StartError {
+    let info = status.get_error_details().error_info().cloned();
+    match info {
+        Some(info) if info.domain == resident_api::ERROR_DOMAIN => StartError::Refused {
+            reason: info.reason,
+            message: status.message().to_string(),
+            temporary: info.metadata.get("temporary").is_some_and(|t| t == "true"),
+        },
+        _ => match status.code() {
+            Code::Unavailable | Code::Unknown | Code::Cancelled | Code::DeadlineExceeded => {
+                StartError::Unavailable(status.message().to_string())
+            }
+            Code::ResourceExhausted => StartError::Refused {
+                reason: "LIMIT_REACHED".into(),
+                message: status.message().to_string(),
+                temporary: false,
+            },
+            _ => StartError::Failed(status.message().to_string()),
+        },
+    }
+}

@@ -1,0 +1,393 @@
+//! residentd-router: the OpenAI-compatible front door of a residentd node.
+//!
+//! A request names a model; the router finds the workload (by name or
+//! alias, from the agent's roster), gets its instance READY (starting it
+//! on demand through the agent's `Start`), holds it against eviction while
+//! the answer is sent, and forwards the request to the model's own server
+//! on loopback. It is a client of the agent's public gRPC API and nothing
+//! more: the agent decides what may be resident, the router only asks.
+//!
+//! - `agent.rs`: the RPCs the router makes, and a refusal decoded.
+//! - `models.rs`: roster, holds, and the FIFO gate of starts on demand.
+//! - `proxy.rs`: forwarding, streaming, and the hold that ends with the
+//!   response body.
+//! - `error.rs`: OpenAI-shaped errors. `metrics.rs`: `/metrics`.
+//!
+//! docs/router.md is the operator's guide.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{any, get, post};
+use bytes::Bytes;
+use http::{HeaderMap, Method, StatusCode, Uri, header};
+use serde::Deserialize;
+
+pub mod agent;
+pub mod error;
+pub mod metrics;
+pub mod models;
+pub mod proxy;
+
+pub use error::RouterError;
+
+use crate::agent::Agent;
+use crate::metrics::Metrics;
+use crate::models::Models;
+use crate::proxy::Upstream;
+
+/// What the router is told on its command line.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// The agent: a Unix socket path or `http://HOST:PORT`.
+    pub agent: String,
+    /// Where to serve HTTP.
+    pub listen: SocketAddr,
+    /// The longest a request waits for its model's start to get memory
+    /// that requests in flight hold.
+    pub queue_timeout: Duration,
+    /// The largest request body taken, in bytes.
+    pub max_body: usize,
+    /// The longest a client may take to send its body.
+    pub body_timeout: Duration,
+    /// How long each hold lasts; renewed every third of it while a request
+    /// is in flight, so a router that dies leaves no hold for longer.
+    pub hold: Duration,
+}
+
+/// The router's shared state.
+#[derive(Debug)]
+pub struct App {
+    models: Arc<Models>,
+    upstream: Upstream,
+    metrics: Arc<Metrics>,
+    options: Options,
+}
+
+impl App {
+    /// A router for `options`. Nothing is asked of the agent yet.
+    pub fn new(options: Options) -> anyhow::Result<Arc<Self>> {
+        let metrics = Arc::new(Metrics::new());
+        let agent = Agent::new(&options.agent)?;
+        let models = Models::new(agent, options.hold, options.queue_timeout, metrics.clone());
+        Ok(Arc::new(Self {
+            models,
+            upstream: proxy::upstream(),
+            metrics,
+            options,
+        }))
+    }
+
+    /// The models.
+    pub fn models(&self) -> &Arc<Models> {
+        &self.models
+    }
+
+    /// The HTTP routes.
+    pub fn routes(self: &Arc<Self>) -> Router {
+        Router::new()
+            .route("/v1/chat/completions", post(openai))
+            .route("/v1/completions", post(openai))
+            .route("/v1/embeddings", post(openai))
+            .route("/v1/responses", post(openai))
+            .route("/v1/models", get(list_models))
+            .route("/upstream/{model}", any(upstream))
+            .route("/upstream/{model}/{*rest}", any(upstream))
+            .route("/health", get(health))
+            .route("/metrics", get(metrics))
+            .fallback(unknown_endpoint)
+            .with_state(self.clone())
+    }
+
+    /// Serves on `listener` until `shutdown` resolves, then lets the
+    /// answers in flight finish.
+    pub async fn serve(
+        self: Arc<Self>,
+        listener: tokio::net::TcpListener,
+        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> std::io::Result<()> {
+        if let Err(e) = self.models.refresh().await {
+            tracing::warn!(error = %e.message(), "the agent's roster could not be read yet; asking again at the first request");
+        }
+        let renew = tokio::spawn(self.models.clone().renew_holds());
+        let routes = self.routes();
+        let served = axum::serve(listener, routes)
+            .with_graceful_shutdown(shutdown)
+            .await;
+        renew.abort();
+        self.models.settle().await;
+        served
+    }
+
+    /// Reads a request body within the size and time limits.
+    async fn body(&self, headers: &HeaderMap, body: Body) -> Result<Bytes, RouterError> {
+        let max = self.options.max_body;
+        let declared = headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if declared.is_some_and(|n| n > max as u64) {
+            return Err(RouterError::too_large(max));
+        }
+        let read = axum::body::to_bytes(body, max);
+        match tokio::time::timeout(self.options.body_timeout, read).await {
+            Err(_) => Err(RouterError::slow_body(self.options.body_timeout.as_secs())),
+            Ok(Ok(bytes)) => Ok(bytes),
+            Ok(Err(e)) if is_length_limit(&e) => Err(RouterError::too_large(max)),
+            Ok(Err(e)) => Err(RouterError::invalid(
+                "unreadable_body",
+                format!("the request body could not be read: {e}"),
+            )),
+        }
+    }
+
+    /// Holds `model` READY and forwards the request to it.
+    async fn route(
+        &self,
+        model: &str,
+        method: Method,
+        path_and_query: &str,
+        headers: &HeaderMap,
+        body: Bytes,
+    ) -> Response {
+        let began = Instant::now();
+        let answer = async {
+            let m = self.models.resolve(model).await?;
+            let held = self.models.acquire(m).await?;
+            let (name, pid) = (held.model.name.clone(), held.pid);
+            let response =
+                proxy::forward(&self.upstream, held, method, path_and_query, headers, body).await?;
+            self.metrics.first_byte(&name, began.elapsed());
+            Ok::<_, RouterError>((name, pid, response))
+        }
+        .await;
+        match answer {
+            Ok((name, pid, response)) => {
+                let status = response.status();
+                self.metrics.answered(&name, status.as_u16());
+                tracing::info!(model = %name, instance = %name, pid, status = status.as_u16(), first_byte_ms = began.elapsed().as_millis() as u64, path = path_and_query, "forwarded");
+                response
+            }
+            Err(e) => self.failed(model, e),
+        }
+    }
+
+    fn failed(&self, model: &str, e: RouterError) -> Response {
+        let label = if e.kind == "model_not_found" {
+            ""
+        } else {
+            model
+        };
+        self.metrics.answered(label, e.status.as_u16());
+        tracing::info!(model = %error::excerpt(model), status = e.status.as_u16(), kind = e.kind, code = %e.code, message = %e.message, "not forwarded");
+        e.into_response()
+    }
+}
+
+/// Whether a body read failed for being longer than allowed.
+fn is_length_limit(e: &axum::Error) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(s) = source {
+        if s.is::<http_body_util::LengthLimitError>() {
+            return true;
+        }
+        source = s.source();
+    }
+    false
+}
+
+/// The one field the router reads of an OpenAI request.
+#[derive(Deserialize)]
+struct Named {
+    model: Option<serde_json::Value>,
+}
+
+/// The model an OpenAI request names.
+fn model_of(body: &[u8]) -> Result<String, RouterError> {
+    let named: Named = serde_json::from_slice(body).map_err(|e| {
+        RouterError::invalid(
+            "invalid_json",
+            format!("the request body is not a JSON object: {e}"),
+        )
+    })?;
+    match named.model {
+        Some(serde_json::Value::String(m)) if !m.is_empty() => Ok(m),
+        Some(serde_json::Value::String(_)) | None => Err(RouterError::invalid(
+            "missing_model",
+            "the request names no model: set \"model\" to one of GET /v1/models",
+        )),
+        Some(other) => Err(RouterError::invalid(
+            "invalid_model",
+            format!("\"model\" must be a string, not {}", json_kind(&other)),
+        )),
+    }
+}
+
+fn json_kind(v: &serde_json::Value) -> &'static str {
+    match v {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::Object(_) => "an object",
+    }
+}
+
+async fn openai(
+    State(app): State<Arc<App>>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let body = match app.body(&headers, body).await {
+        Ok(b) => b,
+        Err(e) => return app.failed("", e),
+    };
+    let model = match model_of(&body) {
+        Ok(m) => m,
+        Err(e) => return app.failed("", e),
+    };
+    let path = uri.path_and_query().map_or(uri.path(), |p| p.as_str());
+    app.route(&model, method, path, &headers, body).await
+}
+
+async fn upstream(
+    State(app): State<Arc<App>>,
+    Path(params): Path<Vec<(String, String)>>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let model = params
+        .iter()
+        .find(|(k, _)| k == "model")
+        .map(|(_, v)| v.clone())
+        .unwrap_or_default();
+    let rest = params
+        .iter()
+        .find(|(k, _)| k == "rest")
+        .map_or("", |(_, v)| v.as_str());
+    let mut path = format!("/{rest}");
+    if let Some(q) = uri.query() {
+        path.push('?');
+        path.push_str(q);
+    }
+    let body = match app.body(&headers, body).await {
+        Ok(b) => b,
+        Err(e) => return app.failed(&model, e),
+    };
+    app.route(&model, method, &path, &headers, body).await
+}
+
+async fn list_models(State(app): State<Arc<App>>) -> Response {
+    let listed = async {
+        app.models.refresh().await?;
+        app.models.agent().list().await
+    }
+    .await;
+    let instances = match listed {
+        Ok(i) => i,
+        Err(s) => return app.failed("", RouterError::agent(s.message())),
+    };
+    let state_of = |name: &str| {
+        instances
+            .iter()
+            .find(|i| i.instance_id == name)
+            .map_or("STOPPED", |i| {
+                resident_api::pb::State::try_from(i.state)
+                    .map_or("STATE_UNSPECIFIED", |s| s.as_str_name())
+            })
+    };
+    let mut data = Vec::new();
+    for w in app.models.workloads() {
+        let state = state_of(&w.name);
+        data.push(serde_json::json!({
+            "id": w.name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "residentd",
+            "state": state,
+            "aliases": w.aliases,
+        }));
+        for alias in &w.aliases {
+            data.push(serde_json::json!({
+                "id": alias,
+                "object": "model",
+                "created": 0,
+                "owned_by": "residentd",
+                "state": state,
+                "alias_of": w.name,
+            }));
+        }
+    }
+    json(serde_json::json!({"object": "list", "data": data}))
+}
+
+fn json(value: serde_json::Value) -> Response {
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        value.to_string(),
+    )
+        .into_response()
+}
+
+async fn health(State(app): State<Arc<App>>) -> Response {
+    match app.models.agent().workloads().await {
+        Ok(_) => json(serde_json::json!({"status": "ok"})),
+        Err(s) => RouterError::agent(s.message()).into_response(),
+    }
+}
+
+async fn metrics(State(app): State<Arc<App>>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        app.metrics.render(),
+    )
+        .into_response()
+}
+
+async fn unknown_endpoint(method: Method, uri: Uri) -> Response {
+    let mut e = RouterError::invalid(
+        "unknown_endpoint",
+        format!(
+            "{method} {} is not served here (docs/router.md lists the endpoints)",
+            error::excerpt(uri.path())
+        ),
+    );
+    e.status = StatusCode::NOT_FOUND;
+    e.into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_model_is_read_or_the_error_says_what_is_wrong() {
+        assert_eq!(model_of(br#"{"model": "a", "x": [1]}"#), Ok("a".into()));
+        let e = model_of(b"{not json").expect_err("malformed");
+        assert_eq!(
+            (e.status, e.code.as_str()),
+            (StatusCode::BAD_REQUEST, "invalid_json")
+        );
+        assert!(e.message.contains("line 1 column 2"), "{}", e.message);
+        let e = model_of(br#"{"messages": []}"#).expect_err("no model");
+        assert_eq!(e.code, "missing_model");
+        let e = model_of(br#"{"model": 7}"#).expect_err("a number");
+        assert_eq!(e.code, "invalid_model");
+        assert!(e.message.contains("a number"));
+        let e = model_of(b"[1, 2]").expect_err("not an object");
+        assert_eq!(e.code, "invalid_json");
+    }
+}

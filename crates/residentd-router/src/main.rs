@@ -1,0 +1,132 @@
+//! `residentd-router`: serves the OpenAI HTTP API of every model the local
+//! residentd agent runs, starting each on demand. See docs/router.md.
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Parser;
+use residentd_router::{App, Options};
+use tokio::signal::unix::{SignalKind, signal};
+
+/// The agent's socket when the agent runs with the packaged config.
+const DEFAULT_AGENT: &str = "/run/residentd/residentd.sock";
+
+#[derive(Parser, Debug)]
+#[command(version, about = "OpenAI-compatible front door of a residentd node")]
+struct Cli {
+    /// The agent: its Unix socket path, or http://HOST:PORT.
+    #[arg(long, env = "RESIDENTD_SOCKET", default_value = DEFAULT_AGENT)]
+    agent: String,
+    /// Where to serve HTTP.
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    listen: SocketAddr,
+    /// The longest a request waits for memory that requests in flight
+    /// hold before it is answered 503 queue_timeout (e.g. 90s, 2m).
+    #[arg(long, default_value = "120s", value_parser = duration)]
+    queue_timeout: Duration,
+    /// The largest request body taken, in bytes (larger: 413).
+    #[arg(long, default_value_t = 32 << 20)]
+    max_body: usize,
+    /// The longest a client may take to send its body (slower: 408).
+    #[arg(long, default_value = "30s", value_parser = duration)]
+    body_timeout: Duration,
+    /// How long a request's hold on its model lasts, renewed every third
+    /// of it while the request is answered.
+    #[arg(long, default_value = "15s", value_parser = duration)]
+    hold: Duration,
+    /// Log as JSON lines.
+    #[arg(long)]
+    log_json: bool,
+}
+
+/// `90s`, `2m`, `500ms`, `1h`.
+fn duration(s: &str) -> Result<Duration, String> {
+    let (n, unit) = s
+        .find(|c: char| !c.is_ascii_digit())
+        .map_or((s, ""), |i| s.split_at(i));
+    let n: u64 = n
+        .parse()
+        .map_err(|_| format!("'{s}' is not a duration such as 90s, 2m or 500ms"))?;
+    let d = match unit {
+        "ms" => Duration::from_millis(n),
+        "s" => Duration::from_secs(n),
+        "m" => Duration::from_secs(n * 60),
+        "h" => Duration::from_secs(n * 3600),
+        _ => return Err(format!("'{s}' is not a duration such as 90s, 2m or 500ms")),
+    };
+    if d.is_zero() {
+        return Err(format!("'{s}' must be longer than zero"));
+    }
+    Ok(d)
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if cli.log_json {
+        logs.json().init();
+    } else {
+        logs.init();
+    }
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("residentd-router: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("residentd-router: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
+    let options = Options {
+        agent: cli.agent,
+        listen: cli.listen,
+        queue_timeout: cli.queue_timeout,
+        max_body: cli.max_body,
+        body_timeout: cli.body_timeout,
+        hold: cli.hold,
+    };
+    let listener = tokio::net::TcpListener::bind(options.listen)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", options.listen))?;
+    tracing::info!(listen = %options.listen, agent = %options.agent, "serving");
+    let app = App::new(options)?;
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    let shutdown = async move {
+        tokio::select! {
+            _ = term.recv() => {},
+            _ = int.recv() => {},
+        }
+        tracing::info!("stopping: answers in flight finish first");
+    };
+    app.serve(listener, shutdown).await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_parse_or_say_what_is_expected() {
+        assert_eq!(duration("90s"), Ok(Duration::from_secs(90)));
+        assert_eq!(duration("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(duration("250ms"), Ok(Duration::from_millis(250)));
+        assert!(duration("0s").is_err());
+        assert!(duration("ten").expect_err("words").contains("90s"));
+        assert!(duration("5d").is_err());
+    }
+}

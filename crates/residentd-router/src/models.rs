@@ -1,0 +1,381 @@
+//! Which model a request names, and getting it READY and held.
+//!
+//! - The roster (names and aliases, concurrency limits) comes from the
+//!   agent's `Workloads` RPC and is asked again when a request names a model
+//!   the router does not know.
+//! - Each workload is served by one instance whose id is the workload's
+//!   name. A request *holds* it (Touch with a hold) while it is answered;
+//!   the holds of one model are counted here, renewed while any request is
+//!   in flight, and released (Touch `release_hold`) when the last one ends.
+//!   Count and RPC change under one lock per model, so a release can never
+//!   overtake a newer hold.
+//! - Starts go through one FIFO gate. A start the agent refuses as
+//!   *temporary* (memory held by requests in flight) waits at the head of
+//!   the gate until a hold drops, bounded by the queue timeout; while one
+//!   waits, every new request queues behind it instead of renewing the
+//!   holds that block it, so a swap cannot be starved.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use resident_api::pb;
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
+
+use crate::agent::{Agent, StartError};
+use crate::error::RouterError;
+use crate::metrics::Metrics;
+
+/// How often a start blocked by holds asks again even without a release
+/// seen here (holds set by other clients of the agent lapse on their own).
+const RECHECK: Duration = Duration::from_millis(250);
+
+/// Starts of one request after which it gives up on a model that keeps
+/// ending right after it became ready.
+const MAX_STARTS: u32 = 3;
+
+/// One workload as the router serves it.
+#[derive(Debug)]
+pub struct Model {
+    /// The workload's name, also the id of the instance that serves it.
+    pub name: String,
+    /// The concurrency limit (0: none) and its permits.
+    limit: u32,
+    permits: Arc<Semaphore>,
+    /// Requests in flight holding the instance.
+    holds: tokio::sync::Mutex<u32>,
+}
+
+/// The roster as last read from the agent.
+#[derive(Debug, Default)]
+struct Roster {
+    /// Name or alias to model.
+    by_name: HashMap<String, Arc<Model>>,
+    /// The workloads, in the agent's order.
+    workloads: Vec<pb::Workload>,
+}
+
+/// Everything the router knows about its models.
+#[derive(Debug)]
+pub struct Models {
+    agent: Agent,
+    hold: Duration,
+    queue_timeout: Duration,
+    roster: RwLock<Roster>,
+    gate: tokio::sync::Mutex<()>,
+    /// Starts now waiting on holds (at the head of the gate).
+    waiting: AtomicUsize,
+    /// Signalled whenever a model's last hold was released.
+    released: Notify,
+    metrics: Arc<Metrics>,
+    /// Holds whose release is still to be sent (counted for shutdown).
+    releasing: Mutex<tokio::task::JoinSet<()>>,
+}
+
+/// A request's claim on a READY instance: its hold and its permit. Dropped
+/// when the answer has been sent (or the client went away).
+#[derive(Debug)]
+pub struct Held {
+    /// The model.
+    pub model: Arc<Model>,
+    /// The port of its server on loopback.
+    pub port: u16,
+    /// The instance's pid (for the request log).
+    pub pid: u32,
+    models: Arc<Models>,
+    _permit: Option<OwnedSemaphorePermit>,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        let models = self.models.clone();
+        let model = self.model.clone();
+        models.metrics.in_flight(&model.name, -1);
+        let mut tasks = self
+            .models
+            .releasing
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        while tasks.try_join_next().is_some() {}
+        tasks.spawn(async move { models.unhold(&model).await });
+    }
+}
+
+impl Models {
+    /// Models served through `agent`, each request holding its instance for
+    /// `hold` (renewed) and a start waiting at most `queue_timeout`.
+    pub fn new(
+        agent: Agent,
+        hold: Duration,
+        queue_timeout: Duration,
+        metrics: Arc<Metrics>,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            agent,
+            hold,
+            queue_timeout,
+            roster: RwLock::new(Roster::default()),
+            gate: tokio::sync::Mutex::new(()),
+            waiting: AtomicUsize::new(0),
+            released: Notify::new(),
+            metrics,
+            releasing: Mutex::new(tokio::task::JoinSet::new()),
+        })
+    }
+
+    /// The agent.
+    pub fn agent(&self) -> &Agent {
+        &self.agent
+    }
+
+    /// Reads the roster again from the agent.
+    pub async fn refresh(&self) -> Result<(), tonic::Status> {
+        let workloads = self.agent.workloads().await?;
+        let mut roster = self.roster.write().unwrap_or_else(|e| e.into_inner());
+        let mut by_name = HashMap::new();
+        for w in &workloads {
+            // A model keeps its counters across a refresh unless its limit
+            // changed.
+            let model = match roster.by_name.get(&w.name) {
+                Some(m) if m.limit == w.concurrency_limit => m.clone(),
+                _ => Arc::new(Model {
+                    name: w.name.clone(),
+                    limit: w.concurrency_limit,
+                    permits: Arc::new(Semaphore::new(if w.concurrency_limit == 0 {
+                        Semaphore::MAX_PERMITS
+                    } else {
+                        w.concurrency_limit as usize
+                    })),
+                    holds: tokio::sync::Mutex::new(0),
+                }),
+            };
+            by_name.insert(w.name.clone(), model.clone());
+            for alias in &w.aliases {
+                by_name.insert(alias.clone(), model.clone());
+            }
+        }
+        *roster = Roster { by_name, workloads };
+        Ok(())
+    }
+
+    /// The roster's workloads.
+    pub fn workloads(&self) -> Vec<pb::Workload> {
+        self.roster
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .workloads
+            .clone()
+    }
+
+    fn lookup(&self, name: &str) -> Option<Arc<Model>> {
+        let roster = self.roster.read().unwrap_or_else(|e| e.into_inner());
+        roster.by_name.get(name).cloned()
+    }
+
+    /// The model called `name` (a workload or an alias); asks the agent
+    /// again before saying there is none.
+    pub async fn resolve(&self, name: &str) -> Result<Arc<Model>, RouterError> {
+        if let Some(m) = self.lookup(name) {
+            return Ok(m);
+        }
+        self.refresh()
+            .await
+            .map_err(|s| RouterError::agent(s.message()))?;
+        self.lookup(name)
+            .ok_or_else(|| RouterError::unknown_model(name))
+    }
+
+    /// A READY instance of `model`, held for this request: at once when it
+    /// is resident, else started on demand (one start at a time, in
+    /// arrival order).
+    pub async fn acquire(self: &Arc<Self>, model: Arc<Model>) -> Result<Held, RouterError> {
+        let permit = match model.limit {
+            0 => None,
+            limit => Some(
+                model
+                    .permits
+                    .clone()
+                    .try_acquire_owned()
+                    .map_err(|_| RouterError::too_many(&model.name, limit))?,
+            ),
+        };
+        let deadline = Instant::now() + self.queue_timeout;
+        if self.waiting.load(Ordering::Acquire) == 0
+            && let Some(held) = self.hold(&model).await?
+        {
+            return Ok(self.held(model, held, permit));
+        }
+        let Ok(turn) = tokio::time::timeout_at(deadline.into(), self.gate.lock()).await else {
+            self.metrics.queue_timeout(&model.name);
+            return Err(self.timed_out(&model, "other starts were ahead of it"));
+        };
+        let mut starts = 0;
+        // Set at the first temporary refusal, kept until this returns: new
+        // requests queue behind this start meanwhile.
+        let mut waiting = None;
+        loop {
+            if let Some(held) = self.hold(&model).await? {
+                drop(turn);
+                return Ok(self.held(model, held, permit));
+            }
+            if starts == MAX_STARTS {
+                return Err(RouterError::upstream(
+                    &model.name,
+                    format!("ended right after becoming ready, {MAX_STARTS} times"),
+                ));
+            }
+            // Armed before the start, so a release while it is refused is
+            // not missed.
+            let released = self.released.notified();
+            tokio::pin!(released);
+            released.as_mut().enable();
+            let began = Instant::now();
+            match self.agent.start(&model.name, &model.name).await {
+                Ok(_) => {
+                    starts += 1;
+                    self.metrics.started(&model.name, "ok", began.elapsed());
+                    tracing::info!(model = %model.name, ms = began.elapsed().as_millis() as u64, "started on demand");
+                }
+                Err(StartError::Refused {
+                    temporary: true,
+                    message,
+                    ..
+                }) => {
+                    waiting.get_or_insert_with(|| Waiting::new(self));
+                    tracing::debug!(model = %model.name, %message, "waiting for held memory");
+                    let wait = async {
+                        tokio::select! {
+                            () = released => {},
+                            () = tokio::time::sleep(RECHECK) => {},
+                        }
+                    };
+                    if tokio::time::timeout_at(deadline.into(), wait)
+                        .await
+                        .is_err()
+                    {
+                        self.metrics.queue_timeout(&model.name);
+                        return Err(self.timed_out(&model, &message));
+                    }
+                }
+                Err(StartError::Refused {
+                    reason, message, ..
+                }) => {
+                    self.metrics
+                        .started(&model.name, "refused", began.elapsed());
+                    return Err(RouterError::unplaceable(&reason, &message));
+                }
+                Err(StartError::Failed(message)) => {
+                    self.metrics.started(&model.name, "failed", began.elapsed());
+                    return Err(RouterError::upstream(&model.name, message));
+                }
+                Err(StartError::Unavailable(message)) => return Err(RouterError::agent(message)),
+            }
+        }
+    }
+
+    fn timed_out(&self, model: &Model, why: &str) -> RouterError {
+        RouterError::queue_timeout(&model.name, self.queue_timeout.as_secs(), why)
+    }
+
+    fn held(
+        self: &Arc<Self>,
+        model: Arc<Model>,
+        instance: pb::Instance,
+        permit: Option<OwnedSemaphorePermit>,
+    ) -> Held {
+        self.metrics.in_flight(&model.name, 1);
+        Held {
+            port: u16::try_from(instance.port).unwrap_or(0),
+            pid: instance.pid,
+            model,
+            models: self.clone(),
+            _permit: permit,
+        }
+    }
+
+    /// Holds `model`'s instance if it is READY; counts the hold. `None`
+    /// (and no hold left behind) when it is not.
+    async fn hold(&self, model: &Model) -> Result<Option<pb::Instance>, RouterError> {
+        let mut count = model.holds.lock().await;
+        let instance = self
+            .agent
+            .hold(&model.name, self.hold)
+            .await
+            .map_err(|s| RouterError::agent(s.message()))?;
+        match instance {
+            Some(i) if i.state == pb::State::Ready as i32 && i.port != 0 => {
+                *count += 1;
+                Ok(Some(i))
+            }
+            Some(_) if *count == 0 => {
+                // Resident but not serving (starting, restarting): our
+                // touch must not leave a hold on it.
+                let _ = self.agent.release(&model.name).await;
+                Ok(None)
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// One request of `model` is done: the last one releases the hold.
+    async fn unhold(&self, model: &Model) {
+        let mut count = model.holds.lock().await;
+        *count = count.saturating_sub(1);
+        if *count == 0 {
+            if let Err(e) = self.agent.release(&model.name).await {
+                tracing::warn!(model = %model.name, error = %e.message(), "could not release the hold; it lapses on its own");
+            }
+            self.released.notify_waiters();
+        }
+    }
+
+    /// Renews the holds of every model with requests in flight, every
+    /// third of the hold, until the router stops.
+    pub async fn renew_holds(self: Arc<Self>) {
+        let mut every = tokio::time::interval(self.hold / 3);
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            every.tick().await;
+            let models: Vec<Arc<Model>> = {
+                let roster = self.roster.read().unwrap_or_else(|e| e.into_inner());
+                roster.by_name.values().cloned().collect()
+            };
+            let mut seen = std::collections::HashSet::new();
+            for m in models {
+                if !seen.insert(m.name.clone()) {
+                    continue;
+                }
+                let count = m.holds.lock().await;
+                if *count > 0 {
+                    let _ = self.agent.hold(&m.name, self.hold).await;
+                }
+            }
+        }
+    }
+
+    /// Waits until every hold release already begun has been sent.
+    pub async fn settle(&self) {
+        let mut tasks =
+            std::mem::take(&mut *self.releasing.lock().unwrap_or_else(|e| e.into_inner()));
+        while tasks.join_next().await.is_some() {}
+    }
+}
+
+/// Counts a start waiting on holds while it exists.
+struct Waiting<'a>(&'a Models);
+
+impl<'a> Waiting<'a> {
+    fn new(models: &'a Models) -> Self {
+        models.waiting.fetch_add(1, Ordering::AcqRel);
+        models.metrics.waiting(1);
+        Self(models)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.waiting.fetch_sub(1, Ordering::AcqRel);
+        self.0.metrics.waiting(-1);
+    }
+}

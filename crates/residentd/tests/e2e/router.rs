@@ -1,0 +1,455 @@
+//! residentd-router in front of the real agent, called as applications
+//! call it: the `openai` client from PyPI (tests/router/client.py) and raw
+//! HTTP for what a client library would never send. The router is its
+//! library (`residentd_router::App`) served in the test process; the agent
+//! is the real binary, and the models are real servers: llama-cpp-python on
+//! GGUF models the test writes, and tests/router/slow_server.py where a
+//! request must stay in flight as long as the test says.
+
+use std::path::Path;
+use std::time::Duration;
+
+use resident_api::pb;
+use residentd_router::{App, Options};
+use serde_json::Value;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::TcpStream;
+
+use crate::llama::{declared, make_model, python, workload};
+use crate::support::*;
+
+/// A router served in this process until dropped.
+struct Router {
+    base: String,
+    port: u16,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl Drop for Router {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+async fn router(socket: &Path, queue_timeout: Duration) -> Router {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let listen = listener.local_addr().expect("address");
+    let app = App::new(Options {
+        agent: socket.display().to_string(),
+        listen,
+        queue_timeout,
+        max_body: 1 << 20,
+        body_timeout: Duration::from_secs(2),
+        hold: Duration::from_secs(30),
+    })
+    .expect("router");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(app.serve(listener, async move {
+        let _ = stopped.await;
+    }));
+    Router {
+        base: format!("http://{listen}"),
+        port: listen.port(),
+        stop: Some(stop),
+    }
+}
+
+/// Runs tests/router/client.py with `args`; its JSON answer.
+async fn client(python: &Path, args: &[&str]) -> Value {
+    let script = workspace().join("tests/router/client.py");
+    let out = tokio::process::Command::new(python)
+        .arg(script)
+        .args(args)
+        .output()
+        .await
+        .expect("run client.py");
+    assert!(
+        out.status.success(),
+        "client.py {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "client.py {args:?} printed no JSON ({e}): {}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
+}
+
+/// Sends `request` as is and reads the whole answer (the request should
+/// say `Connection: close`): status and body.
+async fn raw(port: u16, request: &[u8]) -> (u16, String, String) {
+    let mut s = TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect");
+    s.write_all(request).await.expect("send");
+    let mut answer = Vec::new();
+    tokio::time::timeout(PATIENCE, s.read_to_end(&mut answer))
+        .await
+        .expect("the router answers within the patience")
+        .expect("read");
+    let text = String::from_utf8_lossy(&answer).to_string();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    (status, head.to_string(), body.to_string())
+}
+
+fn post(path: &str, body: &str) -> Vec<u8> {
+    format!(
+        "POST {path} HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+/// The OpenAI error of a body: (type, code).
+fn error_of(body: &str) -> (String, String) {
+    let v: Value = serde_json::from_str(body.trim()).unwrap_or_else(|e| panic!("{e}: {body}"));
+    let e = &v["error"];
+    assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+    (
+        e["type"].as_str().unwrap_or_default().to_string(),
+        e["code"].as_str().unwrap_or_default().to_string(),
+    )
+}
+
+fn state(d: &[pb::Instance], id: &str) -> Option<pb::State> {
+    d.iter()
+        .find(|i| i.instance_id == id)
+        .and_then(|i| pb::State::try_from(i.state).ok())
+}
+
+/// Each instance's id, state and pid.
+async fn runs(d: &mut Daemon) -> Vec<(String, i32, u32)> {
+    let list = d.list().await;
+    list.into_iter()
+        .map(|i| (i.instance_id, i.state, i.pid))
+        .collect()
+}
+
+fn ok(v: &Value, what: &str) {
+    assert_eq!(v["ok"], true, "{what}: {v}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_clients_start_swap_and_share_real_llama_servers() {
+    let Some(python) = python() else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (a, b) = (dir.path().join("a.gguf"), dir.path().join("b.gguf"));
+    make_model(&python, &a, 128, 2);
+    make_model(&python, &b, 128, 2);
+    // Room for one of them, never both.
+    let budget = declared(&a).max(declared(&b)) * 3 / 2;
+    let mut config =
+        format!("on_full = \"evict\"\n\n[[pool]]\nname = \"ram\"\nbudget = {budget}\n\n");
+    // llama-cpp-python cuts a stream short when another request waits,
+    // unless told not to (docs/router.md).
+    let whole = |text: String| {
+        text.replacen(
+            r#""--use_mmap", "false"]"#,
+            r#""--use_mmap", "false", "--interrupt_requests", "false"]"#,
+            1,
+        )
+    };
+    config += &whole(workload("a", &python, &a, "policy = \"never\"")).replacen(
+        "name = \"a\"\n",
+        "name = \"a\"\naliases = [\"alpha\"]\n",
+        1,
+    );
+    config += &whole(workload("b", &python, &b, "policy = \"never\""));
+    assert!(config.contains("interrupt_requests"), "{config}");
+    // Larger than the pool: never placeable.
+    config += &sleeper("huge", "ram", 1, "");
+    write_config(dir.path(), &config);
+    let mut d = Daemon::start_in(dir).await;
+    let r = router(&d.socket, Duration::from_secs(120)).await;
+    let base = r.base.as_str();
+
+    // The roster, with states, before anything runs.
+    let listed = client(&python, &["models", base]).await;
+    let ids: Vec<&str> = listed["models"]
+        .as_array()
+        .expect("models")
+        .iter()
+        .filter_map(|m| m["id"].as_str())
+        .collect();
+    assert_eq!(ids, ["a", "alpha", "b", "huge"], "{listed}");
+    assert_eq!(listed["models"][0]["state"], "STOPPED", "{listed}");
+
+    // A, by its alias, started on demand; then streamed.
+    let first = client(&python, &["chat", base, "alpha"]).await;
+    ok(&first, "chat a");
+    let streamed = client(
+        &python,
+        &["chat", base, "a", "--stream", "--max-tokens", "16"],
+    )
+    .await;
+    ok(&streamed, "streamed chat a");
+    assert!(streamed["chunks"].as_u64() > Some(1), "{streamed}");
+    assert!(streamed["finish_reason"].is_string(), "{streamed}");
+    assert_eq!(state(&d.list().await, "a"), Some(pb::State::Ready));
+
+    // B: A is evicted to make room. Then A again: B goes.
+    ok(&client(&python, &["chat", base, "b"]).await, "chat b");
+    let now = d.list().await;
+    assert_eq!(state(&now, "b"), Some(pb::State::Ready));
+    assert_ne!(state(&now, "a"), Some(pb::State::Ready), "a was evicted");
+    ok(&client(&python, &["chat", base, "a"]).await, "chat a again");
+    assert_ne!(state(&d.list().await, "b"), Some(pb::State::Ready));
+    let listed = client(&python, &["models", base]).await;
+    assert_eq!(listed["models"][0]["state"], "READY", "{listed}");
+
+    // 8 streams of A in flight when B is asked for: every stream ends
+    // whole, and B waits for them, then swaps.
+    let storm = client(&python, &["storm", base, "a", "b", "--n", "8"]).await;
+    assert_eq!(storm["held_when_b_was_sent"], 8, "{storm}");
+    let streams = storm["streams"].as_array().expect("streams");
+    for s in streams {
+        ok(s, "a stream of the storm");
+        assert!(s["finish_reason"].is_string(), "cut short: {s}");
+    }
+    ok(&storm["b"], "b after the storm");
+    let last_stream_end = streams
+        .iter()
+        .filter_map(|s| s["ended"].as_f64())
+        .fold(0.0, f64::max);
+    assert!(
+        storm["b"]["ended"].as_f64() > Some(last_stream_end),
+        "b was answered before every stream of a had ended: {storm}"
+    );
+    let now = d.list().await;
+    assert_eq!(state(&now, "b"), Some(pb::State::Ready));
+    assert_ne!(state(&now, "a"), Some(pb::State::Ready));
+
+    // A client that hangs up mid-stream frees its hold: A swaps in.
+    ok(
+        &client(&python, &["disconnect", base, "b"]).await,
+        "disconnect",
+    );
+    ok(
+        &client(&python, &["chat", base, "a"]).await,
+        "a after a hang-up",
+    );
+
+    // Never placeable: 503 with the agent's reason; unknown: 404.
+    let huge = client(&python, &["chat", base, "huge"]).await;
+    assert_eq!(huge["status"], 503, "{huge}");
+    assert_eq!(huge["body"]["type"], "unplaceable", "{huge}");
+    assert_eq!(huge["body"]["code"], "OVER_BUDGET", "{huge}");
+    assert!(
+        huge["body"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("huge") || m.contains("ram")),
+        "{huge}"
+    );
+    let unknown = client(&python, &["chat", base, "nope"]).await;
+    assert_eq!(unknown["status"], 404, "{unknown}");
+    assert_eq!(unknown["body"]["type"], "model_not_found", "{unknown}");
+    // Nothing was started for either.
+    let ids = d.ids().await;
+    assert!(!ids.contains(&"huge".to_string()), "{ids:?}");
+}
+
+/// The slow server as a workload of pool `fake`, holding 6 of its 10 GB.
+fn slow(name: &str, python: &Path, extra: &str) -> String {
+    format!(
+        "[[workload]]\nname = \"{name}\"\ncommand = [\"{py}\", \"{script}\", \"${{PORT}}\"]\nstop_grace = \"2s\"\n{extra}\n[workload.memory.fake]\nweights = \"6GB\"\n[workload.readiness]\nhttp = \"/v1/models\"\ntimeout = \"30s\"\n",
+        py = python.display(),
+        script = workspace().join("tests/router/slow_server.py").display(),
+    )
+}
+
+/// Opens a streamed chat completion of `model` through the router and
+/// returns the connection once the first chunk has arrived.
+async fn open_stream(port: u16, model: &str) -> TcpStream {
+    let body = format!(
+        r#"{{"model": "{model}", "stream": true, "max_tokens": 2000, "messages": [{{"role": "user", "content": "hi"}}]}}"#
+    );
+    let mut s = TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect");
+    s.write_all(&post("/v1/chat/completions", &body))
+        .await
+        .expect("send");
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    let first = tokio::time::timeout(PATIENCE, async {
+        while !String::from_utf8_lossy(&seen).contains("data: ") {
+            let n = s.read(&mut buf).await.expect("read");
+            assert!(
+                n > 0,
+                "closed before a chunk: {}",
+                String::from_utf8_lossy(&seen)
+            );
+            seen.extend_from_slice(&buf[..n]);
+        }
+    });
+    first.await.expect("a first chunk within the patience");
+    let head = String::from_utf8_lossy(&seen).to_string();
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(head.to_lowercase().contains("text/event-stream"), "{head}");
+    s
+}
+
+async fn place_temporary(d: &mut Daemon, workload: &str) -> Option<bool> {
+    let p = d
+        .client
+        .place(pb::PlaceRequest {
+            workload: workload.into(),
+            on_full: pb::Policy::Evict as i32,
+        })
+        .await
+        .expect("place")
+        .into_inner();
+    if p.admitted {
+        return None;
+    }
+    Some(p.refusals.iter().all(|r| r.temporary))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn holds_limits_queue_timeouts_and_bad_input_are_answered_openai_style() {
+    let Some(python) = venv_python("the router test's OpenAI client") else {
+        return;
+    };
+    let mut config =
+        String::from("on_full = \"evict\"\n\n[[pool]]\nname = \"fake\"\nbudget = \"10GB\"\n\n");
+    config += &slow("slow", &python, "concurrency_limit = 1");
+    config += &slow("other", &python, "");
+    let mut d = Daemon::start(&config).await;
+    // A short queue timeout, to see it run out.
+    let r = router(&d.socket, Duration::from_secs(2)).await;
+    let base = r.base.clone();
+
+    // One stream of `slow` in flight holds it.
+    let held = open_stream(r.port, "slow").await;
+    assert_eq!(
+        place_temporary(&mut d, "other").await,
+        Some(true),
+        "the stream's hold makes a start of other wait, not fail"
+    );
+    // Its concurrency limit is 1: a second request gets 429.
+    let second = client(&python, &["chat", &base, "slow"]).await;
+    assert_eq!(second["status"], 429, "{second}");
+    assert_eq!(second["body"]["type"], "too_many_requests", "{second}");
+    assert!(second["retry_after"].is_string(), "{second}");
+    // `other` needs slow's memory, held: it waits 2 s, then 503 + Retry-After.
+    let waited = client(&python, &["chat", &base, "other"]).await;
+    assert_eq!(waited["status"], 503, "{waited}");
+    assert_eq!(waited["body"]["type"], "queue_timeout", "{waited}");
+    assert!(waited["retry_after"].is_string(), "{waited}");
+    let slow_pid = d.get("slow").await.pid;
+    assert!(alive(slow_pid as i32), "waiting evicted nothing");
+
+    // Hanging up ends the upstream request and the hold: other swaps in.
+    drop(held);
+    let cancelled = eventually(async || {
+        let lines = d
+            .client
+            .logs(pb::LogsRequest {
+                instance_id: "slow".into(),
+                tail: 50,
+                ..Default::default()
+            })
+            .await;
+        let Ok(lines) = lines else { return false };
+        let mut lines = lines.into_inner();
+        let mut text = String::new();
+        while let Some(Ok(l)) = tokio_stream::StreamExt::next(&mut lines).await {
+            text += &l.line;
+        }
+        text.contains("client went away")
+    });
+    assert!(cancelled.await, "the upstream request was not cancelled");
+    assert_eq!(
+        place_temporary(&mut d, "other").await,
+        None,
+        "the hold ended with the request"
+    );
+    ok(&client(&python, &["chat", &base, "other"]).await, "other");
+    assert!(!alive(slow_pid as i32), "slow was evicted for other");
+    let before = runs(&mut d).await;
+
+    // Bad input: a clear OpenAI error, nothing disturbed.
+    let port = r.port;
+    let (status, _, body) = raw(port, &post("/v1/chat/completions", "{\"model\": ")).await;
+    assert_eq!(
+        (status, error_of(&body).1.as_str()),
+        (400, "invalid_json"),
+        "{body}"
+    );
+    let (status, _, body) = raw(port, &post("/v1/chat/completions", "{\"messages\": []}")).await;
+    assert_eq!(
+        (status, error_of(&body).1.as_str()),
+        (400, "missing_model"),
+        "{body}"
+    );
+    let huge = format!(
+        "{{\"model\": \"other\", \"pad\": \"{}\"}}",
+        "x".repeat(2 << 20)
+    );
+    let (status, _, body) = raw(port, &post("/v1/chat/completions", &huge)).await;
+    assert_eq!(
+        error_of(&body),
+        ("request_too_large".into(), "request_too_large".into())
+    );
+    assert_eq!(status, 413);
+    // A client that sends 10 of its 100 bytes and stalls: 408 after 2 s.
+    let stalled = b"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\nContent-Length: 100\r\nConnection: close\r\n\r\n{\"model\":";
+    let (status, _, body) = raw(port, stalled).await;
+    assert_eq!(
+        (status, error_of(&body).1.as_str()),
+        (408, "request_timeout"),
+        "{body}"
+    );
+    let (status, _, body) = raw(port, &post("/v2/nothing", "{}")).await;
+    assert_eq!(
+        (status, error_of(&body).1.as_str()),
+        (404, "unknown_endpoint"),
+        "{body}"
+    );
+    let (status, _, body) = raw(
+        port,
+        &post(
+            "/v1/embeddings",
+            &format!("{{\"model\": \"{}\"}}", "m".repeat(5000)),
+        ),
+    )
+    .await;
+    assert_eq!(status, 404, "{body}");
+    assert!(body.len() < 400, "the error quotes a short excerpt: {body}");
+    assert_eq!(runs(&mut d).await, before, "bad input changed nothing");
+
+    // The passthrough, health and metrics.
+    let get = |path: &str| {
+        format!("GET {path} HTTP/1.1\r\nHost: router\r\nConnection: close\r\n\r\n").into_bytes()
+    };
+    let (status, _, body) = raw(port, &get("/upstream/other/v1/models")).await;
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        body.contains("\"slow\""),
+        "the model server's own answer: {body}"
+    );
+    let (status, _, _) = raw(port, &get("/health")).await;
+    assert_eq!(status, 200);
+    let (status, _, body) = raw(port, &get("/metrics")).await;
+    assert_eq!(status, 200);
+    for needle in [
+        "residentd_router_requests_total{model=\"slow\",status=\"429\"} 1",
+        "residentd_router_queue_timeouts_total{model=\"other\"} 1",
+        "residentd_router_in_flight{model=\"slow\"} 0",
+    ] {
+        assert!(body.contains(needle), "{needle} not in\n{body}");
+    }
+    drop(r);
+}
