@@ -441,3 +441,23 @@ fn aliases_and_concurrency_limits() {
         "{err}"
     );
 }
+
+#[test]
+fn every_example_is_valid_for_the_machine_it_is_written_for() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples");
+    let mut seen = 0;
+    for entry in std::fs::read_dir(&dir).expect("examples/") {
+        let path = entry.expect("an entry").path();
+        if path.extension().is_none_or(|e| e != "toml") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path).expect("read");
+        // Elsewhere: the models, programs and users named are on that
+        // machine, not this one; everything else must hold.
+        if let Err(e) = parse_with(&path, &text, Host::Elsewhere) {
+            panic!("{e}");
+        }
+        seen += 1;
+    }
+    assert!(seen >= 4, "only {seen} examples found in {}", dir.display());
+}

@@ -1,5 +1,6 @@
 //! How a test says it cannot run here. Included by the supervisor's test
-//! support and by residentd's e2e support (`#[path]`), so both report
+//! support, by residentd's e2e support and by the router's binary test
+//! (`#[path]`), so all report
 //! skips alike.
 
 use std::io::Write as _;
