@@ -14,6 +14,9 @@
 //! 6. Readiness lag: how long after a loading server starts answering 200
 //!    a Watch client hears READY, for a server that logs when it is ready
 //!    and for one that says nothing.
+//! 7. residentd-router against the same llama-cpp-python server reached
+//!    directly: first event, streamed events per second, and a swap
+//!    against the same swap by hand (needs `--llama-python`).
 //!
 //! Run by `scripts/bench` (which builds the release binaries and the
 //! supervisord venv); `--quick` is a smoke run of a few iterations.
@@ -22,6 +25,7 @@ mod floor;
 mod measure;
 mod readiness;
 mod report;
+mod router;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -49,6 +53,9 @@ struct Plan {
     loading_ms: u64,
     ready_instances: usize,
     ready_rounds: usize,
+    router_requests: usize,
+    router_streams: usize,
+    router_swaps: usize,
 }
 
 const FULL: Plan = Plan {
@@ -63,6 +70,9 @@ const FULL: Plan = Plan {
     loading_ms: 1_500,
     ready_instances: 10,
     ready_rounds: 3,
+    router_requests: 200,
+    router_streams: 15,
+    router_swaps: 5,
 };
 
 const QUICK: Plan = Plan {
@@ -77,6 +87,9 @@ const QUICK: Plan = Plan {
     loading_ms: 300,
     ready_instances: 4,
     ready_rounds: 1,
+    router_requests: 3,
+    router_streams: 1,
+    router_swaps: 1,
 };
 
 /// A process of ours that is killed when dropped.
@@ -203,7 +216,7 @@ fn sibling_binary(name: &str) -> anyhow::Result<PathBuf> {
     let path = exe.with_file_name(name);
     if !path.exists() {
         bail!(
-            "{} not found beside {} (build it: cargo build --release -p residentd)",
+            "{} not found beside {} (build it: cargo build --release -p residentd -p residentd-router)",
             name,
             exe.display()
         );
@@ -230,8 +243,13 @@ fn main() -> anyhow::Result<()> {
         .and_then(|i| args.get(i + 1))
         .map(PathBuf::from);
     let plan = if quick { QUICK } else { FULL };
-    // `--only place|startstop|crash|idle|churn|readiness` runs one part, for working
-    // on it.
+    let llama_python = args
+        .iter()
+        .position(|a| a == "--llama-python")
+        .and_then(|i| args.get(i + 1))
+        .map(PathBuf::from);
+    // `--only place|startstop|crash|idle|churn|readiness|router` runs one
+    // part, for working on it.
     let only = args
         .iter()
         .position(|a| a == "--only")
@@ -264,6 +282,17 @@ fn main() -> anyhow::Result<()> {
         }
         if runs("readiness") {
             readiness::rows(&plan, &residentd, &mut table).await?;
+        }
+        if runs("router") {
+            let router = sibling_binary("residentd-router")?;
+            router::rows(
+                &plan,
+                &residentd,
+                &router,
+                llama_python.as_deref(),
+                &mut table,
+            )
+            .await?;
         }
         Ok::<_, anyhow::Error>(())
     })?;

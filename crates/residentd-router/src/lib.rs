@@ -24,6 +24,7 @@ use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get, post};
+use axum::serve::ListenerExt as _;
 use bytes::Bytes;
 use http::{HeaderMap, Method, StatusCode, Uri, header};
 use serde::Deserialize;
@@ -116,6 +117,14 @@ impl App {
         }
         let renew = tokio::spawn(self.models.clone().renew_holds());
         let routes = self.routes();
+        // Each SSE event is a small write: without TCP_NODELAY, Nagle's
+        // algorithm holds it back until the client's delayed ACK (about 40
+        // ms), and a stream crawls at ~25 events a second.
+        let listener = listener.tap_io(|tcp| {
+            if let Err(e) = tcp.set_nodelay(true) {
+                tracing::debug!(error = %e, "TCP_NODELAY not set");
+            }
+        });
         let served = axum::serve(listener, routes)
             .with_graceful_shutdown(shutdown)
             .await;
