@@ -35,6 +35,11 @@ struct Cli {
     /// of it while the request is answered.
     #[arg(long, default_value = "15s", value_parser = duration)]
     hold: Duration,
+    /// Worker threads: 1 runs everything on one thread (each streamed
+    /// event then crosses no thread, the least CPU per event); 0 is one
+    /// per core.
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
     /// Log as JSON lines.
     #[arg(long)]
     log_json: bool,
@@ -73,7 +78,18 @@ fn main() -> ExitCode {
     } else {
         logs.init();
     }
-    let runtime = match tokio::runtime::Runtime::new() {
+    let built = if cli.threads == 1 {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+    } else {
+        let mut b = tokio::runtime::Builder::new_multi_thread();
+        if cli.threads > 1 {
+            b.worker_threads(cli.threads);
+        }
+        b.enable_all().build()
+    };
+    let runtime = match built {
         Ok(r) => r,
         Err(e) => {
             eprintln!("residentd-router: cannot start the runtime: {e}");
