@@ -263,7 +263,7 @@ async fn openai_clients_start_swap_and_share_real_llama_servers() {
 /// The slow server as a workload of pool `fake`, holding 6 of its 10 GB.
 fn slow(name: &str, python: &Path, extra: &str) -> String {
     format!(
-        "[[workload]]\nname = \"{name}\"\ncommand = [\"{py}\", \"{script}\", \"${{PORT}}\"]\nstop_grace = \"2s\"\n{extra}\n[workload.memory.fake]\nweights = \"6GB\"\n[workload.readiness]\nhttp = \"/v1/models\"\ntimeout = \"30s\"\n",
+        "[[workload]]\nname = \"{name}\"\ncommand = [\"{py}\", \"{script}\", \"${{PORT}}\"]\nstop_grace = \"2s\"\n{extra}\n[workload.memory.fake]\nweights = \"6GB\"\n[workload.readiness]\nhttp = \"/v1/models\"\ntimeout = \"30s\"\n[workload.restart]\npolicy = \"never\"\n",
         py = python.display(),
         script = workspace().join("tests/router/slow_server.py").display(),
     )
@@ -378,6 +378,25 @@ async fn holds_limits_queue_timeouts_and_bad_input_are_answered_openai_style() {
     );
     ok(&client(&python, &["chat", &base, "other"]).await, "other");
     assert!(!alive(slow_pid as i32), "slow was evicted for other");
+    // A model that stopped, or whose server died, is started again by the
+    // next request.
+    d.stopped("other").await;
+    ok(
+        &client(&python, &["chat", &base, "other"]).await,
+        "other after a stop",
+    );
+    let pid = d.get("other").await.pid;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("kill the model's server");
+    d.wait_state("other", pb::State::Failed).await;
+    ok(
+        &client(&python, &["chat", &base, "other"]).await,
+        "other after a crash",
+    );
+    assert_ne!(d.get("other").await.pid, pid, "a new server");
     let before = runs(&mut d).await;
 
     // Bad input: a clear OpenAI error, nothing disturbed.
