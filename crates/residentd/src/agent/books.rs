@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use resident_api::{ApiError, pb};
 use resident_config::{Config, Workload};
-use resident_core::{AdmitError, InstanceId, NodeState, Plan, PlanError, Policy, PoolName};
+use resident_core::{AdmitError, InstanceId, NodeState, Plan, PlanError, Policy, PoolName, Spec};
 use tokio::sync::watch;
 
 /// What a Touch does to an instance's hold against eviction.
@@ -169,7 +169,7 @@ impl Books {
         let a = match b.ledger.admit(id, w.spec.clone(), policy, now) {
             Err(AdmitError::Refused(refusal)) => {
                 let plan = Plan::Refuse(refusal.clone());
-                let placement = resident_api::placement(&plan, pool_statuses(&b.ledger));
+                let placement = placement(&b.ledger, &plan, &w.spec);
                 return Err(ApiError::Refused {
                     refusal,
                     placement: Box::new(placement),
@@ -228,7 +228,7 @@ impl Books {
     ) -> Result<pb::Placement, ApiError> {
         let b = self.lock();
         let plan = b.ledger.place(&w.spec, policy, now).map_err(plan_error)?;
-        Ok(resident_api::placement(&plan, pool_statuses(&b.ledger)))
+        Ok(placement(&b.ledger, &plan, &w.spec))
     }
 
     /// Ends the reservation of `id`'s run `generation`, if it is still the
@@ -429,6 +429,52 @@ pub(super) struct Readings {
     pub(super) measured: Vec<(String, PoolName, u64)>,
     pub(super) host: Vec<(String, u64)>,
     pub(super) host_pools: Vec<PoolName>,
+}
+
+/// A plan as a `Placement`: the pools as they are, each victim with what
+/// it holds, and what the start would leave free.
+fn placement(ledger: &NodeState, plan: &Plan, spec: &Spec) -> pb::Placement {
+    let mut out = resident_api::placement(plan, pool_statuses(ledger));
+    let evict: &[InstanceId] = match plan {
+        Plan::Admit { evict, .. } => evict,
+        Plan::Existing => &[],
+        Plan::Refuse(_) => return out,
+    };
+    let victims: Vec<_> = evict
+        .iter()
+        .filter_map(|id| ledger.resident(id.as_str()))
+        .collect();
+    out.victims = victims
+        .iter()
+        .map(|v| pb::Victim {
+            instance_id: v.id.to_string(),
+            workload: v.spec.workload.to_string(),
+            bytes: v
+                .spec
+                .demand
+                .values()
+                .map(|d| d.footprint())
+                .fold(0, u64::saturating_add),
+            priority: v.spec.priority,
+        })
+        .collect();
+    let existing = matches!(plan, Plan::Existing);
+    out.free_after_bytes = spec
+        .demand
+        .keys()
+        .filter_map(|pool| {
+            let budget = ledger.effective_budget(pool.as_str())?;
+            let freed: u64 = victims.iter().map(|v| v.footprint(pool.as_str())).sum();
+            let taken = if existing {
+                0
+            } else {
+                spec.footprint(pool.as_str())
+            };
+            let used = ledger.used(pool.as_str()).saturating_sub(freed);
+            Some(budget.saturating_sub(used).saturating_sub(taken))
+        })
+        .min();
+    out
 }
 
 fn pool_statuses(ledger: &NodeState) -> Vec<pb::PoolStatus> {

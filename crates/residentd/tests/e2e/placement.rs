@@ -197,6 +197,15 @@ async fn evict_stops_the_least_recently_used_first_or_nothing() {
         .expect("place")
         .into_inner();
     assert!(plan.admitted && plan.evict == ["b", "a"], "{plan:?}");
+    // What each victim holds, and what the start would leave: 96 GB less
+    // the planner's 55 once both are gone.
+    let victims: Vec<(&str, u64)> = plan
+        .victims
+        .iter()
+        .map(|v| (v.instance_id.as_str(), v.bytes))
+        .collect();
+    assert_eq!(victims, [("b", 9_000_000_000), ("a", 55_000_000_000)]);
+    assert_eq!(plan.free_after_bytes, Some(41_000_000_000));
     // Under no hold, a (55 GB) must go; b stays.
     let mut d2 = Daemon::start(&reference_config()).await;
     let c2 = &mut d2.client;
