@@ -9,6 +9,7 @@ mod support;
 
 mod chaos;
 mod device;
+mod fleet;
 mod hostile_input;
 mod interop;
 mod leases;

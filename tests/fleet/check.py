@@ -1,0 +1,116 @@
+"""The Python package against real agents (crates/residentd/tests/e2e/fleet.rs
+starts them): every RPC of residentd.Agent, a refusal decoded, and
+residentd.fleet placing models across three agents and one that is not
+there. Asserts as it goes; exits non-zero with the reason on a failure.
+
+Usage: check.py JSON   where JSON is {"agents": {NAME: SOCKET, ...},
+                                      "dead": SOCKET, "stop_pid": PID, "stopped": NAME}
+"""
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+
+import residentd
+from residentd import fleet, pb
+
+GB = 1_000_000_000
+
+
+def main():
+    setup = json.loads(sys.argv[1])
+    agents = setup["agents"]
+    n1 = agents["n1"]
+
+    # Every RPC of the typed client, on n1 (10 GB).
+    with residentd.Agent(n1) as a:
+        names = [w.name for w in a.workloads()]
+        assert "m8" in names and "m25" in names, names
+        assert a.node().node == "n1", a.node()
+        p = a.place("m25")
+        assert not p.admitted and p.refusals[0].over_budget.need_bytes == 25 * GB, p
+        s = a.start("m8", "x8", wait_ready=True)
+        assert s.created and s.instance.state == pb.READY, s
+        try:
+            a.start("m25", "x25")
+            raise AssertionError("m25 does not fit in 10 GB")
+        except residentd.Refused as e:
+            assert e.reason == "OVER_BUDGET" and not e.temporary, e
+            r = e.reasons[0]
+            assert (r.code, r.pool, r.need_bytes, r.free_bytes) == ("OVER_BUDGET", "ram", 25 * GB, 2 * GB), r
+            assert [(h.instance_id, h.bytes) for h in r.holders] == [("x8", 8 * GB)], r.holders
+            assert "unplaceable" in str(e), str(e)
+        assert a.touch("x8", hold_ms=1000).instance_id == "x8"
+        assert a.get("x8").state == pb.READY
+        assert [i.instance_id for i in a.list()] == ["x8"]
+        first = next(iter(a.watch(0)))
+        assert first.kind == pb.SNAPSHOT and first.instance.instance_id == "x8", first
+        assert isinstance(list(a.logs("x8", tail=5)), list)
+        try:
+            a.get("nope")
+            raise AssertionError("no such instance")
+        except residentd.AgentError as e:
+            assert e.code.name == "NOT_FOUND" and not isinstance(e, residentd.Refused), e
+        assert a.stop("x8").state == pb.EXITED
+        assert a.list()[0].state == pb.EXITED
+
+    # The fleet: n1 10 GB, n2 20 GB, n3 30 GB, and an agent that is not there.
+    endpoints = dict(agents, dead=setup["dead"])
+    landed = {}
+    for workload in ["m25", "m15", "m8", "m4", "m3"]:
+        ranking = fleet.place(endpoints, workload)
+        best = ranking.answers[ranking.choices[0]]
+        assert not best.evict, (workload, best)
+        assert isinstance(ranking.answers[setup["dead"]], fleet.Unreachable), ranking.answers
+        started = fleet.start(endpoints, workload, instance_id=workload)
+        landed[workload] = ranking.names[started.endpoint]
+        assert started.endpoint == ranking.choices[0], (workload, started.endpoint, ranking.choices)
+    # Fits without eviction where it fits, most memory left first, ties by name.
+    assert landed == {"m25": "n3", "m15": "n2", "m8": "n1", "m4": "n2", "m3": "n3"}, landed
+    for name, endpoint in agents.items():
+        with residentd.Agent(endpoint) as a:
+            running = sorted(i.instance_id for i in a.list() if i.state == pb.READY)
+            assert running == sorted(w for w, n in landed.items() if n == name), (name, running)
+
+    # A sixth that fits nowhere: every node's reason.
+    try:
+        fleet.start(endpoints, "m20")
+        raise AssertionError("m20 fits nowhere")
+    except fleet.FleetRefused as e:
+        why = e.ranking.why_not()
+        assert set(why) == set(endpoints.values()), why
+        assert all("unplaceable" in why[agents[n]] for n in agents), why
+        assert "n3: " in str(e) and "dead: " in str(e), str(e)
+
+    # Another scheduler gets there first: the start falls back down the ranking.
+    async def raced():
+        async with fleet.Fleet(endpoints) as f:
+            ranking = await f.place("m1")
+            first, second = ranking.choices[0], ranking.choices[1]
+            with residentd.Agent(first) as a:
+                a.start("m2", "other-scheduler")  # fills the first choice
+            started = await f.start("m1", "m1", ranking=ranking)
+            assert started.endpoint == second, (started.endpoint, ranking.choices)
+            assert isinstance(started.attempts[first], residentd.Refused), started.attempts
+    asyncio.run(raced())
+
+    # A hung agent is skipped at the deadline, not waited for.
+    os.kill(setup["stop_pid"], signal.SIGSTOP)
+    try:
+        began = time.monotonic()
+        ranking = fleet.place(endpoints, "m1", deadline_s=1.0)
+        took = time.monotonic() - began
+        hung = agents[setup["stopped"]]
+        assert isinstance(ranking.answers[hung], fleet.Unreachable), ranking.answers[hung]
+        assert hung not in ranking.choices
+        assert took < 2.0, f"the fan-out took {took:.2f} s with a 1 s deadline"
+    finally:
+        os.kill(setup["stop_pid"], signal.SIGCONT)
+    print("fleet checks passed")
+
+
+if __name__ == "__main__":
+    main()
