@@ -1,6 +1,8 @@
 //! The Python package (`python/`, installed into `.venv` by scripts/test)
-//! against real agents: its unit tests, then tests/fleet/check.py on three
-//! agents of different sizes and an endpoint where no agent is.
+//! against real agents: its unit tests, tests/fleet/check.py on three
+//! agents of different sizes and an endpoint where no agent is, and
+//! tests/fleet/ray_check.py: the same three agents under a real Ray
+//! cluster of three nodes on loopback (Ray from PyPI).
 
 use std::process::Command;
 
@@ -51,11 +53,9 @@ fn the_packages_unit_tests_pass() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_python_client_and_fleet_placement_against_three_agents() {
-    let Some(python) = python() else {
-        return;
-    };
+/// Three agents, n1 10 GB, n2 20 GB and n3 30 GB, each with the same
+/// workloads m1 to m25 (N GB each).
+async fn three_agents() -> Vec<(&'static str, Daemon)> {
     let mut agents = Vec::new();
     for (name, gb) in [("n1", 10), ("n2", 20), ("n3", 30)] {
         let dir = tempfile::tempdir().expect("tempdir");
@@ -65,24 +65,83 @@ async fn the_python_client_and_fleet_placement_against_three_agents() {
         std::fs::write(dir.path().join("residentd.toml"), text).expect("write");
         agents.push((name, Daemon::start_in(dir).await));
     }
+    agents
+}
+
+fn sockets(agents: &[(&str, Daemon)]) -> serde_json::Value {
+    agents
+        .iter()
+        .map(|(name, d)| (name.to_string(), d.socket.display().to_string().into()))
+        .collect::<serde_json::Map<_, _>>()
+        .into()
+}
+
+/// Runs `script` with the JSON `setup`; asserts it passed, printing `passed`.
+async fn check(python: &std::path::Path, script: &str, setup: serde_json::Value, passed: &str) {
+    let out = tokio::process::Command::new(python)
+        .arg(workspace().join(script))
+        .arg(setup.to_string())
+        .output()
+        .await
+        .expect("run the check");
+    let said =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{said}");
+    assert!(said.contains(passed), "{said}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_python_client_and_fleet_placement_against_three_agents() {
+    let Some(python) = python() else {
+        return;
+    };
+    let agents = three_agents().await;
     let nowhere = tempfile::tempdir().expect("tempdir");
     let setup = serde_json::json!({
-        "agents": agents
-            .iter()
-            .map(|(name, d)| (name.to_string(), d.socket.display().to_string().into()))
-            .collect::<serde_json::Map<_, _>>(),
+        "agents": sockets(&agents),
         "dead": nowhere.path().join("agent.sock").display().to_string(),
         "stop_pid": agents[1].1.pid(),
         "stopped": "n2",
     });
-    let out = tokio::process::Command::new(python)
-        .arg(workspace().join("tests/fleet/check.py"))
-        .arg(setup.to_string())
+    check(
+        &python,
+        "tests/fleet/check.py",
+        setup,
+        "fleet checks passed",
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn models_placed_under_a_real_ray_cluster_of_three_nodes() {
+    let Some(python) = python() else {
+        return;
+    };
+    let has_ray = Command::new(&python)
+        .args(["-c", "import ray, residentd.ray"])
         .output()
-        .await
-        .expect("run check.py");
-    let said =
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{said}");
-    assert!(said.contains("fleet checks passed"), "{said}");
+        .is_ok_and(|o| o.status.success());
+    if !has_ray {
+        let why = "no ray in .venv: run scripts/test, which installs it";
+        assert!(std::env::var_os("CI").is_none(), "{why}");
+        return skip(why);
+    }
+    let agents = three_agents().await;
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let pids: serde_json::Map<_, _> = agents
+        .iter()
+        .map(|(name, d)| (name.to_string(), d.pid().into()))
+        .collect();
+    let setup = serde_json::json!({
+        "agents": sockets(&agents),
+        "pids": pids,
+        "tmp": tmp.path().display().to_string(),
+    });
+    check(
+        &python,
+        "tests/fleet/ray_check.py",
+        setup,
+        "ray checks passed",
+    )
+    .await;
 }

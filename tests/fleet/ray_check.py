@@ -1,0 +1,167 @@
+"""residentd under a real Ray cluster on loopback (crates/residentd/tests/e2e/fleet.rs
+starts the three agents): a head and two workers started with `ray start`,
+each labelled with its own agent; models placed with residentd.ray.place_model.
+Asserts as it goes; exits non-zero with the reason on a failure.
+
+Usage: ray_check.py JSON   where JSON is {"agents": {NAME: SOCKET, ...},
+                                          "pids": {NAME: PID}, "tmp": DIR}
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import ray
+
+import residentd
+from residentd import fleet, pb
+from residentd import ray as rray
+
+RAY = os.path.join(os.path.dirname(sys.executable), "ray")
+LEASE_MS = 3000
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ray_start(args, log):
+    """One Ray node, `ray start --block` in the foreground: ending the
+    process ends the node (and only ours, unlike `ray stop`)."""
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_raylet_start_wait_time_s="120")
+    return subprocess.Popen([RAY, "start", "--block", "--node-ip-address=127.0.0.1", "--num-cpus=2",
+                             "--disable-usage-stats", *args], env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def answers(port):
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def serves(path):
+    with socket.socket(socket.AF_UNIX) as s:
+        try:
+            s.connect(path)
+            return True
+        except OSError:
+            return False
+
+
+def until(check, what, within=60.0):
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"not within {within} s: {what}")
+
+
+def instance(endpoint, instance_id):
+    with residentd.Agent(endpoint) as a:
+        return next((i for i in a.list() if i.instance_id == instance_id), None)
+
+
+def main():
+    setup = json.loads(sys.argv[1])
+    agents, pids = setup["agents"], setup["pids"]
+    port = free_port()
+    log = open(os.path.join(setup["tmp"], "ray.log"), "w")
+    nodes_started = [ray_start(["--head", f"--port={port}", "--include-dashboard=false",
+                                f"--temp-dir={setup['tmp']}", "--labels", rray.labels(agents["n1"])], log)]
+    try:
+        until(lambda: answers(port), "the Ray head serves")
+        ray.init(address=f"127.0.0.1:{port}", logging_level="ERROR")
+        until(lambda: len(rray.agents()) == 1, "the head node registered", within=120)
+        # One at a time: each registers before the next starts (two raylets
+        # registering at once on a loaded 2-core machine can time out).
+        for n, name in enumerate(["n2", "n3"], start=2):
+            nodes_started.append(ray_start([f"--address=127.0.0.1:{port}", "--labels", rray.labels(agents[name])],
+                                           log))
+            until(lambda: len(rray.agents()) == n, f"node {name} registered", within=120)
+        nodes = rray.agents()
+        assert sorted(nodes.values()) == sorted(agents.values()), nodes
+        name_of = {endpoint: name for name, endpoint in agents.items()}
+
+        # Five models, each where it fits without eviction.
+        actors = {}
+        for workload in ["m25", "m15", "m8", "m4", "m3"]:
+            actor = rray.place_model(workload, instance_id=workload, lease_ms=LEASE_MS)
+            actors[workload] = actor
+            node_id = ray.get(actor.node.remote())
+            at = name_of[nodes[node_id]]
+            i = instance(agents[at], workload)
+            assert i is not None and i.state == pb.READY, (workload, at, i)
+            url = ray.get(actor.endpoint.remote())
+            assert url == f"http://127.0.0.1:{i.port}", (url, i.port)
+            actors[workload] = (actor, at)
+        landed = {w: at for w, (_, at) in actors.items()}
+        assert landed == {"m25": "n3", "m15": "n2", "m8": "n1", "m4": "n2", "m3": "n3"}, landed
+        for name, endpoint in agents.items():
+            with residentd.Agent(endpoint) as a:
+                ready = sorted(i.instance_id for i in a.list() if i.state == pb.READY)
+            assert ready == sorted(w for w, at in landed.items() if at == name), (name, ready)
+
+        # A sixth fits nowhere: refused with every node's reason.
+        try:
+            rray.place_model("m20", lease_ms=LEASE_MS)
+            raise AssertionError("m20 fits nowhere")
+        except fleet.FleetRefused as e:
+            why = e.ranking.why_not()
+            assert set(why) == set(agents.values()), why
+            assert all("unplaceable" in w for w in why.values()), why
+
+        # A killed actor renews nothing: its model is stopped within the lease.
+        actor, at = actors["m8"]
+        ray.kill(actor)
+        killed = time.monotonic()
+        gone = until(lambda: (lambda i: i if i and i.state in (pb.EXITED, pb.FAILED) else None)(
+            instance(agents[at], "m8")), "m8 stopped after its actor was killed", within=LEASE_MS / 1000 + 10)
+        took = time.monotonic() - killed
+        assert "LEASE_EXPIRED" in gone.message, gone.message
+        assert took < LEASE_MS / 1000 + 3, f"stopped {took:.1f} s after the kill, lease {LEASE_MS} ms"
+        # The others were renewed all along.
+        assert instance(agents["n3"], "m25").state == pb.READY
+
+        # An actor that ends normally stops its model at once.
+        actor, at = actors["m4"]
+        ray.get(actor.stop.remote())
+        assert instance(agents[at], "m4").state == pb.EXITED
+
+        # One agent stopped: the ranking skips its node and says why.
+        os.kill(pids["n1"], signal.SIGTERM)
+        until(lambda: not serves(agents["n1"]), "n1 no longer serves")
+        ranking = fleet.place({n: e for n, e in rray.agents().items()}, "m1", deadline_s=1.0)
+        down = ranking.answers[agents["n1"]]
+        assert isinstance(down, fleet.Unreachable), down
+        assert agents["n1"] not in ranking.choices and ranking.choices, ranking.choices
+        actor = rray.place_model("m1", instance_id="m1", lease_ms=LEASE_MS)
+        assert name_of[nodes[ray.get(actor.node.remote())]] != "n1"
+        print("ray checks passed")
+    except BaseException:
+        log.flush()
+        with open(log.name) as f:
+            sys.stderr.write("ray start said:\n" + f.read()[-6000:])
+        raise
+    finally:
+        ray.shutdown()
+        for node in reversed(nodes_started):
+            node.terminate()
+        for node in nodes_started:
+            try:
+                node.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                node.kill()
+
+
+if __name__ == "__main__":
+    main()
