@@ -23,6 +23,8 @@ import atexit
 import base64
 import sys
 import threading
+import urllib.error
+import urllib.request
 import uuid
 from typing import Dict, Optional
 
@@ -104,6 +106,20 @@ class ResidentModel:
     def endpoint(self) -> str:
         """The model server's address on this node."""
         return f"http://127.0.0.1:{self._instance.port}"
+
+    def post(self, path: str, body: bytes, content_type: str = "application/json",
+             timeout_s: float = 600.0):
+        """POSTs `body` to the model's server at `path`, on this node (the
+        server listens on loopback); returns (status, response body). Each
+        call counts as a use of the model."""
+        self._agent.touch(self._id)
+        req = urllib.request.Request(self.endpoint() + path, data=body, method="POST",
+                                     headers={"Content-Type": content_type})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
 
     def instance(self):
         """The agent's current view of the instance."""

@@ -38,7 +38,7 @@ fn the_packages_unit_tests_pass() {
         return;
     };
     let tests = workspace().join("python/tests");
-    let out = Command::new(python)
+    let out = Command::new(&python)
         .args(["-m", "unittest", "discover", "-v", "-s"])
         .arg(&tests)
         .arg("-t")
@@ -50,6 +50,19 @@ fn the_packages_unit_tests_pass() {
     assert!(
         said.contains("Ran ") && !said.contains("Ran 0 tests"),
         "{said}"
+    );
+    // The Ray Serve example compiles (running it needs ray[serve] and a
+    // cluster of labelled nodes: docs/fleet.md).
+    let example = workspace().join("examples/ray-serve-resident.py");
+    let out = Command::new(&python)
+        .args(["-m", "py_compile"])
+        .arg(&example)
+        .output()
+        .expect("py_compile");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
     );
 }
 
