@@ -16,11 +16,17 @@
 //!    and for one that says nothing.
 //! 7. residentd-router against the same llama-cpp-python server reached
 //!    directly: first event, streamed events per second, and a swap
-//!    against the same swap by hand (needs `--llama-python`).
+//!    against the same swap by hand.
+//! 8. Fleet: the Python package's ranked Place fan-out over 100 and 1,000
+//!    agents (each its own process), and each agent's idle memory.
+//!
+//! Parts 7 and 8 run Python from the tests' `.venv` (`--venv-python`:
+//! llama-cpp-python, the residentd package); without it they print a note.
 //!
 //! Run by `scripts/bench` (which builds the release binaries and the
 //! supervisord venv); `--quick` is a smoke run of a few iterations.
 
+mod fleet;
 mod floor;
 mod measure;
 mod readiness;
@@ -56,6 +62,9 @@ struct Plan {
     router_requests: usize,
     router_streams: usize,
     router_swaps: usize,
+    /// The two fleet sizes of the fleet part, and its fan-outs at each.
+    fleet_sizes: (usize, usize),
+    fleet_rounds: usize,
 }
 
 const FULL: Plan = Plan {
@@ -73,6 +82,8 @@ const FULL: Plan = Plan {
     router_requests: 200,
     router_streams: 15,
     router_swaps: 5,
+    fleet_sizes: (100, 1000),
+    fleet_rounds: 50,
 };
 
 const QUICK: Plan = Plan {
@@ -90,6 +101,8 @@ const QUICK: Plan = Plan {
     router_requests: 3,
     router_streams: 1,
     router_swaps: 1,
+    fleet_sizes: (5, 20),
+    fleet_rounds: 3,
 };
 
 /// A process of ours that is killed when dropped.
@@ -243,12 +256,12 @@ fn main() -> anyhow::Result<()> {
         .and_then(|i| args.get(i + 1))
         .map(PathBuf::from);
     let plan = if quick { QUICK } else { FULL };
-    let llama_python = args
+    let venv_python = args
         .iter()
-        .position(|a| a == "--llama-python")
+        .position(|a| a == "--venv-python")
         .and_then(|i| args.get(i + 1))
         .map(PathBuf::from);
-    // `--only place|startstop|crash|idle|churn|readiness|router` runs one
+    // `--only place|startstop|crash|idle|churn|readiness|router|fleet` runs one
     // part, for working on it.
     let only = args
         .iter()
@@ -289,10 +302,13 @@ fn main() -> anyhow::Result<()> {
                 &plan,
                 &residentd,
                 &router,
-                llama_python.as_deref(),
+                venv_python.as_deref(),
                 &mut table,
             )
             .await?;
+        }
+        if runs("fleet") {
+            fleet::rows(&plan, &residentd, venv_python.as_deref(), &mut table)?;
         }
         Ok::<_, anyhow::Error>(())
     })?;

@@ -12,7 +12,7 @@
 //!
 //! The models are tiny random-weight GGUF files written by
 //! tests/llama/make_model.py; the server is the python given with
-//! `--llama-python` (scripts/bench passes the tests' `.venv`).
+//! `--venv-python` (scripts/bench passes the tests' `.venv`).
 
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -188,7 +188,7 @@ pub async fn rows(
     let Some(python) = usable else {
         table.push(Row::note(
             "router".into(),
-            "not measured: no python with llama-cpp-python (scripts/test creates .venv; scripts/bench passes it as --llama-python)".into(),
+            "not measured: no python with llama-cpp-python (scripts/test creates .venv; scripts/bench passes it as --venv-python)".into(),
         ));
         return Ok(());
     };
