@@ -105,17 +105,7 @@ pub fn rows(
     python: Option<&Path>,
     table: &mut Table,
 ) -> anyhow::Result<()> {
-    let usable = python.filter(|p| {
-        Command::new(p)
-            .args(["-c", "import residentd.fleet"])
-            .output()
-            .is_ok_and(|o| o.status.success())
-    });
-    let Some(python) = usable else {
-        table.push(Row::note(
-            "fleet".into(),
-            "not measured: no python with the residentd package (scripts/test installs it into .venv)".into(),
-        ));
+    let Some(python) = crate::python_with(python, "residentd.fleet", "fleet", table) else {
         return Ok(());
     };
     let (small, large) = plan.fleet_sizes;

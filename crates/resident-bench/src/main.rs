@@ -316,6 +316,29 @@ fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `python` when it can import `modules`; else `None`, after a note in the
+/// table that `part` was not measured.
+fn python_with<'a>(
+    python: Option<&'a Path>,
+    modules: &str,
+    part: &str,
+    table: &mut Table,
+) -> Option<&'a Path> {
+    let usable = python.filter(|p| {
+        Command::new(p)
+            .args(["-c", &format!("import {modules}")])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    });
+    if usable.is_none() {
+        table.push(Row::note(
+            part.into(),
+            format!("not measured: no python that imports {modules} (scripts/test sets up .venv; scripts/bench passes it as --venv-python)"),
+        ));
+    }
+    usable
+}
+
 fn nproc() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }

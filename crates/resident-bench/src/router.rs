@@ -179,17 +179,7 @@ pub async fn rows(
     python: Option<&Path>,
     table: &mut Table,
 ) -> anyhow::Result<()> {
-    let usable = python.filter(|p| {
-        Command::new(p)
-            .args(["-c", "import llama_cpp.server, gguf"])
-            .output()
-            .is_ok_and(|o| o.status.success())
-    });
-    let Some(python) = usable else {
-        table.push(Row::note(
-            "router".into(),
-            "not measured: no python with llama-cpp-python (scripts/test creates .venv; scripts/bench passes it as --venv-python)".into(),
-        ));
+    let Some(python) = crate::python_with(python, "llama_cpp.server, gguf", "router", table) else {
         return Ok(());
     };
     let models = tempfile::tempdir()?;
