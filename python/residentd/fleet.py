@@ -121,16 +121,19 @@ class Fleet:
         self.names = _names(endpoints)
         self.deadline_s = deadline_s
         self._channels: Dict[str, grpc.aio.Channel] = {}
+        # A stub makes a callable per RPC: made once per agent, not per call.
+        self._stubs: Dict[str, pb_grpc.NodeAgentStub] = {}
 
     def _stub(self, endpoint: str) -> pb_grpc.NodeAgentStub:
-        channel = self._channels.get(endpoint)
-        if channel is None:
+        stub = self._stubs.get(endpoint)
+        if stub is None:
             channel = grpc.aio.insecure_channel(_client._target(endpoint))
             self._channels[endpoint] = channel
-        return pb_grpc.NodeAgentStub(channel)
+            stub = self._stubs[endpoint] = pb_grpc.NodeAgentStub(channel)
+        return stub
 
     async def close(self) -> None:
-        channels, self._channels = self._channels, {}
+        channels, self._channels, self._stubs = self._channels, {}, {}
         await asyncio.gather(*(c.close() for c in channels.values()))
 
     async def __aenter__(self) -> "Fleet":

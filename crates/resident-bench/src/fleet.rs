@@ -57,6 +57,7 @@ fn rss(pid: i32) -> anyhow::Result<u64> {
 
 struct FanOut {
     median: Duration,
+    client_cpu: Duration,
     p99: Duration,
     first: Duration,
     rss_median: u64,
@@ -92,6 +93,7 @@ fn fan_out(residentd: &Path, python: &Path, n: usize, rounds: usize) -> anyhow::
     let secs = |k: &str| Duration::from_secs_f64(v[k].as_f64().unwrap_or(0.0));
     Ok(FanOut {
         median: secs("median_s"),
+        client_cpu: secs("client_cpu_s"),
         p99: secs("p99_s"),
         first: secs("first_s"),
         rss_median: rss_each[rss_each.len() / 2],
@@ -115,8 +117,9 @@ pub fn rows(
         table.push(Row::note(
             format!("fleet: ranked Place fan-out over {n} agents"),
             format!(
-                "median {}, p99 {} (first, connecting: {}); agent idle RSS {:.1} MB each (median)",
+                "median {} (the client's own CPU: {}), p99 {} (first, connecting: {}); agent idle RSS {:.1} MB each (median)",
                 crate::report::duration(f.median),
+                crate::report::duration(f.client_cpu),
                 crate::report::duration(f.p99),
                 crate::report::duration(f.first),
                 f.rss_median as f64 / 1e6
