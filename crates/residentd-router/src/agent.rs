@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use hyper_util::rt::TokioIo;
+use prost::Message as _;
 use resident_api::pb;
 use resident_api::pb::node_agent_client::NodeAgentClient;
 use tokio::net::UnixStream;
@@ -25,6 +26,9 @@ pub enum StartError {
         message: String,
         /// Waiting may help.
         temporary: bool,
+        /// The instances holding the memory it needs (from the refusal's
+        /// Placement), the ones a temporary refusal waits for.
+        holders: Vec<String>,
     },
     /// It was admitted but did not become ready (or could not be spawned).
     Failed(String),
@@ -146,6 +150,7 @@ pub fn start_error(status: &tonic::Status) -> StartError {
             reason: info.reason,
             message: status.message().to_string(),
             temporary: info.metadata.get("temporary").is_some_and(|t| t == "true"),
+            holders: holders(status),
         },
         _ => match status.code() {
             Code::Unavailable | Code::Unknown | Code::Cancelled | Code::DeadlineExceeded => {
@@ -155,8 +160,37 @@ pub fn start_error(status: &tonic::Status) -> StartError {
                 reason: "LIMIT_REACHED".into(),
                 message: status.message().to_string(),
                 temporary: false,
+                holders: Vec::new(),
             },
             _ => StartError::Failed(status.message().to_string()),
         },
     }
+}
+
+/// The instances named as holders in a refusal's Placement detail.
+fn holders(status: &tonic::Status) -> Vec<String> {
+    let Ok(details) = tonic_types::pb::Status::decode(status.details()) else {
+        return Vec::new();
+    };
+    let Some(placement) = details
+        .details
+        .iter()
+        .find(|d| d.type_url.ends_with("/resident.v1.Placement"))
+        .and_then(|d| pb::Placement::decode(d.value.as_slice()).ok())
+    else {
+        return Vec::new();
+    };
+    let mut ids: Vec<String> = placement
+        .refusals
+        .iter()
+        .flat_map(|r| match &r.reason {
+            Some(pb::refusal::Reason::OverBudget(o)) => o.holders.clone(),
+            Some(pb::refusal::Reason::HostMemory(h)) => h.holders.clone(),
+            _ => Vec::new(),
+        })
+        .map(|h| h.instance_id)
+        .collect();
+    ids.sort_unstable();
+    ids.dedup();
+    ids
 }

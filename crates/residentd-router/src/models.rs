@@ -11,12 +11,13 @@
 //!   overtake a newer hold.
 //! - Starts go through one FIFO gate. A start the agent refuses as
 //!   *temporary* (memory held by requests in flight) waits at the head of
-//!   the gate until a hold drops, bounded by the queue timeout; while one
-//!   waits, every new request queues behind it instead of renewing the
-//!   holds that block it, so a swap cannot be starved.
+//!   the gate until a hold drops, bounded by the queue timeout. While it
+//!   waits, new requests for the models whose instances it waits for (the
+//!   refusal's holders) queue behind it instead of renewing their holds,
+//!   so a swap cannot be starved; requests for other resident models are
+//!   served meanwhile.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -64,8 +65,10 @@ pub struct Models {
     queue_timeout: Duration,
     roster: RwLock<Roster>,
     gate: tokio::sync::Mutex<()>,
-    /// Starts now waiting on holds (at the head of the gate).
-    waiting: AtomicUsize,
+    /// The instances that starts now waiting on holds wait for, each with
+    /// how many starts wait for it. A request for one of them queues
+    /// behind the waiting start instead of holding it again.
+    blocking: Mutex<HashMap<String, usize>>,
     /// Signalled whenever a model's last hold was released.
     released: Notify,
     metrics: Arc<Metrics>,
@@ -117,7 +120,7 @@ impl Models {
             queue_timeout,
             roster: RwLock::new(Roster::default()),
             gate: tokio::sync::Mutex::new(()),
-            waiting: AtomicUsize::new(0),
+            blocking: Mutex::new(HashMap::new()),
             released: Notify::new(),
             metrics,
             releasing: Mutex::new(tokio::task::JoinSet::new()),
@@ -201,7 +204,7 @@ impl Models {
             ),
         };
         let deadline = Instant::now() + self.queue_timeout;
-        if self.waiting.load(Ordering::Acquire) == 0
+        if !self.blocks(&model.name)
             && let Some(held) = self.hold(&model).await?
         {
             return Ok(self.held(model, held, permit));
@@ -213,7 +216,7 @@ impl Models {
         let mut starts = 0;
         // Set at the first temporary refusal, kept until this returns: new
         // requests queue behind this start meanwhile.
-        let mut waiting = None;
+        let mut waiting: Option<Waiting<'_>> = None;
         loop {
             if let Some(held) = self.hold(&model).await? {
                 drop(turn);
@@ -240,9 +243,13 @@ impl Models {
                 Err(StartError::Refused {
                     temporary: true,
                     message,
+                    holders,
                     ..
                 }) => {
-                    waiting.get_or_insert_with(|| Waiting::new(self));
+                    match &mut waiting {
+                        Some(w) => w.wait_for(holders),
+                        None => waiting = Some(Waiting::new(self, holders)),
+                    }
                     tracing::debug!(model = %model.name, %message, "waiting for held memory");
                     let wait = async {
                         tokio::select! {
@@ -272,6 +279,15 @@ impl Models {
                 Err(StartError::Unavailable(message)) => return Err(RouterError::agent(message)),
             }
         }
+    }
+
+    fn blocking_lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, usize>> {
+        self.blocking.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether a start waits for memory that `name`'s instance holds.
+    fn blocks(&self, name: &str) -> bool {
+        self.blocking_lock().contains_key(name)
     }
 
     fn timed_out(&self, model: &Model, why: &str) -> RouterError {
@@ -362,20 +378,49 @@ impl Models {
     }
 }
 
-/// Counts a start waiting on holds while it exists.
-struct Waiting<'a>(&'a Models);
+/// A start waiting on holds, and the instances it waits for, while it
+/// exists.
+struct Waiting<'a> {
+    models: &'a Models,
+    holders: Vec<String>,
+}
 
 impl<'a> Waiting<'a> {
-    fn new(models: &'a Models) -> Self {
-        models.waiting.fetch_add(1, Ordering::AcqRel);
+    fn new(models: &'a Models, holders: Vec<String>) -> Self {
         models.metrics.waiting(1);
-        Self(models)
+        let mut w = Self {
+            models,
+            holders: Vec::new(),
+        };
+        w.wait_for(holders);
+        w
+    }
+
+    /// Now waits for `holders` (the latest refusal's) instead.
+    fn wait_for(&mut self, holders: Vec<String>) {
+        let mut blocking = self.models.blocking_lock();
+        unblock(&mut blocking, &self.holders);
+        for h in &holders {
+            *blocking.entry(h.clone()).or_default() += 1;
+        }
+        self.holders = holders;
+    }
+}
+
+fn unblock(blocking: &mut HashMap<String, usize>, holders: &[String]) {
+    for h in holders {
+        if let Some(n) = blocking.get_mut(h) {
+            *n -= 1;
+            if *n == 0 {
+                blocking.remove(h);
+            }
+        }
     }
 }
 
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
-        self.0.waiting.fetch_sub(1, Ordering::AcqRel);
-        self.0.metrics.waiting(-1);
+        unblock(&mut self.models.blocking_lock(), &self.holders);
+        self.models.metrics.waiting(-1);
     }
 }

@@ -326,10 +326,17 @@ async fn holds_limits_queue_timeouts_and_bad_input_are_answered_openai_style() {
         String::from("on_full = \"evict\"\n\n[[pool]]\nname = \"fake\"\nbudget = \"10GB\"\n\n");
     config += &slow("slow", &python, "concurrency_limit = 1");
     config += &slow("other", &python, "");
+    // In a pool of its own: never in the way of the other two.
+    config += &format!("[[pool]]\nname = \"aside\"\nbudget = \"10GB\"\n\n");
+    config += &slow("side", &python, "").replace("memory.fake", "memory.aside");
     let mut d = Daemon::start(&config).await;
     // A short queue timeout, to see it run out.
     let r = router(&d.socket, Duration::from_secs(2)).await;
     let base = r.base.clone();
+    ok(
+        &client(&python, &["chat", &base, "side"]).await,
+        "side, started",
+    );
 
     // One stream of `slow` in flight holds it.
     let held = open_stream(r.port, "slow").await;
@@ -344,7 +351,30 @@ async fn holds_limits_queue_timeouts_and_bad_input_are_answered_openai_style() {
     assert_eq!(second["body"]["type"], "too_many_requests", "{second}");
     assert!(second["retry_after"].is_string(), "{second}");
     // `other` needs slow's memory, held: it waits 2 s, then 503 + Retry-After.
-    let waited = client(&python, &["chat", &base, "other"]).await;
+    // Meanwhile a request for `side`, resident and in nobody's way, is
+    // served at once, not queued behind the waiting start.
+    let waiting = {
+        let (python, base) = (python.clone(), base.clone());
+        tokio::spawn(async move { client(&python, &["chat", &base, "other"]).await })
+    };
+    let metric = |body: &str| body.contains("residentd_router_starts_waiting 1");
+    let get_metrics =
+        "GET /metrics HTTP/1.1\r\nHost: router\r\nConnection: close\r\n\r\n".as_bytes();
+    assert!(
+        eventually(async || metric(&raw(r.port, get_metrics).await.2)).await,
+        "the start of other never waited"
+    );
+    let chat_side = post(
+        "/v1/chat/completions",
+        r#"{"model": "side", "messages": [{"role": "user", "content": "hi"}]}"#,
+    );
+    let (status, _, body) = raw(r.port, &chat_side).await;
+    assert_eq!(status, 200, "side while other waits: {body}");
+    assert!(
+        metric(&raw(r.port, get_metrics).await.2),
+        "side was answered only after other stopped waiting"
+    );
+    let waited = waiting.await.expect("join");
     assert_eq!(waited["status"], 503, "{waited}");
     assert_eq!(waited["body"]["type"], "queue_timeout", "{waited}");
     assert!(waited["retry_after"].is_string(), "{waited}");
