@@ -327,7 +327,7 @@ async fn holds_limits_queue_timeouts_and_bad_input_are_answered_openai_style() {
     config += &slow("slow", &python, "concurrency_limit = 1");
     config += &slow("other", &python, "");
     // In a pool of its own: never in the way of the other two.
-    config += &format!("[[pool]]\nname = \"aside\"\nbudget = \"10GB\"\n\n");
+    config += &pool("aside", "10GB");
     config += &slow("side", &python, "").replace("memory.fake", "memory.aside");
     let mut d = Daemon::start(&config).await;
     // A short queue timeout, to see it run out.
