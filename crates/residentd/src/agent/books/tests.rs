@@ -1,7 +1,8 @@
 //! The books on their own: a refusal's Placement says what the decision
 //! saw, a release counts only for the run it names, and under any sequence
 //! of admissions, cancels and releases every reservation is released
-//! exactly once (checked against a model).
+//! exactly once (checked against a model); owners' leases lapse unless
+//! renewed.
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -62,6 +63,28 @@ fn a_refusal_says_what_the_decision_saw() {
         holders.iter().map(|h| h.bytes).sum::<u64>(),
         pool.used_bytes
     );
+}
+
+#[test]
+fn a_lease_lapses_unless_a_touch_renews_it_and_only_leased_residents_lapse() {
+    let (c, b) = (config(), Books::new(&config()));
+    let leased = |id: &str, ms: u64| {
+        let id = InstanceId::new(id).expect("an id");
+        generation_of(b.admit(&c, &c.workloads["small"], &id, Policy::Refuse, 0, ms))
+    };
+    leased("leased", 1_000);
+    leased("unleased", 0);
+    leased("cancelled", 1_000);
+    b.cancel("cancelled").expect("a record");
+    assert!(b.leases_expired(999).is_empty(), "not yet");
+    // A touch at 500 renews the lease for another 1000 ms.
+    assert!(b.touch("leased", 500, Hold::For(0)));
+    assert!(b.leases_expired(1_400).is_empty(), "renewed");
+    assert_eq!(b.leases_expired(1_500), [("leased".to_string(), 1_000)]);
+    // Released, it is no longer anyone's to stop.
+    let generation = b.record("leased").expect("a record").generation;
+    assert!(b.release("leased", generation));
+    assert!(b.leases_expired(u64::MAX).is_empty());
 }
 
 #[test]
