@@ -148,12 +148,21 @@ pub struct Group {
     pub persistent: bool,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Workload {
     pub name: Spanned<String>,
     pub role: Option<Spanned<String>>,
-    pub command: Spanned<Vec<String>>,
+    /// Required unless a flavor fills it in (`validate/flavor.rs`).
+    pub command: Option<Spanned<Vec<String>>>,
+    pub flavor: Option<Spanned<String>>,
+    pub model: Option<Spanned<String>>,
+    pub ctx: Option<Spanned<u64>>,
+    pub kv_type: Option<Spanned<String>>,
+    pub parallel: Option<Spanned<u32>>,
+    pub program: Option<Spanned<String>>,
+    #[serde(default)]
+    pub args: Vec<Spanned<String>>,
     #[serde(default)]
     pub env: BTreeMap<String, Spanned<String>>,
     #[serde(default)]
@@ -175,7 +184,7 @@ pub struct Workload {
     pub concurrency_limit: Option<Spanned<u32>>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Demand {
     pub weights: Option<Spanned<Quantity>>,
@@ -185,7 +194,7 @@ pub struct Demand {
     pub kv_type: Option<Spanned<String>>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Readiness {
     pub http: Option<String>,
@@ -194,7 +203,7 @@ pub struct Readiness {
     pub timeout: Option<Spanned<String>>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Restart {
     pub policy: Option<Spanned<String>>,

@@ -35,6 +35,24 @@ struct Args {
     log_json: bool,
 }
 
+/// `argv` as a shell would need it typed: words with spaces or quotes in
+/// single quotes.
+fn shell_words(argv: &[String]) -> String {
+    argv.iter()
+        .map(|a| {
+            let plain = !a.is_empty()
+                && a.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-_./:=${}@%+,".contains(c));
+            if plain {
+                a.clone()
+            } else {
+                format!("'{}'", a.replace('\'', r"'\''"))
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 fn main() -> ExitCode {
     let args = Args::parse();
     init_logging(args.log_json);
@@ -55,6 +73,10 @@ fn main() -> ExitCode {
                     c.pools.len(),
                     c.workloads.len()
                 );
+                // What each workload will run, flavors resolved.
+                for (name, w) in &c.workloads {
+                    println!("  {name}: {}", shell_words(&w.argv));
+                }
                 ExitCode::SUCCESS
             }
             Err(e) => {

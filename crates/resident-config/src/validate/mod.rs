@@ -1,11 +1,13 @@
 //! From the raw document to a `Config`: every rule of the design brief's
 //! config contract, each failure reported with file, line and key. One
 //! file per section (`node.rs` with `listen.rs`, `pools.rs`, `groups.rs`,
-//! `workloads.rs` with `demand.rs` and `lifecycle.rs`); this one runs them
-//! in order and holds the helpers they share. No section asks the machine
+//! `workloads.rs` with `demand.rs` and `lifecycle.rs`, after `flavor.rs`
+//! has filled in what a workload's flavor implies); this one runs them in
+//! order and holds the helpers they share. No section asks the machine
 //! anything itself: every look-up goes through `Lookups` (`host.rs`).
 
 mod demand;
+pub(crate) mod flavor;
 mod groups;
 mod lifecycle;
 mod listen;
@@ -34,9 +36,19 @@ pub(crate) fn validate(file: &Path, text: &str, host: Lookups) -> Result<Config>
     let doc = raw::document(&src)?;
     let node = node::node(&src, &doc.node, host)?;
     let pools = pools::pools(&src, &doc.pool)?;
-    let workloads = workloads::workloads(&src, &doc.workload, &pools, host)?;
+    let raw_workloads = doc
+        .workload
+        .iter()
+        .map(|w| {
+            Ok(Spanned::new(
+                w.span(),
+                flavor::apply(&src, w.get_ref(), &pools)?,
+            ))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let workloads = workloads::workloads(&src, &raw_workloads, &pools, host)?;
     let groups = groups::groups(&src, &doc.group, &workloads)?;
-    programs(&src, &doc.workload, host)?;
+    programs(&src, &raw_workloads, host)?;
     let warnings = root_warnings(&node, &workloads, host);
     Ok(Config {
         source: file.to_path_buf(),
@@ -52,7 +64,7 @@ pub(crate) fn validate(file: &Path, text: &str, host: Lookups) -> Result<Config>
 fn programs(src: &Source<'_>, raw: &[Spanned<raw::Workload>], host: Lookups) -> Result<()> {
     for w in raw {
         let name = spanned_str(&w.get_ref().name);
-        let command = &w.get_ref().command;
+        let command = raw_command(w.get_ref());
         let path = w.get_ref().env.get("PATH").map(|p| p.get_ref().as_str());
         host.program(command.get_ref(), path)
             .map_err(|m| src.err(command.span(), format!("workload[{name}].command"), m))?;
@@ -96,4 +108,12 @@ fn bytes(src: &Source<'_>, q: &Spanned<Quantity>, key: &str) -> Result<u64> {
 
 fn duration(src: &Source<'_>, d: &Spanned<String>, key: &str) -> Result<Duration> {
     parse_duration(d.get_ref()).map_err(|e| src.err(d.span(), key, e))
+}
+
+/// A workload's command, once `flavor::apply` has run (it refuses a
+/// workload with neither a command nor a flavor).
+fn raw_command(w: &raw::Workload) -> &Spanned<Vec<String>> {
+    w.command
+        .as_ref()
+        .expect("flavor::apply leaves every workload with a command")
 }

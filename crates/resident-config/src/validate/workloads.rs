@@ -165,16 +165,17 @@ fn command(
     w: &raw::Workload,
     key: &dyn Fn(&str) -> String,
 ) -> Result<(Vec<String>, BTreeMap<String, String>)> {
-    let argv = w.command.get_ref().clone();
+    let command = super::raw_command(w);
+    let argv = command.get_ref().clone();
     if argv.first().is_none_or(|p| p.is_empty()) {
         return Err(src.err(
-            w.command.span(),
+            command.span(),
             key("command"),
             "must name a program (an argv list, never a shell string)",
         ));
     }
     for arg in &argv {
-        check_macros(arg).map_err(|m| src.err(w.command.span(), key("command"), m))?;
+        check_macros(arg).map_err(|m| src.err(command.span(), key("command"), m))?;
     }
     let mut env = BTreeMap::new();
     for (k, v) in &w.env {

@@ -276,3 +276,64 @@ async fn llama_cpp_servers_are_placed_refused_evicted_and_restarted() {
     let status = d.terminate().await;
     assert!(status.success());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_declared_by_its_flavor_starts_answers_and_stops_as_the_flavor_says() {
+    let Some(python) = python() else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = dir.path().join("tiny.gguf");
+    make_model(&python, &model, 64, 2);
+    let bin = python.parent().expect("the venv's bin");
+    // Three keys of the flavor; the venv's python3 found through PATH.
+    let config = format!(
+        "[[pool]]\nname = \"ram\"\nbudget = \"1GB\"\n\n[[workload]]\nname = \"flavored\"\nflavor = \"llama-cpp-python\"\nmodel = \"{model}\"\nctx = 512\nenv = {{ PATH = \"{bin}:/usr/bin:/bin\" }}\n",
+        model = model.display(),
+        bin = bin.display(),
+    );
+    write_config(dir.path(), &config);
+    let checked = Command::new(RESIDENTD)
+        .arg("--check-config")
+        .arg(dir.path().join("residentd.toml"))
+        .output()
+        .expect("check-config");
+    let said = String::from_utf8_lossy(&checked.stdout);
+    assert!(checked.status.success(), "{said}");
+    let resolved = format!(
+        "flavored: python3 -m llama_cpp.server --model {} --host 127.0.0.1 --port ${{PORT}} --n_ctx 512 --use_mmap false --interrupt_requests false",
+        model.display()
+    );
+    assert!(said.contains(&resolved), "{said}");
+    let mut d = Daemon::start_in(dir).await;
+    let started = d
+        .client
+        .start(pb::StartRequest {
+            wait_ready: true,
+            ..start_req("flavored", "f")
+        })
+        .await
+        .expect("starts")
+        .into_inner()
+        .instance
+        .expect("an instance");
+    assert_eq!(started.state, pb::State::Ready as i32);
+    let held: u64 = started
+        .demand
+        .iter()
+        .map(|p| p.weights_bytes + p.kv_budget_bytes)
+        .sum();
+    assert_eq!(
+        held,
+        declared(&model),
+        "the memory comes from the GGUF file"
+    );
+    assert_eq!(completes(started.port).await, 200);
+    // The flavor's stop: SIGTERM, and the server exits within its grace.
+    let stopped = d.stopped("f").await;
+    assert_eq!(stopped.state, pb::State::Exited as i32, "{stopped:?}");
+    assert_ne!(
+        stopped.exit_signal, 9,
+        "killed after its grace: {stopped:?}"
+    );
+}

@@ -1,0 +1,285 @@
+//! Flavors: `flavor = "llama-server" | "llama-cpp-python" | "vllm" |
+//! "mlx-lm"` on a workload fills in what that server needs from a few keys
+//! (`model`, `ctx`, `kv_type`, `parallel`, extra `args`, and `program`
+//! for the executable): the argv, bound to loopback on `${PORT}`; the
+//! readiness path; the stop grace; and, for GGUF models, the memory from
+//! the file. Anything the workload sets itself stands: a flavor only fills
+//! in what is missing. This runs on the raw workload, before the rules
+//! every workload obeys, so a flavored workload is checked like any other.
+
+use std::ops::Range;
+
+use toml::Spanned;
+
+use super::Result;
+use crate::PoolDef;
+use crate::error::Source;
+use crate::raw;
+
+/// The flavors, by name.
+pub const FLAVORS: [&str; 4] = ["llama-server", "llama-cpp-python", "vllm", "mlx-lm"];
+
+/// What a flavor fills in.
+struct Defaults {
+    argv: Vec<String>,
+    readiness: &'static str,
+    stop_grace: &'static str,
+}
+
+/// The keys a flavor reads, resolved.
+struct Keys<'a> {
+    model: &'a str,
+    ctx: Option<u64>,
+    kv_type: Option<&'a str>,
+    parallel: Option<u32>,
+    program: Option<&'a str>,
+    /// The fraction of its GPU pool the workload declares (vLLM).
+    gpu_share: Option<f64>,
+}
+
+fn defaults(flavor: &str, k: &Keys<'_>) -> Defaults {
+    let loopback = ["--host", "127.0.0.1", "--port", "${PORT}"].map(String::from);
+    let mut argv: Vec<String>;
+    match flavor {
+        "llama-server" => {
+            argv = vec![
+                k.program.unwrap_or("llama-server").into(),
+                "--model".into(),
+                k.model.into(),
+            ];
+            argv.extend(loopback);
+            if let Some(c) = k.ctx {
+                argv.extend(["--ctx-size".into(), c.to_string()]);
+            }
+            if let Some(p) = k.parallel {
+                argv.extend(["--parallel".into(), p.to_string()]);
+            }
+            if let Some(t) = k.kv_type {
+                argv.extend(["--cache-type-k", t, "--cache-type-v", t].map(String::from));
+            }
+            Defaults {
+                argv,
+                readiness: "/health",
+                stop_grace: "30s",
+            }
+        }
+        "llama-cpp-python" => {
+            argv = vec![
+                k.program.unwrap_or("python3").into(),
+                "-m".into(),
+                "llama_cpp.server".into(),
+                "--model".into(),
+                k.model.into(),
+            ];
+            argv.extend(loopback);
+            if let Some(c) = k.ctx {
+                argv.extend(["--n_ctx".into(), c.to_string()]);
+            }
+            // Weights held once (no mapped copy beside a repacked one),
+            // and a stream is never cut short by the next request.
+            argv.extend(["--use_mmap", "false", "--interrupt_requests", "false"].map(String::from));
+            Defaults {
+                argv,
+                readiness: "/v1/models",
+                stop_grace: "30s",
+            }
+        }
+        "vllm" => {
+            argv = vec![
+                k.program.unwrap_or("vllm").into(),
+                "serve".into(),
+                k.model.into(),
+            ];
+            argv.extend(loopback);
+            if let Some(c) = k.ctx {
+                argv.extend(["--max-model-len".into(), c.to_string()]);
+            }
+            if let Some(p) = k.parallel {
+                argv.extend(["--max-num-seqs".into(), p.to_string()]);
+            }
+            if let Some(t) = k.kv_type {
+                argv.extend(["--kv-cache-dtype".into(), t.into()]);
+            }
+            if let Some(share) = k.gpu_share {
+                // vLLM takes 90% of the card unless told: held to what the
+                // ledger reserved for it.
+                argv.extend(["--gpu-memory-utilization".into(), format!("{share:.3}")]);
+            }
+            Defaults {
+                argv,
+                readiness: "/health",
+                stop_grace: "30s",
+            }
+        }
+        _ => {
+            argv = vec![
+                k.program.unwrap_or("python3").into(),
+                "-m".into(),
+                "mlx_lm.server".into(),
+                "--model".into(),
+                k.model.into(),
+            ];
+            argv.extend(loopback);
+            Defaults {
+                argv,
+                readiness: "/v1/models",
+                stop_grace: "15s",
+            }
+        }
+    }
+}
+
+fn spanned<T>(span: &Range<usize>, value: T) -> Spanned<T> {
+    Spanned::new(span.clone(), value)
+}
+
+/// `w` with what its flavor fills in; `w` as it is without one. Errors
+/// name the workload's key.
+pub(super) fn apply(
+    src: &Source<'_>,
+    w: &raw::Workload,
+    pools: &[PoolDef],
+) -> Result<raw::Workload> {
+    let name = w.name.get_ref();
+    let key = |k: &str| format!("workload[{name}].{k}");
+    let mut out = w.clone();
+    let Some(flavor) = &w.flavor else {
+        for (k, set) in [
+            ("model", w.model.is_some()),
+            ("ctx", w.ctx.is_some()),
+            ("kv_type", w.kv_type.is_some()),
+            ("parallel", w.parallel.is_some()),
+            ("program", w.program.is_some()),
+            ("args", !w.args.is_empty()),
+        ] {
+            if set {
+                return Err(src.err(
+                    w.name.span(),
+                    key(k),
+                    "is a flavor's key: set flavor too, or drop it",
+                ));
+            }
+        }
+        if w.command.is_none() {
+            return Err(src.err(
+                w.name.span(),
+                key("command"),
+                "missing: a workload needs a command or a flavor",
+            ));
+        }
+        return Ok(out);
+    };
+    let span = flavor.span();
+    let f = flavor.get_ref().as_str();
+    if !FLAVORS.contains(&f) {
+        return Err(src.err(
+            span,
+            key("flavor"),
+            format!("unknown flavor '{f}' (known: {})", FLAVORS.join(", ")),
+        ));
+    }
+    let Some(model) = &w.model else {
+        return Err(src.err(
+            span,
+            key("model"),
+            format!("missing: flavor '{f}' needs the model to serve"),
+        ));
+    };
+    if let Some(p) = &w.parallel
+        && *p.get_ref() == 0
+    {
+        return Err(src.err(p.span(), key("parallel"), "must be at least 1"));
+    }
+    let gguf = model.get_ref().ends_with(".gguf");
+    // The memory: a pool table without weights or from_gguf takes the
+    // model's GGUF file; no table at all means the node's only pool.
+    if out.memory.is_empty() {
+        match pools {
+            [only] if gguf => {
+                let d = raw::Demand::default();
+                out.memory
+                    .insert(only.pool.name.to_string(), spanned(&span, d));
+            }
+            _ => {
+                let why = if gguf {
+                    "missing: this node has several pools; add [workload.memory.POOL] (its keys default to the model's GGUF file, ctx and kv_type)"
+                } else {
+                    "missing: the model is not a GGUF file, so its memory must be declared (weights, kv)"
+                };
+                return Err(src.err(span, key("memory"), why));
+            }
+        }
+    }
+    for demand in out.memory.values_mut() {
+        let span = demand.span();
+        let d = demand.get_mut();
+        if d.weights.is_none() && d.from_gguf.is_none() {
+            if !gguf {
+                return Err(src.err(
+                    span,
+                    key("memory"),
+                    "the model is not a GGUF file: declare weights (and kv)",
+                ));
+            }
+            d.from_gguf = Some(spanned(&span, model.get_ref().clone()));
+            d.ctx = d.ctx.clone().or_else(|| w.ctx.clone());
+            d.kv_type = d.kv_type.clone().or_else(|| w.kv_type.clone());
+        }
+    }
+    let gpu_share = gpu_share(&out, pools);
+    let keys = Keys {
+        model: model.get_ref(),
+        ctx: w.ctx.as_ref().map(|c| *c.get_ref()),
+        kv_type: w.kv_type.as_ref().map(|t| t.get_ref().as_str()),
+        parallel: w.parallel.as_ref().map(|p| *p.get_ref()),
+        program: w.program.as_ref().map(|p| p.get_ref().as_str()),
+        gpu_share,
+    };
+    let d = defaults(f, &keys);
+    if out.command.is_none() {
+        let mut argv = d.argv;
+        argv.extend(w.args.iter().map(|a| a.get_ref().clone()));
+        out.command = Some(spanned(&span, argv));
+    } else if !w.args.is_empty() {
+        return Err(src.err(
+            span,
+            key("args"),
+            "with command set, args has nothing to add to: put them in command",
+        ));
+    }
+    if out.readiness.is_none() {
+        out.readiness = Some(spanned(
+            &span,
+            raw::Readiness {
+                http: Some(d.readiness.into()),
+                timeout: Some(spanned(&span, "600s".into())),
+                ..Default::default()
+            },
+        ));
+    }
+    if out.stop_grace.is_none() {
+        out.stop_grace = Some(spanned(&span, d.stop_grace.into()));
+    }
+    Ok(out)
+}
+
+/// The share of its device pool's budget a workload declares, when it
+/// declares memory in exactly one device pool with a budget.
+fn gpu_share(w: &raw::Workload, pools: &[PoolDef]) -> Option<f64> {
+    let mut device = w.memory.iter().filter_map(|(name, d)| {
+        let pool = pools
+            .iter()
+            .find(|p| p.pool.name.as_str() == name && p.device.is_some())?;
+        let budget = pool.pool.budget? as f64;
+        let d = d.get_ref();
+        let bytes = |q: &Option<Spanned<raw::Quantity>>| match q.as_ref().map(Spanned::get_ref) {
+            Some(raw::Quantity::Bytes(b)) => Some(*b),
+            Some(raw::Quantity::Text(t)) => resident_core::parse_bytes(t).ok(),
+            None => None,
+        };
+        let declared = bytes(&d.weights).unwrap_or(0) + bytes(&d.kv).unwrap_or(0);
+        (declared > 0).then(|| (declared as f64 / budget).min(1.0))
+    });
+    let share = device.next()?;
+    device.next().is_none().then_some(share)
+}

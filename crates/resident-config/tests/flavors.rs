@@ -1,0 +1,191 @@
+//! Flavors: each resolves to the argv, readiness, stop grace and memory
+//! its server needs; what the workload sets itself stands; mistakes are
+//! refused with file, line and key.
+
+use std::path::Path;
+use std::time::Duration;
+
+use resident_config::{Config, Host, parse_with};
+use resident_supervisor::Readiness;
+
+const NODE: &str = "[node]\nname = \"n\"\nlisten = \"unix:///tmp/n.sock\"\n\n";
+
+fn parse(rest: &str) -> Result<Config, String> {
+    let text = format!("{NODE}{rest}");
+    // Elsewhere: the model files and programs are on the node, not here.
+    parse_with(Path::new("flavors.toml"), &text, Host::Elsewhere).map_err(|e| e.to_string())
+}
+
+fn one_pool(workload: &str) -> Config {
+    parse(&format!(
+        "[[pool]]\nname = \"ram\"\nbudget = \"64GB\"\n\n[[workload]]\n{workload}"
+    ))
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn http(path: &str) -> Readiness {
+    Readiness::Http { path: path.into() }
+}
+
+#[test]
+fn each_flavor_resolves_to_its_servers_command_line_and_probe() {
+    let c = one_pool(
+        "name = \"a\"\nflavor = \"llama-server\"\nmodel = \"/m/a.gguf\"\nctx = 4096\nkv_type = \"q8_0\"\nparallel = 4\nargs = [\"--threads\", \"8\"]\n",
+    );
+    let a = &c.workloads["a"];
+    assert_eq!(
+        a.argv,
+        [
+            "llama-server",
+            "--model",
+            "/m/a.gguf",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "${PORT}",
+            "--ctx-size",
+            "4096",
+            "--parallel",
+            "4",
+            "--cache-type-k",
+            "q8_0",
+            "--cache-type-v",
+            "q8_0",
+            "--threads",
+            "8"
+        ]
+    );
+    assert_eq!(a.readiness, http("/health"));
+    assert_eq!(a.stop_grace, Duration::from_secs(30));
+    assert_eq!(
+        a.spec.demand.keys().map(|p| p.as_str()).collect::<Vec<_>>(),
+        ["ram"]
+    );
+
+    let c = one_pool(
+        "name = \"b\"\nflavor = \"llama-cpp-python\"\nmodel = \"/m/b.gguf\"\nctx = 2048\nprogram = \"/opt/llama/bin/python\"\n",
+    );
+    let b = &c.workloads["b"];
+    assert_eq!(
+        b.argv,
+        [
+            "/opt/llama/bin/python",
+            "-m",
+            "llama_cpp.server",
+            "--model",
+            "/m/b.gguf",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "${PORT}",
+            "--n_ctx",
+            "2048",
+            "--use_mmap",
+            "false",
+            "--interrupt_requests",
+            "false"
+        ]
+    );
+    assert_eq!(b.readiness, http("/v1/models"));
+
+    let c = one_pool("name = \"m\"\nflavor = \"mlx-lm\"\nmodel = \"/m/m.gguf\"\n");
+    let m = &c.workloads["m"];
+    assert_eq!(
+        &m.argv[..5],
+        ["python3", "-m", "mlx_lm.server", "--model", "/m/m.gguf"]
+    );
+    assert_eq!(m.readiness, http("/v1/models"));
+    assert_eq!(m.stop_grace, Duration::from_secs(15));
+}
+
+#[test]
+fn vllm_is_held_to_the_share_of_the_card_it_declares() {
+    let c = parse(
+        "[[pool]]\nname = \"gpu0\"\nbudget = \"80GB\"\ndevice = \"file:/dev/null\"\n\n[[workload]]\nname = \"v\"\nflavor = \"vllm\"\nmodel = \"Qwen/Qwen2.5-7B-Instruct\"\nctx = 8192\nparallel = 16\n[workload.memory.gpu0]\nweights = \"15GB\"\nkv = \"20GB\"\n",
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let v = &c.workloads["v"];
+    assert_eq!(
+        v.argv,
+        [
+            "vllm",
+            "serve",
+            "Qwen/Qwen2.5-7B-Instruct",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "${PORT}",
+            "--max-model-len",
+            "8192",
+            "--max-num-seqs",
+            "16",
+            "--gpu-memory-utilization",
+            "0.438"
+        ]
+    );
+    assert_eq!(v.readiness, http("/health"));
+}
+
+#[test]
+fn what_the_workload_sets_itself_stands() {
+    let c = one_pool(
+        "name = \"a\"\nflavor = \"llama-server\"\nmodel = \"/m/a.gguf\"\nstop_grace = \"5s\"\ncommand = [\"/usr/local/bin/llama-server\", \"-m\", \"/m/a.gguf\", \"--port\", \"${PORT}\"]\n[workload.readiness]\nhttp = \"/v1/models\"\n[workload.memory.ram]\nweights = \"5GB\"\n",
+    );
+    let a = &c.workloads["a"];
+    assert_eq!(a.argv[0], "/usr/local/bin/llama-server");
+    assert_eq!(a.readiness, http("/v1/models"));
+    assert_eq!(a.stop_grace, Duration::from_secs(5));
+    assert_eq!(a.spec.footprint("ram"), 5_000_000_000);
+}
+
+#[test]
+fn mistakes_are_named_with_file_line_and_key() {
+    let pool = "[[pool]]\nname = \"ram\"\nbudget = \"64GB\"\n\n";
+    let cases = [
+        (
+            "name = \"a\"\nflavor = \"ollama\"\nmodel = \"/m/a.gguf\"\n",
+            "workload[a].flavor",
+            "known: llama-server, llama-cpp-python, vllm, mlx-lm",
+        ),
+        (
+            "name = \"a\"\nflavor = \"vllm\"\n",
+            "workload[a].model",
+            "needs the model",
+        ),
+        (
+            "name = \"a\"\ncommand = [\"/bin/true\"]\nmodel = \"/m/a.gguf\"\n",
+            "workload[a].model",
+            "set flavor too",
+        ),
+        (
+            "name = \"a\"\n",
+            "workload[a].command",
+            "a command or a flavor",
+        ),
+        (
+            "name = \"a\"\nflavor = \"vllm\"\nmodel = \"org/model\"\n",
+            "workload[a].memory",
+            "not a GGUF file",
+        ),
+        (
+            "name = \"a\"\nflavor = \"llama-server\"\nmodel = \"/m/a.gguf\"\ncommand = [\"/bin/true\"]\nargs = [\"-v\"]\n",
+            "workload[a].args",
+            "put them in command",
+        ),
+    ];
+    for (workload, key, says) in cases {
+        let e = parse(&format!("{pool}[[workload]]\n{workload}")).expect_err(workload);
+        assert!(e.starts_with("flavors.toml:"), "{e}");
+        assert!(e.contains(key) && e.contains(says), "{workload}\n=> {e}");
+    }
+    let two =
+        "[[pool]]\nname = \"a\"\nbudget = \"1GB\"\n\n[[pool]]\nname = \"b\"\nbudget = \"1GB\"\n\n";
+    let e = parse(&format!(
+        "{two}[[workload]]\nname = \"w\"\nflavor = \"llama-server\"\nmodel = \"/m/a.gguf\"\n"
+    ))
+    .expect_err("which pool");
+    assert!(
+        e.contains("workload[w].memory") && e.contains("several pools"),
+        "{e}"
+    );
+}
