@@ -131,6 +131,15 @@ pub struct PoolDef {
     pub device: Option<String>,
 }
 
+/// Where a workload's servers may listen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Expose {
+    /// Loopback only: a listener elsewhere stops the instance (EXPOSED).
+    Loopback,
+    /// Anywhere.
+    Any,
+}
+
 /// A `[[workload]]`: the placement spec and the launch template.
 #[derive(Debug, Clone)]
 pub struct Workload {
@@ -165,6 +174,9 @@ pub struct Workload {
     /// The most requests a front door (the router) sends it at once
     /// (`concurrency_limit`); `None`: no limit.
     pub concurrency_limit: Option<u32>,
+    /// Whether its servers may listen beyond loopback (`expose = "any"`);
+    /// under `"loopback"` a listener on another address stops it (EXPOSED).
+    pub expose: Expose,
 }
 
 impl Workload {

@@ -163,6 +163,7 @@ pub struct Workload {
     pub program: Option<Spanned<String>>,
     #[serde(default)]
     pub args: Vec<Spanned<String>>,
+    pub expose: Option<Spanned<String>>,
     #[serde(default)]
     pub env: BTreeMap<String, Spanned<String>>,
     #[serde(default)]

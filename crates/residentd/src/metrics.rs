@@ -72,6 +72,7 @@ pub struct Metrics {
     admissions: Family<WorkloadLabels, Counter>,
     evictions: Family<EvictionLabels, Counter>,
     restarts: Family<WorkloadLabels, Counter>,
+    exposed: Family<WorkloadLabels, Counter>,
     refusals: Family<ReasonLabels, Counter>,
     rpc: Family<RpcLabels, Histogram, fn() -> Histogram>,
 }
@@ -100,6 +101,7 @@ impl Metrics {
             admissions: Family::default(),
             evictions: Family::default(),
             restarts: Family::default(),
+            exposed: Family::default(),
             refusals: Family::default(),
             rpc: Family::new_with_constructor(rpc_histogram),
         };
@@ -142,6 +144,11 @@ impl Metrics {
         );
         r.register("restarts", "Restarts after an exit", m.restarts.clone());
         r.register(
+            "exposed",
+            "Instances stopped for listening beyond loopback under expose = loopback",
+            m.exposed.clone(),
+        );
+        r.register(
             "refusals",
             "Starts refused, by first reason",
             m.refusals.clone(),
@@ -152,6 +159,14 @@ impl Metrics {
             m.rpc.clone(),
         );
         m
+    }
+
+    /// Counts an instance stopped by the exposure guard.
+    pub fn exposed(&self, workload: &str) {
+        let labels = WorkloadLabels {
+            workload: workload.to_string(),
+        };
+        self.exposed.get_or_create(&labels).inc();
     }
 
     /// Counts an admitted start.

@@ -17,7 +17,7 @@ use super::lifecycle::{readiness, restart};
 use super::{Result, duration, spanned_str, user};
 use crate::error::Source;
 use crate::host::Lookups;
-use crate::{PoolDef, Workload, raw};
+use crate::{Expose, PoolDef, Workload, raw};
 
 pub(super) fn workloads(
     src: &Source<'_>,
@@ -113,7 +113,23 @@ fn workload(
         }
         n => n.as_ref().map(|n| *n.get_ref()),
     };
+    let expose = match &w.expose {
+        None if w.flavor.is_some() => Expose::Loopback,
+        None => Expose::Any,
+        Some(e) => match e.get_ref().as_str() {
+            "loopback" => Expose::Loopback,
+            "any" => Expose::Any,
+            other => {
+                return Err(src.err(
+                    e.span(),
+                    key("expose"),
+                    format!("'{other}' is neither \"loopback\" nor \"any\""),
+                ));
+            }
+        },
+    };
     Ok(Workload {
+        expose,
         host_bytes,
         aliases,
         concurrency_limit,

@@ -74,7 +74,8 @@ pub(super) async fn follow_supervisor(agent: Weak<Agent>, mut rx: mpsc::Unbounde
     }
 }
 
-/// Periodic work: probe readings and idle expiry.
+/// Periodic work: probe readings, idle expiry, leases and the exposure
+/// guard.
 pub(super) async fn tick(agent: Weak<Agent>) {
     let mut interval = tokio::time::interval(Duration::from_secs(1));
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -86,5 +87,6 @@ pub(super) async fn tick(agent: Weak<Agent>) {
         agent.refresh_probes();
         agent.expire_idle();
         agent.expire_leases();
+        agent.guard_exposure();
     }
 }

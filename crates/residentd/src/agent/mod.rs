@@ -7,7 +7,9 @@
 //! `follower.rs` applies the supervisor's transitions (the one place a
 //! run's end releases its memory) and runs the periodic work; `queries.rs`
 //! answers Get, List, Place, Touch and reload; `memory.rs` feeds probe
-//! readings; `persist.rs` keeps the journal and makes answers durable.
+//! readings; `persist.rs` keeps the journal and makes answers durable;
+//! `exposure.rs` stops servers that listen beyond loopback where their
+//! workload says `expose = "loopback"`.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -24,6 +26,7 @@ use crate::journal::Journal;
 
 mod admission;
 mod books;
+mod exposure;
 mod follower;
 mod memory;
 mod persist;

@@ -153,15 +153,18 @@ fn documented() -> BTreeSet<String> {
 async fn every_metric_served_is_documented_and_every_documented_one_served() {
     let port = free_port();
     // A run that makes every family show a series: an admission, an
-    // eviction, a refusal, a restart, RPCs.
+    // eviction, a refusal, a restart, an exposed server, RPCs.
     let mut config = format!("metrics_listen = \"127.0.0.1:{port}\"\n") + &pool("ram", "10GB");
     config += &sleeper("big", "ram", 6, "");
+    config += "[[workload]]\nname = \"open\"\ncommand = [\"python3\", \"-m\", \"http.server\", \"${PORT}\", \"--bind\", \"0.0.0.0\"]\nexpose = \"loopback\"\n[workload.memory.ram]\nweights = \"1GB\"\n[workload.readiness]\ntcp = true\n[workload.restart]\npolicy = \"never\"\n";
     config += &shell(
         "crasher",
         "exit 1",
         "policy = \"on-failure\"\nmax_restarts = 1\nbackoff = \"50ms\"",
     );
     let mut d = Daemon::start(&config).await;
+    d.started("open", "o").await;
+    d.wait_state("o", pb::State::Exited).await;
     d.started("crasher", "c").await;
     let c = d.wait_state("c", pb::State::Failed).await;
     assert_eq!(c.restarts, 1);

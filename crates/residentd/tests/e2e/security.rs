@@ -342,3 +342,43 @@ async fn ended_instances_beyond_the_cap_are_forgotten_oldest_first() {
     }
     assert_eq!(forgotten, ["e1", "e2", "e3"]);
 }
+
+/// A demo server bound to `bind`, under `expose`.
+fn http_server(name: &str, bind: &str, expose: &str) -> String {
+    format!(
+        "[[workload]]\nname = \"{name}\"\ncommand = [\"python3\", \"-m\", \"http.server\", \"${{PORT}}\", \"--bind\", \"{bind}\"]\nexpose = \"{expose}\"\nstop_grace = \"2s\"\n[workload.memory.ram]\nweights = \"1GB\"\n[workload.readiness]\ntcp = true\n[workload.restart]\npolicy = \"never\"\n"
+    )
+}
+
+#[tokio::test]
+async fn a_server_listening_beyond_loopback_is_stopped_as_exposed() {
+    let config = pool("ram", "10GB")
+        + &http_server("inside", "127.0.0.1", "loopback")
+        + &http_server("outside", "0.0.0.0", "loopback")
+        + &http_server("allowed", "0.0.0.0", "any");
+    let mut d = Daemon::start(&config).await;
+    for (workload, id) in [("inside", "in"), ("allowed", "ok")] {
+        let mut req = start_req(workload, id);
+        req.wait_ready = true;
+        d.client.start(req).await.expect("starts");
+    }
+    let mut req = start_req("outside", "out");
+    req.wait_ready = true;
+    d.client.start(req).await.expect("starts");
+    let out = d.wait_state("out", pb::State::Exited).await;
+    assert!(
+        out.message.starts_with("EXPOSED: listening on 0.0.0.0:"),
+        "{}",
+        out.message
+    );
+    assert_eq!(
+        d.node().await.pools[0].used_bytes,
+        2_000_000_000,
+        "released"
+    );
+    // The guard looked at every READY instance in the tick that stopped
+    // `out` (they were READY before it): loopback and `any` run on.
+    for id in ["in", "ok"] {
+        assert_eq!(d.get(id).await.state, pb::State::Ready as i32, "{id}");
+    }
+}

@@ -1,0 +1,217 @@
+//! The exposure guard: an instance of a workload with `expose =
+//! "loopback"` (the default of flavors) whose processes listen on any
+//! address beyond loopback is stopped, its message and events saying
+//! EXPOSED and the address. Checked once a second, from the agent's tick,
+//! for READY instances: their process group's sockets (`/proc/PID/fd`)
+//! matched against the listening TCP sockets of `/proc/net/tcp` and
+//! `tcp6`.
+
+use std::collections::{HashMap, HashSet};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::Arc;
+
+use resident_config::Expose;
+use resident_supervisor::State;
+
+use super::Agent;
+
+/// The TCP state LISTEN in /proc/net/tcp.
+const LISTEN: &str = "0A";
+
+/// Listening sockets of one /proc/net/tcp or tcp6 table: inode to address.
+fn parse_table(text: &str, out: &mut HashMap<u64, SocketAddr>) {
+    for line in text.lines().skip(1) {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let (Some(local), Some(state), Some(inode)) = (fields.get(1), fields.get(3), fields.get(9))
+        else {
+            continue;
+        };
+        if *state != LISTEN {
+            continue;
+        }
+        if let (Some(addr), Ok(inode)) = (address(local), inode.parse()) {
+            out.insert(inode, addr);
+        }
+    }
+}
+
+/// `0100007F:1F90` or 32 hex digits and a port: the kernel prints each
+/// 32-bit word of the address in this machine's byte order.
+fn address(text: &str) -> Option<SocketAddr> {
+    let (ip, port) = text.split_once(':')?;
+    let port = u16::from_str_radix(port, 16).ok()?;
+    let word = |i: usize| -> Option<[u8; 4]> {
+        let w = u32::from_str_radix(ip.get(i * 8..i * 8 + 8)?, 16).ok()?;
+        Some(w.to_ne_bytes())
+    };
+    let ip = match ip.len() {
+        8 => IpAddr::V4(Ipv4Addr::from(word(0)?)),
+        32 => {
+            let mut bytes = [0u8; 16];
+            for i in 0..4 {
+                bytes[i * 4..i * 4 + 4].copy_from_slice(&word(i)?);
+            }
+            IpAddr::V6(Ipv6Addr::from(bytes))
+        }
+        _ => return None,
+    };
+    Some(SocketAddr::new(ip, port))
+}
+
+fn is_loopback(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => v4.is_loopback(),
+        IpAddr::V6(v6) => {
+            v6.is_loopback() || v6.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback())
+        }
+    }
+}
+
+/// Every listening TCP socket of this network namespace.
+fn listening() -> HashMap<u64, SocketAddr> {
+    let mut out = HashMap::new();
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        if let Ok(text) = std::fs::read_to_string(table) {
+            parse_table(&text, &mut out);
+        }
+    }
+    out
+}
+
+/// The socket inodes open in each of `groups` (process group ids).
+fn group_sockets(groups: &HashSet<i32>) -> HashMap<i32, HashSet<u64>> {
+    let mut out: HashMap<i32, HashSet<u64>> = HashMap::new();
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return out;
+    };
+    for entry in procs.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|p| p.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        // pgrp is the 3rd field after the command's closing parenthesis.
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        let pgrp = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(2))
+            .and_then(|g| g.parse::<i32>().ok());
+        let Some(pgrp) = pgrp.filter(|g| groups.contains(g)) else {
+            continue;
+        };
+        let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+            continue;
+        };
+        let sockets = out.entry(pgrp).or_default();
+        for fd in fds.flatten() {
+            let Ok(target) = std::fs::read_link(fd.path()) else {
+                continue;
+            };
+            let inode = target
+                .to_str()
+                .and_then(|t| t.strip_prefix("socket:["))
+                .and_then(|t| t.strip_suffix(']'))
+                .and_then(|t| t.parse().ok());
+            if let Some(inode) = inode {
+                sockets.insert(inode);
+            }
+        }
+    }
+    out
+}
+
+impl Agent {
+    /// Stops every READY instance under `expose = "loopback"` that listens
+    /// beyond loopback.
+    pub(super) fn guard_exposure(self: &Arc<Self>) {
+        let guarded: Vec<(String, String, i32)> = self
+            .books
+            .records()
+            .into_iter()
+            .filter(|(_, r)| r.workload.expose == Expose::Loopback && !r.cancelled)
+            .filter_map(|(id, r)| {
+                let s = self
+                    .sup
+                    .status(&id)
+                    .filter(|s| s.generation == r.generation)?;
+                let pid = s.pid.filter(|_| s.state == State::Ready)?;
+                Some((
+                    id,
+                    r.workload.spec.workload.to_string(),
+                    i32::try_from(pid).ok()?,
+                ))
+            })
+            .collect();
+        if guarded.is_empty() {
+            return;
+        }
+        let groups: HashSet<i32> = guarded.iter().map(|(_, _, g)| *g).collect();
+        let sockets = group_sockets(&groups);
+        let listening = listening();
+        for (id, workload, group) in guarded {
+            let exposed = sockets.get(&group).and_then(|inodes| {
+                inodes
+                    .iter()
+                    .filter_map(|i| listening.get(i))
+                    .find(|a| !is_loopback(a.ip()))
+            });
+            let Some(addr) = exposed else { continue };
+            tracing::warn!(instance_id = %id, %addr, "listening beyond loopback under expose = \"loopback\"; stopping");
+            self.metrics.exposed(&workload);
+            let cause = Some(format!(
+                "EXPOSED: listening on {addr}, beyond loopback (expose = \"loopback\")"
+            ));
+            let me = self.clone();
+            tokio::spawn(async move { me.stop_because(&id, None, cause).await });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn proc_net_tables_are_read_in_this_machines_byte_order() {
+        let v4 = u32::from_ne_bytes([127, 0, 0, 1]);
+        let any = u32::from_ne_bytes([0, 0, 0, 0]);
+        let text = format!(
+            "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n   0: {v4:08X}:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 111 1\n   1: {any:08X}:0050 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 222 1\n   2: {v4:08X}:0051 0100007F:9999 01 00000000:00000000 00:00000000 00000000     0        0 333 1\n"
+        );
+        let mut out = HashMap::new();
+        parse_table(&text, &mut out);
+        assert_eq!(out.len(), 2, "only LISTEN sockets");
+        assert_eq!(out[&111], "127.0.0.1:8080".parse().expect("addr"));
+        assert_eq!(out[&222], "0.0.0.0:80".parse().expect("addr"));
+        assert!(is_loopback(out[&111].ip()) && !is_loopback(out[&222].ip()));
+        let words = [0u32, 0, 0, 1].map(|w| u32::from_ne_bytes(w.to_be_bytes()));
+        let v6 = format!(
+            "{:08X}{:08X}{:08X}{:08X}:0050",
+            words[0], words[1], words[2], words[3]
+        );
+        assert_eq!(address(&v6), Some("[::1]:80".parse().expect("addr")));
+        let mapped: Ipv6Addr = "::ffff:127.0.0.1".parse().expect("addr");
+        assert!(is_loopback(IpAddr::V6(mapped)));
+    }
+
+    #[test]
+    fn a_listener_of_this_process_is_found_by_its_group() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = l.local_addr().expect("addr").port();
+        let group = nix::unistd::getpgrp().as_raw();
+        let sockets = group_sockets(&HashSet::from([group]));
+        let listening = listening();
+        let ours: Vec<&SocketAddr> = sockets[&group]
+            .iter()
+            .filter_map(|i| listening.get(i))
+            .collect();
+        assert!(
+            ours.iter().any(|a| a.port() == port && is_loopback(a.ip())),
+            "{ours:?}"
+        );
+    }
+}
