@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-#[path = "../../resident-supervisor/tests/support/skip.rs"]
+#[path = "../../resident-supervisor/tests/supervisor/skip.rs"]
 mod skip;
 
 const ROUTER: &str = env!("CARGO_BIN_EXE_residentd-router");

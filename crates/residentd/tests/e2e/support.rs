@@ -49,7 +49,7 @@ pub async fn eventually(mut check: impl AsyncFnMut() -> bool) -> bool {
 }
 
 // The supervisor's tests report skips the same way: one file for both.
-#[path = "../../../resident-supervisor/tests/support/skip.rs"]
+#[path = "../../../resident-supervisor/tests/supervisor/skip.rs"]
 mod skip;
 pub use skip::skip;
 

@@ -1,16 +1,14 @@
 //! Property tests of the ledger and planner over random operation
 //! sequences, budgets, specs and policies.
 
-mod support;
-
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use crate::support::*;
 use proptest::prelude::*;
 use resident_core::{
     AdmitError, Demand, GB, GroupPolicy, NodeState, Plan, Policy, Reason, Resident, Spec,
 };
-use support::*;
 
 const POOLS: [&str; 3] = ["p0", "p1", "p2"];
 const WORKLOADS: usize = 6;

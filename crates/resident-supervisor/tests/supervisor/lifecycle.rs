@@ -1,14 +1,12 @@
 //! Spawn, readiness, stop, exit reporting and containment, with real
 //! child processes and real signals.
 
-mod support;
-
 use std::time::Duration;
 
+use crate::support::*;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use resident_supervisor::{Exit, Readiness, State, procfs};
-use support::*;
 use tokio::time::Instant;
 
 #[tokio::test]

@@ -1,6 +1,5 @@
 //! Builders shared by the core's integration tests: terse specs and nodes
 //! in whole gigabytes, so table rows read like the brief's examples.
-#![allow(dead_code)]
 
 use std::sync::Arc;
 

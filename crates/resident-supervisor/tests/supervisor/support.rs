@@ -1,6 +1,5 @@
 //! Shared helpers for the supervisor's integration tests: a supervisor
 //! with an event log, the test child, and waiting with a bound.
-#![allow(dead_code)]
 
 use std::future::Future;
 use std::time::Duration;
@@ -212,5 +211,6 @@ pub fn cgroups_usable() -> bool {
 }
 
 // `skip` is shared with residentd's e2e tests: one file, included by both.
+#[path = "skip.rs"]
 mod skip;
 pub use skip::skip;

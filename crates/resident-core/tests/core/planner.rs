@@ -1,12 +1,10 @@
 //! Planner tables: the reference planner's budget and live-ceiling cases,
 //! group rules, multi-pool demands, priorities and holds.
 
-mod support;
-
 use std::sync::Arc;
 
+use crate::support::*;
 use resident_core::{GB, GroupPolicy, NodeState, Plan, Policy, Reason, Spec};
-use support::*;
 
 /// Renders a plan compactly: `admit []`, `admit [a, b]`, `refuse OVER_BUDGET`.
 fn show(plan: &Plan) -> String {

@@ -3,12 +3,10 @@
 //! memory limit is OOM-killed and reported, and the cgroups a killed agent
 //! left are cleared by the next one.
 
-mod support;
-
 use std::time::Duration;
 
+use crate::support::*;
 use resident_supervisor::{CgroupMode, State, SupervisorConfig, procfs};
-use support::*;
 
 fn with_cgroups(mode: CgroupMode) -> Harness {
     Harness::with(SupervisorConfig {

@@ -1,12 +1,10 @@
 //! Restart with backoff, log capture under a flood, measured memory, the
 //! parent-death signal, and events under concurrency.
 
-mod support;
-
 use std::time::Duration;
 
+use crate::support::*;
 use resident_supervisor::{Exit, LogLimits, RestartMode, RestartPolicy, State, SupervisorConfig};
-use support::*;
 use tokio::time::Instant;
 
 fn crash_loop(max_restarts: u32) -> RestartPolicy {

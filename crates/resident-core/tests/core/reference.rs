@@ -1,12 +1,10 @@
 //! The reference ledger's four unit tests, replayed against our API: same
 //! numbers, same message fragments.
 
-mod support;
-
 use std::sync::Arc;
 
+use crate::support::*;
 use resident_core::{AdmitError, GB, Policy, Reason};
-use support::*;
 
 fn refuse(state: &mut resident_core::NodeState, name: &str, s: resident_core::Spec) -> Reason {
     match state.admit(&id(name), Arc::new(s), Policy::Refuse, 0) {

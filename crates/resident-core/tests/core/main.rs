@@ -1,0 +1,8 @@
+//! The core's integration tests, one binary: planner tables, property
+//! tests and the reference ledger's cases, with the builders of `support`.
+
+mod support;
+
+mod planner;
+mod properties;
+mod reference;
