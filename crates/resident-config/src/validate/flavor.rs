@@ -37,95 +37,65 @@ struct Keys<'a> {
     gpu_share: Option<f64>,
 }
 
+/// `flag value`, when there is a value.
+fn opt(argv: &mut Vec<String>, flag: &str, value: Option<impl ToString>) {
+    if let Some(v) = value {
+        argv.extend([flag.to_string(), v.to_string()]);
+    }
+}
+
 fn defaults(flavor: &str, k: &Keys<'_>) -> Defaults {
-    let loopback = ["--host", "127.0.0.1", "--port", "${PORT}"].map(String::from);
-    let mut argv: Vec<String>;
+    // The program and what comes before the loopback binding.
+    let (program, lead, readiness, stop_grace): (&str, &[&str], _, _) = match flavor {
+        "llama-server" => ("llama-server", &["--model", k.model], "/health", "30s"),
+        "llama-cpp-python" => (
+            "python3",
+            &["-m", "llama_cpp.server", "--model", k.model],
+            "/v1/models",
+            "30s",
+        ),
+        "vllm" => ("vllm", &["serve", k.model], "/health", "30s"),
+        _ => (
+            "python3",
+            &["-m", "mlx_lm.server", "--model", k.model],
+            "/v1/models",
+            "15s",
+        ),
+    };
+    let mut argv = vec![k.program.unwrap_or(program).to_string()];
+    argv.extend(lead.iter().map(|s| s.to_string()));
+    argv.extend(["--host", "127.0.0.1", "--port", "${PORT}"].map(String::from));
     match flavor {
         "llama-server" => {
-            argv = vec![
-                k.program.unwrap_or("llama-server").into(),
-                "--model".into(),
-                k.model.into(),
-            ];
-            argv.extend(loopback);
-            if let Some(c) = k.ctx {
-                argv.extend(["--ctx-size".into(), c.to_string()]);
-            }
-            if let Some(p) = k.parallel {
-                argv.extend(["--parallel".into(), p.to_string()]);
-            }
-            if let Some(t) = k.kv_type {
-                argv.extend(["--cache-type-k", t, "--cache-type-v", t].map(String::from));
-            }
-            Defaults {
-                argv,
-                readiness: "/health",
-                stop_grace: "30s",
-            }
+            opt(&mut argv, "--ctx-size", k.ctx);
+            opt(&mut argv, "--parallel", k.parallel);
+            opt(&mut argv, "--cache-type-k", k.kv_type);
+            opt(&mut argv, "--cache-type-v", k.kv_type);
         }
         "llama-cpp-python" => {
-            argv = vec![
-                k.program.unwrap_or("python3").into(),
-                "-m".into(),
-                "llama_cpp.server".into(),
-                "--model".into(),
-                k.model.into(),
-            ];
-            argv.extend(loopback);
-            if let Some(c) = k.ctx {
-                argv.extend(["--n_ctx".into(), c.to_string()]);
-            }
+            opt(&mut argv, "--n_ctx", k.ctx);
             // Weights held once (no mapped copy beside a repacked one),
             // and a stream is never cut short by the next request.
             argv.extend(["--use_mmap", "false", "--interrupt_requests", "false"].map(String::from));
-            Defaults {
-                argv,
-                readiness: "/v1/models",
-                stop_grace: "30s",
-            }
         }
         "vllm" => {
-            argv = vec![
-                k.program.unwrap_or("vllm").into(),
-                "serve".into(),
-                k.model.into(),
-            ];
-            argv.extend(loopback);
-            if let Some(c) = k.ctx {
-                argv.extend(["--max-model-len".into(), c.to_string()]);
-            }
-            if let Some(p) = k.parallel {
-                argv.extend(["--max-num-seqs".into(), p.to_string()]);
-            }
-            if let Some(t) = k.kv_type {
-                argv.extend(["--kv-cache-dtype".into(), t.into()]);
-            }
-            if let Some(share) = k.gpu_share {
-                // vLLM takes 90% of the card unless told: held to what the
-                // ledger reserved for it.
-                argv.extend(["--gpu-memory-utilization".into(), format!("{share:.3}")]);
-            }
-            Defaults {
-                argv,
-                readiness: "/health",
-                stop_grace: "30s",
-            }
+            opt(&mut argv, "--max-model-len", k.ctx);
+            opt(&mut argv, "--max-num-seqs", k.parallel);
+            opt(&mut argv, "--kv-cache-dtype", k.kv_type);
+            // vLLM takes 90% of the card unless told: held to what the
+            // ledger reserved for it.
+            opt(
+                &mut argv,
+                "--gpu-memory-utilization",
+                k.gpu_share.map(|s| format!("{s:.3}")),
+            );
         }
-        _ => {
-            argv = vec![
-                k.program.unwrap_or("python3").into(),
-                "-m".into(),
-                "mlx_lm.server".into(),
-                "--model".into(),
-                k.model.into(),
-            ];
-            argv.extend(loopback);
-            Defaults {
-                argv,
-                readiness: "/v1/models",
-                stop_grace: "15s",
-            }
-        }
+        _ => {}
+    }
+    Defaults {
+        argv,
+        readiness,
+        stop_grace,
     }
 }
 
