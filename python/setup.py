@@ -1,8 +1,9 @@
 """Builds the residentd package, generating its gRPC modules from the
 repository's proto/ (grpcio-tools, a build requirement) into the build.
 
-The generated modules import each other as top-level modules; they are
-rewritten to import relatively, so they live inside the package.
+The generated modules import each other as top-level modules and name
+their own module as one; both are rewritten, so they live inside the
+package (and its messages pickle).
 """
 
 import pathlib
@@ -29,6 +30,12 @@ class BuildWithProtos(build_py):
                 f"--pyi_out={out}", str(PROTO)]
         if protoc.main(args) != 0:
             raise SystemExit(f"protoc failed on {PROTO}")
+        # The messages' module is this package's, so that they pickle
+        # (Ray carries them between processes) and print as such.
+        messages = out / "node_agent_pb2.py"
+        text = messages.read_text()
+        text = text.replace("'node_agent_pb2'", "'residentd._proto.node_agent_pb2'")
+        messages.write_text(text)
         grpc_module = out / "node_agent_pb2_grpc.py"
         text = grpc_module.read_text()
         text = re.sub(r"^import node_agent_pb2 as", "from . import node_agent_pb2 as", text, flags=re.M)

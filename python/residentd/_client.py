@@ -85,6 +85,10 @@ class AgentError(Exception):
         self.code = code
         self.message = message
 
+    def __reduce__(self):
+        # Picklable (Ray carries errors between processes).
+        return (type(self), (self.code, self.message))
+
 
 class Refused(AgentError):
     """The agent refused to place a start.
@@ -102,10 +106,16 @@ class Refused(AgentError):
         self.temporary = temporary
         self.reasons: List[Reason] = [Reason.from_pb(r) for r in placement.refusals]
 
+    def __reduce__(self):
+        return (Refused, (self.code, self.message, self.reason, self.placement, self.temporary))
+
 
 def _decode(e: grpc.RpcError) -> AgentError:
     code, message = e.code(), e.details() or ""
-    status = rpc_status.from_call(e)
+    try:
+        status = rpc_status.from_call(e)
+    except ValueError:  # details that do not match the status: ignore them
+        status = None
     info, placement = None, None
     for detail in status.details if status else ():
         if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
@@ -144,7 +154,9 @@ class Agent:
     `endpoint` is the agent's Unix socket path (`/run/residentd/residentd.sock`,
     or `unix:/path`) or `HOST:PORT` for TCP. For TCP with mutual TLS give
     the CA and the client's certificate and key (PEM bytes). `timeout` is
-    the default deadline of each unary call, in seconds.
+    the default deadline of each unary call, in seconds, except Start and
+    Stop, which wait as long as the agent takes (a model may load for
+    minutes) unless their own `timeout` says otherwise.
     """
 
     def __init__(self, endpoint: str, *, timeout: Optional[float] = 30.0,
@@ -175,17 +187,23 @@ class Agent:
         except grpc.RpcError as e:
             raise _decode(e) from None
 
+    def _call_unbounded(self, method, request, timeout):
+        try:
+            return method(request, timeout=timeout)
+        except grpc.RpcError as e:
+            raise _decode(e) from None
+
     def start(self, workload: str, instance_id: str = "", *, on_full=None, wait_ready: bool = False,
               lease_ms: int = 0, timeout: Optional[float] = None) -> pb.StartResponse:
         """Starts an instance (or finds it running); raises `Refused`."""
         req = pb.StartRequest(workload=workload, instance_id=instance_id, on_full=_policy(on_full),
                               wait_ready=wait_ready, lease_ms=lease_ms)
-        return self._call(self._stub.Start, req, timeout)
+        return self._call_unbounded(self._stub.Start, req, timeout)
 
     def stop(self, instance_id: str, *, grace_ms: int = 0, timeout: Optional[float] = None) -> pb.Instance:
         """Stops an instance; answers once its memory is released."""
-        return self._call(self._stub.Stop, pb.StopRequest(instance_id=instance_id, grace_ms=grace_ms),
-                          timeout).instance
+        return self._call_unbounded(self._stub.Stop,
+                                    pb.StopRequest(instance_id=instance_id, grace_ms=grace_ms), timeout).instance
 
     def get(self, instance_id: str, *, timeout: Optional[float] = None) -> pb.Instance:
         return self._call(self._stub.Get, pb.GetRequest(instance_id=instance_id), timeout)

@@ -175,11 +175,23 @@ class Fleet:
             except grpc.aio.AioRpcError as e:
                 error = _client._decode(e)
                 attempts[endpoint] = error
-                if isinstance(error, Refused) or e.code() in (grpc.StatusCode.UNAVAILABLE,
-                                                             grpc.StatusCode.DEADLINE_EXCEEDED):
-                    continue  # someone got there first, or the node went away
+                if isinstance(error, Refused) or e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    continue  # someone got there first, or the node is at max_instances
+                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    # The node went away or is slow: the start may still
+                    # be under way there; stop it, if it can be named.
+                    if instance_id:
+                        await self._stop_quietly(endpoint, instance_id)
+                    continue
                 raise error from None
         raise FleetRefused(ranking, attempts)
+
+    async def _stop_quietly(self, endpoint: str, instance_id: str) -> None:
+        try:
+            await self._stub(endpoint).Stop(pb.StopRequest(instance_id=instance_id),
+                                            timeout=self.deadline_s)
+        except grpc.aio.AioRpcError:
+            pass  # gone with its node, or never admitted
 
 
 def _run(coro):

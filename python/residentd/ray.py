@@ -28,6 +28,7 @@ import urllib.request
 import uuid
 from typing import Dict, Optional
 
+import grpc
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -72,17 +73,31 @@ def agents() -> Dict[str, str]:
 class ResidentModel:
     """A model resident on this actor's node, for as long as the actor
     lives. Creating it starts the model (READY, under an owner's lease the
-    actor renews); a refused start fails the creation with `Refused`."""
+    actor renews). A start the agent refuses leaves the actor without a
+    model: `ready()` then returns the `AgentError` (a `Refused` for a
+    refusal), and `place_model` ends the actor and tries the next node."""
 
     def __init__(self, endpoint: str, workload: str, instance_id: str, lease_ms: int,
                  policy=None, start_timeout_s: float = 600.0):
-        self._agent = Agent(endpoint, timeout=start_timeout_s)
+        if lease_ms <= 0:
+            raise ValueError("a ResidentModel needs a lease (lease_ms > 0): it bounds how long "
+                             "a model outlives an actor that died")
+        self._agent = Agent(endpoint)
         self._id = instance_id
         self._lease_ms = lease_ms
-        started = self._agent.start(workload, instance_id, on_full=policy, wait_ready=True,
-                                    lease_ms=lease_ms)
-        self._instance = started.instance
         self._done = threading.Event()
+        self._error: Optional[AgentError] = None
+        self._instance = None
+        try:
+            started = self._agent.start(workload, instance_id, on_full=policy, wait_ready=True,
+                                        lease_ms=lease_ms, timeout=start_timeout_s)
+        except AgentError as e:
+            # Returned by ready(), not raised here: Ray hands a failed
+            # constructor's exception to the caller only as text.
+            self._error = e
+            self._done.set()
+            return
+        self._instance = started.instance
         self._renewer = threading.Thread(target=self._renew, daemon=True)
         self._renewer.start()
         atexit.register(self.stop)
@@ -95,9 +110,10 @@ class ResidentModel:
             except AgentError:
                 pass  # the next renewal tries again; the lease bounds the loss
 
-    def ready(self) -> str:
-        """The instance id, once the model is READY (always, once created)."""
-        return self._id
+    def ready(self) -> Optional[AgentError]:
+        """None once the model is READY; the agent's error when its start
+        failed (the actor then holds no model)."""
+        return self._error
 
     def node(self) -> str:
         """The Ray node id this actor (and its model) runs on."""
@@ -131,52 +147,44 @@ class ResidentModel:
             return
         self._done.set()
         try:
-            self._agent.stop(self._id)
+            self._agent.stop(self._id, timeout=60.0)
         except AgentError:
             pass  # already gone, or the agent is down: the lease ends it
 
 
 def place_model(workload: str, *, instance_id: Optional[str] = None, lease_ms: int = 30_000,
-                policy=None, deadline_s: float = 2.0, name: Optional[str] = None):
+                policy=None, deadline_s: float = 2.0, name: Optional[str] = None,
+                ranking: Optional[fleet.Ranking] = None):
     """A `ResidentModel` actor for `workload` on the Ray node where it fits
-    best; raises `residentd.fleet.FleetRefused` (every node's answer) when
-    no node takes it."""
+    best, trying the next node of the ranking when a start is refused;
+    raises `residentd.fleet.FleetRefused` (every node's answer, every
+    refused start) when no node takes it. With `ranking` (from
+    `residentd.fleet.place` over `agents()`, keyed by node id), follows it
+    instead of asking again."""
     nodes = agents()
     by_endpoint = {endpoint: node_id for node_id, endpoint in nodes.items()}
     if len(by_endpoint) != len(nodes):
         raise ValueError("two Ray nodes carry the same residentd.io/agent label")
-    ranking = fleet.place({node_id: endpoint for node_id, endpoint in nodes.items()}, workload,
-                          policy=policy, deadline_s=deadline_s)
+    if ranking is None:
+        ranking = fleet.place(dict(nodes), workload, policy=policy, deadline_s=deadline_s)
     attempts: Dict[str, AgentError] = {}
     instance_id = instance_id or f"{workload}-{uuid.uuid4().hex[:12]}"
     for endpoint in ranking.choices:
+        if endpoint not in by_endpoint:
+            continue  # its node left the cluster since the ranking
         strategy = NodeAffinitySchedulingStrategy(node_id=by_endpoint[endpoint], soft=False)
         options = {"scheduling_strategy": strategy}
         if name is not None:
             options["name"] = name
         actor = ResidentModel.options(**options).remote(endpoint, workload, instance_id, lease_ms, policy)
-        try:
-            ray.get(actor.ready.remote())
+        error = ray.get(actor.ready.remote())
+        if error is None:
             return actor
-        except ray.exceptions.RayActorError as e:
-            cause = e.__cause__ if isinstance(e.__cause__, AgentError) else _cause(e)
-            if cause is None:
-                raise
-            attempts[endpoint] = cause
-            if not isinstance(cause, Refused):
-                raise cause from e
+        ray.kill(actor)
+        attempts[endpoint] = error
+        if not isinstance(error, Refused) and error.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            raise error
     raise fleet.FleetRefused(ranking, attempts)
-
-
-def _cause(e: Exception) -> Optional[AgentError]:
-    """The AgentError a failed actor creation carried, if any."""
-    seen = e
-    while seen is not None:
-        if isinstance(seen, AgentError):
-            return seen
-        inner = getattr(seen, "cause", None) or getattr(seen, "error", None) or seen.__cause__
-        seen = inner if inner is not seen else None
-    return None
 
 
 def _main(argv) -> int:

@@ -52,5 +52,24 @@ class RankTest(unittest.TestCase):
                          ["unbounded", "bounded"])
 
 
+
+class PickleTest(unittest.TestCase):
+    """Errors cross process boundaries (Ray actors) whole."""
+
+    def test_errors_survive_pickling(self):
+        import pickle
+
+        from residentd import AgentError, Refused
+
+        placement = pb.Placement(admitted=False)
+        placement.refusals.add(message="unplaceable: too big").over_budget.need_bytes = 7
+        e = pickle.loads(pickle.dumps(Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, "too big",
+                                              "OVER_BUDGET", placement, True)))
+        self.assertEqual((e.reason, e.temporary, e.message), ("OVER_BUDGET", True, "too big"))
+        self.assertEqual(e.reasons[0].need_bytes, 7)
+        a = pickle.loads(pickle.dumps(AgentError(grpc.StatusCode.NOT_FOUND, "no such")))
+        self.assertEqual((a.code, a.message), (grpc.StatusCode.NOT_FOUND, "no such"))
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -14,6 +14,18 @@ use tonic::Code;
 use tonic::transport::{Channel, Endpoint, Uri};
 use tonic_types::StatusExt as _;
 
+/// The longest a quick call (Touch, Workloads, List) may take: one that
+/// hangs must not hold a model's hold count, or the renewal of every
+/// model's holds, for longer.
+const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// `msg` as a request bounded by [`CALL_TIMEOUT`].
+fn quick<T>(msg: T) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(msg);
+    r.set_timeout(CALL_TIMEOUT);
+    r
+}
+
 /// How an on-demand start ended, when not with a READY instance.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StartError {
@@ -77,14 +89,14 @@ impl Agent {
         let r = self
             .client
             .clone()
-            .workloads(pb::WorkloadsRequest {})
+            .workloads(quick(pb::WorkloadsRequest {}))
             .await?;
         Ok(r.into_inner().workloads)
     }
 
     /// Every instance.
     pub async fn list(&self) -> Result<Vec<pb::Instance>, tonic::Status> {
-        let r = self.client.clone().list(pb::ListRequest {}).await?;
+        let r = self.client.clone().list(quick(pb::ListRequest {})).await?;
         Ok(r.into_inner().instances)
     }
 
@@ -100,7 +112,7 @@ impl Agent {
             hold_ms: u64::try_from(hold.as_millis()).unwrap_or(u64::MAX),
             release_hold: false,
         };
-        not_resident_is_none(self.client.clone().touch(req).await)
+        not_resident_is_none(self.client.clone().touch(quick(req)).await)
     }
 
     /// A use of `id` that ends its hold.
@@ -110,7 +122,7 @@ impl Agent {
             hold_ms: 0,
             release_hold: true,
         };
-        not_resident_is_none(self.client.clone().touch(req).await)
+        not_resident_is_none(self.client.clone().touch(quick(req)).await)
     }
 
     /// Starts instance `id` of `workload` under the agent's policy and

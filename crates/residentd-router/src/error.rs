@@ -75,7 +75,7 @@ impl RouterError {
             "queue_timeout",
             "queue_timeout",
             format!(
-                "model '{model}' waited {waited_s} s for memory held by requests in flight and was not started: {why}"
+                "model '{model}' waited {waited_s} s (--queue-timeout) in the queue of starts and was not started: {why}"
             ),
         );
         e.retry_after = Some(waited_s.clamp(1, 30));

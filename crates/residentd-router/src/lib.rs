@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::body::Body;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get, post};
 use axum::serve::ListenerExt as _;
@@ -187,12 +187,10 @@ impl App {
     }
 
     fn failed(&self, model: &str, e: RouterError) -> Response {
-        let label = if e.kind == "model_not_found" {
-            ""
-        } else {
-            model
-        };
-        self.metrics.answered(label, e.status.as_u16());
+        // Labelled with the workload a known name stands for; anything
+        // else a client sends would make a series per string.
+        let label = self.models.known(model).unwrap_or_default();
+        self.metrics.answered(&label, e.status.as_u16());
         tracing::info!(model = %error::excerpt(model), status = e.status.as_u16(), kind = e.kind, code = %e.code, message = %e.message, "not forwarded");
         e.into_response()
     }
@@ -269,21 +267,16 @@ async fn openai(
 
 async fn upstream(
     State(app): State<Arc<App>>,
-    Path(params): Path<Vec<(String, String)>>,
     method: Method,
     uri: Uri,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    let model = params
-        .iter()
-        .find(|(k, _)| k == "model")
-        .map(|(_, v)| v.clone())
-        .unwrap_or_default();
-    let rest = params
-        .iter()
-        .find(|(k, _)| k == "rest")
-        .map_or("", |(_, v)| v.as_str());
+    // From the raw path, not axum's decoded captures: `%2F` or `%20` in
+    // the rest must reach the model's server as the client wrote them.
+    let after = uri.path().strip_prefix("/upstream/").unwrap_or("");
+    let (model, rest) = after.split_once('/').unwrap_or((after, ""));
+    let model = model.to_string();
     let mut path = format!("/{rest}");
     if let Some(q) = uri.query() {
         path.push('?');

@@ -32,6 +32,9 @@ use crate::metrics::Metrics;
 /// seen here (holds set by other clients of the agent lapse on their own).
 const RECHECK: Duration = Duration::from_millis(250);
 
+/// The least time between two reads of the roster for unknown names.
+const REREAD: Duration = Duration::from_secs(1);
+
 /// Starts of one request after which it gives up on a model that keeps
 /// ending right after it became ready.
 const MAX_STARTS: u32 = 3;
@@ -41,11 +44,41 @@ const MAX_STARTS: u32 = 3;
 pub struct Model {
     /// The workload's name, also the id of the instance that serves it.
     pub name: String,
-    /// The concurrency limit (0: none) and its permits.
-    limit: u32,
-    permits: Arc<Semaphore>,
+    /// The concurrency limit (0: none) and its permits. A refresh that
+    /// changes the limit puts new permits here; requests in flight keep
+    /// theirs of the old ones.
+    limits: Mutex<(u32, Arc<Semaphore>)>,
     /// Requests in flight holding the instance.
     holds: tokio::sync::Mutex<u32>,
+}
+
+fn permits(limit: u32) -> Arc<Semaphore> {
+    Arc::new(Semaphore::new(if limit == 0 {
+        Semaphore::MAX_PERMITS
+    } else {
+        limit as usize
+    }))
+}
+
+impl Model {
+    fn new(name: &str, limit: u32) -> Self {
+        Self {
+            name: name.to_string(),
+            limits: Mutex::new((limit, permits(limit))),
+            holds: tokio::sync::Mutex::new(0),
+        }
+    }
+
+    fn limits(&self) -> std::sync::MutexGuard<'_, (u32, Arc<Semaphore>)> {
+        self.limits.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn set_limit(&self, limit: u32) {
+        let mut l = self.limits();
+        if l.0 != limit {
+            *l = (limit, permits(limit));
+        }
+    }
 }
 
 /// The roster as last read from the agent.
@@ -53,6 +86,12 @@ pub struct Model {
 struct Roster {
     /// Name or alias to model.
     by_name: HashMap<String, Arc<Model>>,
+    /// Every model ever served, by workload name: a refresh never replaces
+    /// or drops one, so the holds of requests in flight stay counted (and
+    /// renewed) whatever the roster becomes.
+    all: HashMap<String, Arc<Model>>,
+    /// When the roster was last read.
+    read_at: Option<Instant>,
     /// The workloads, in the agent's order.
     workloads: Vec<pb::Workload>,
 }
@@ -87,7 +126,15 @@ pub struct Held {
     /// The instance's pid (for the request log).
     pub pid: u32,
     models: Arc<Models>,
-    _permit: Option<OwnedSemaphorePermit>,
+    permit: Option<OwnedSemaphorePermit>,
+}
+
+impl Held {
+    /// The claim, with the request's concurrency permit.
+    fn with(mut self, permit: Option<OwnedSemaphorePermit>) -> Self {
+        self.permit = permit;
+        self
+    }
 }
 
 impl Drop for Held {
@@ -138,28 +185,26 @@ impl Models {
         let mut roster = self.roster.write().unwrap_or_else(|e| e.into_inner());
         let mut by_name = HashMap::new();
         for w in &workloads {
-            // A model keeps its counters across a refresh unless its limit
-            // changed.
-            let model = match roster.by_name.get(&w.name) {
-                Some(m) if m.limit == w.concurrency_limit => m.clone(),
-                _ => Arc::new(Model {
-                    name: w.name.clone(),
-                    limit: w.concurrency_limit,
-                    permits: Arc::new(Semaphore::new(if w.concurrency_limit == 0 {
-                        Semaphore::MAX_PERMITS
-                    } else {
-                        w.concurrency_limit as usize
-                    })),
-                    holds: tokio::sync::Mutex::new(0),
-                }),
-            };
+            let model = roster
+                .all
+                .entry(w.name.clone())
+                .or_insert_with(|| Arc::new(Model::new(&w.name, w.concurrency_limit)))
+                .clone();
+            model.set_limit(w.concurrency_limit);
             by_name.insert(w.name.clone(), model.clone());
             for alias in &w.aliases {
                 by_name.insert(alias.clone(), model.clone());
             }
         }
-        *roster = Roster { by_name, workloads };
+        roster.by_name = by_name;
+        roster.workloads = workloads;
+        roster.read_at = Some(Instant::now());
         Ok(())
+    }
+
+    /// The workload a name or alias stands for, as last read (no RPC).
+    pub fn known(&self, name: &str) -> Option<String> {
+        self.lookup(name).map(|m| m.name.clone())
     }
 
     /// The roster's workloads.
@@ -177,14 +222,22 @@ impl Models {
     }
 
     /// The model called `name` (a workload or an alias); asks the agent
-    /// again before saying there is none.
+    /// again before saying there is none, at most once a second (so a
+    /// stream of unknown names costs the agent little).
     pub async fn resolve(&self, name: &str) -> Result<Arc<Model>, RouterError> {
         if let Some(m) = self.lookup(name) {
             return Ok(m);
         }
-        self.refresh()
-            .await
-            .map_err(|s| RouterError::agent(s.message()))?;
+        let read_at = self
+            .roster
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .read_at;
+        if read_at.is_none_or(|t| t.elapsed() >= REREAD) {
+            self.refresh()
+                .await
+                .map_err(|s| RouterError::agent(s.message()))?;
+        }
         self.lookup(name)
             .ok_or_else(|| RouterError::unknown_model(name))
     }
@@ -193,12 +246,11 @@ impl Models {
     /// is resident, else started on demand (one start at a time, in
     /// arrival order).
     pub async fn acquire(self: &Arc<Self>, model: Arc<Model>) -> Result<Held, RouterError> {
-        let permit = match model.limit {
+        let (limit, permits) = model.limits().clone();
+        let permit = match limit {
             0 => None,
             limit => Some(
-                model
-                    .permits
-                    .clone()
+                permits
                     .try_acquire_owned()
                     .map_err(|_| RouterError::too_many(&model.name, limit))?,
             ),
@@ -207,7 +259,7 @@ impl Models {
         if !self.blocks(&model.name)
             && let Some(held) = self.hold(&model).await?
         {
-            return Ok(self.held(model, held, permit));
+            return Ok(held.with(permit));
         }
         let Ok(turn) = tokio::time::timeout_at(deadline.into(), self.gate.lock()).await else {
             self.metrics.queue_timeout(&model.name);
@@ -220,7 +272,7 @@ impl Models {
         loop {
             if let Some(held) = self.hold(&model).await? {
                 drop(turn);
-                return Ok(self.held(model, held, permit));
+                return Ok(held.with(permit));
             }
             if starts == MAX_STARTS {
                 return Err(RouterError::upstream(
@@ -294,25 +346,19 @@ impl Models {
         RouterError::queue_timeout(&model.name, self.queue_timeout.as_secs(), why)
     }
 
-    fn held(
-        self: &Arc<Self>,
-        model: Arc<Model>,
-        instance: pb::Instance,
-        permit: Option<OwnedSemaphorePermit>,
-    ) -> Held {
-        self.metrics.in_flight(&model.name, 1);
-        Held {
-            port: u16::try_from(instance.port).unwrap_or(0),
-            pid: instance.pid,
-            model,
-            models: self.clone(),
-            _permit: permit,
-        }
+    /// Holds `model`'s instance if it is READY; counts the hold. `None`
+    /// (and no hold left behind) when it is not. Runs in a task of its own:
+    /// a caller that goes away mid-way (its client hung up) cannot leave
+    /// the agent holding what nothing counts, since the task's `Held`, then
+    /// dropped unclaimed, releases it.
+    async fn hold(self: &Arc<Self>, model: &Arc<Model>) -> Result<Option<Held>, RouterError> {
+        let (me, model) = (self.clone(), model.clone());
+        tokio::spawn(async move { me.hold_now(model).await })
+            .await
+            .map_err(|e| RouterError::agent(format!("the hold task failed: {e}")))?
     }
 
-    /// Holds `model`'s instance if it is READY; counts the hold. `None`
-    /// (and no hold left behind) when it is not.
-    async fn hold(&self, model: &Model) -> Result<Option<pb::Instance>, RouterError> {
+    async fn hold_now(self: Arc<Self>, model: Arc<Model>) -> Result<Option<Held>, RouterError> {
         let mut count = model.holds.lock().await;
         let instance = self
             .agent
@@ -322,7 +368,15 @@ impl Models {
         match instance {
             Some(i) if i.state == pb::State::Ready as i32 && i.port != 0 => {
                 *count += 1;
-                Ok(Some(i))
+                drop(count);
+                self.metrics.in_flight(&model.name, 1);
+                Ok(Some(Held {
+                    port: u16::try_from(i.port).unwrap_or(0),
+                    pid: i.pid,
+                    model,
+                    models: self.clone(),
+                    permit: None,
+                }))
             }
             Some(_) if *count == 0 => {
                 // Resident but not serving (starting, restarting): our
@@ -355,13 +409,9 @@ impl Models {
             every.tick().await;
             let models: Vec<Arc<Model>> = {
                 let roster = self.roster.read().unwrap_or_else(|e| e.into_inner());
-                roster.by_name.values().cloned().collect()
+                roster.all.values().cloned().collect()
             };
-            let mut seen = std::collections::HashSet::new();
             for m in models {
-                if !seen.insert(m.name.clone()) {
-                    continue;
-                }
                 let count = m.holds.lock().await;
                 if *count > 0 {
                     let _ = self.agent.hold(&m.name, self.hold).await;

@@ -12,7 +12,7 @@ use axum::body::Body;
 use axum::response::Response;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, Method, Request, Uri, header};
-use http_body::{Body as _, Frame, SizeHint};
+use http_body::{Frame, SizeHint};
 use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
@@ -34,23 +34,31 @@ pub fn upstream() -> Upstream {
 }
 
 /// Headers that belong to one connection, never forwarded (RFC 9110 7.6.1).
-const HOP_BY_HOP: [HeaderName; 6] = [
+const HOP_BY_HOP: [HeaderName; 7] = [
     header::CONNECTION,
     header::TE,
     header::TRAILER,
     header::TRANSFER_ENCODING,
     header::UPGRADE,
     header::PROXY_AUTHORIZATION,
+    header::PROXY_AUTHENTICATE,
 ];
 
+/// `headers` less the hop-by-hop ones, and less those the `Connection`
+/// header names.
 fn end_to_end(headers: &HeaderMap) -> HeaderMap {
     let mut out = headers.clone();
+    for listed in headers.get_all(header::CONNECTION) {
+        for name in listed.to_str().unwrap_or("").split(',') {
+            if let Ok(name) = HeaderName::from_bytes(name.trim().as_bytes()) {
+                out.remove(name);
+            }
+        }
+    }
     for h in &HOP_BY_HOP {
         out.remove(h);
     }
     out.remove("keep-alive");
-    out.remove(header::HOST);
-    out.remove(header::CONTENT_LENGTH);
     out
 }
 
@@ -74,15 +82,18 @@ pub async fn forward(
         .uri(uri)
         .body(Full::new(body))
         .map_err(|e| RouterError::upstream(&held.model.name, e))?;
-    *req.headers_mut() = end_to_end(headers);
+    let mut sent = end_to_end(headers);
+    // The length is the body's, which the client sets.
+    sent.remove(header::HOST);
+    sent.remove(header::CONTENT_LENGTH);
+    *req.headers_mut() = sent;
     let response = client.request(req).await.map_err(|e| {
         RouterError::upstream(&held.model.name, format!("its server did not answer: {e}"))
     })?;
     let (mut parts, incoming) = response.into_parts();
+    // The model server's Content-Length stands (also for HEAD and 304,
+    // whose bodies are empty).
     parts.headers = end_to_end(&parts.headers);
-    if let Some(n) = incoming.size_hint().exact() {
-        parts.headers.insert(header::CONTENT_LENGTH, n.into());
-    }
     let body = Body::new(Holding {
         inner: incoming,
         _held: held,
@@ -123,15 +134,20 @@ mod tests {
     #[test]
     fn connection_headers_are_not_forwarded() {
         let mut h = HeaderMap::new();
-        h.insert(header::CONNECTION, "keep-alive".parse().expect("value"));
+        h.insert(
+            header::CONNECTION,
+            "keep-alive, x-hop".parse().expect("value"),
+        );
+        h.insert("x-hop", "1".parse().expect("value"));
+        h.insert(header::PROXY_AUTHENTICATE, "Basic".parse().expect("value"));
         h.insert("keep-alive", "timeout=5".parse().expect("value"));
         h.insert(header::TRANSFER_ENCODING, "chunked".parse().expect("value"));
-        h.insert(header::HOST, "router".parse().expect("value"));
+        h.insert(header::CONTENT_LENGTH, "12".parse().expect("value"));
         h.insert(header::AUTHORIZATION, "Bearer x".parse().expect("value"));
         h.insert(header::ACCEPT, "text/event-stream".parse().expect("value"));
         let out = end_to_end(&h);
         let mut names: Vec<&str> = out.keys().map(HeaderName::as_str).collect();
         names.sort_unstable();
-        assert_eq!(names, ["accept", "authorization"]);
+        assert_eq!(names, ["accept", "authorization", "content-length"]);
     }
 }
