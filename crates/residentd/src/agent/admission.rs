@@ -160,8 +160,10 @@ impl Agent {
         let id = r.id.as_str();
         if !self.books.wanted(id, generation) {
             // Stopped before it was spawned: the run never existed, so its
-            // end is marked here.
+            // end is marked here, and told to watchers (no supervisor
+            // event will).
             self.books.release(id, generation);
+            self.publish_ended(id);
             return Err(ApiError::Aborted(format!(
                 "instance '{id}' was stopped before it was spawned"
             )));

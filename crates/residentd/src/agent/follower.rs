@@ -36,6 +36,21 @@ impl Agent {
         });
     }
 
+    /// Tells watchers how an instance whose run was never spawned ended
+    /// (EXITED, "stopped before it was spawned"): the one end no
+    /// supervisor transition reports.
+    pub(super) fn publish_ended(&self, id: &str) {
+        let Some(record) = self.books.record(id) else {
+            return;
+        };
+        self.persist();
+        self.events.publish(pb::Event {
+            instance: Some(self.view(id, &record)),
+            kind: pb::EventKind::Transition as i32,
+            ..Default::default()
+        });
+    }
+
     /// Stops instances unused for longer than their workload's idle TTL.
     /// Runs every second: only instances of workloads with a TTL are
     /// looked at, so a node without TTLs does no per-instance work.

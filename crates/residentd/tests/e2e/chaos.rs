@@ -370,9 +370,22 @@ async fn random_operations_leave_the_books_straight() {
     .await;
     let pids = {
         let s = seen.lock().expect("seen");
+        let differ: Vec<String> = list
+            .iter()
+            .filter(|i| s.last_state.get(&i.instance_id) != Some(&i.state))
+            .map(|i| {
+                format!(
+                    "{}: List {:?} ({}), watcher {:?}",
+                    i.instance_id,
+                    i.state,
+                    i.message,
+                    s.last_state.get(&i.instance_id)
+                )
+            })
+            .collect();
         assert!(
             caught_up,
-            "seed {seed}: the watcher's last states differ from List"
+            "seed {seed}: the watcher's last states differ from List: {differ:?}"
         );
         let expected: Vec<u64> = (1..=s.revisions.len() as u64).collect();
         assert_eq!(

@@ -332,3 +332,54 @@ async fn a_start_with_wait_ready_of_a_starting_instance_answers_when_it_is_ready
         "wait_ready answers READY, also for an instance that already existed"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_stopped_before_its_spawn_ends_with_an_event() {
+    let mut config = ram();
+    // Ignores SIGTERM: its eviction takes its whole stop grace.
+    config += &shell(
+        "stubborn",
+        "trap '' TERM; while true; do sleep 1; done",
+        "policy = \"never\"",
+    )
+    .replace("stop_grace = \"2s\"", "stop_grace = \"3s\"");
+    config += &sleeper("big", "ram", 8, "");
+    let mut d = Daemon::start(&config).await;
+    d.started("stubborn", "s").await;
+    let mut events = d.watch(0).await;
+    let mut c = d.client.clone();
+    let start = tokio::spawn(async move {
+        let mut req = start_req("big", "b");
+        req.on_full = pb::Policy::Evict as i32;
+        c.start(req).await
+    });
+    // b is admitted and waits for s to leave; stopped now, it never spawns.
+    let pending = until(async || {
+        let b = d.list().await.into_iter().find(|i| i.instance_id == "b")?;
+        (b.state == pb::State::Pending as i32).then_some(b)
+    })
+    .await;
+    assert!(pending.is_some(), "b was never admitted");
+    d.stopped("b").await;
+    let e = start
+        .await
+        .expect("join")
+        .expect_err("stopped before its spawn");
+    assert_eq!(e.code(), tonic::Code::Aborted, "{e:?}");
+    // Watchers hear how it ended, as List says.
+    let listed = d.get("b").await;
+    assert_eq!(listed.state, pb::State::Exited as i32, "{listed:?}");
+    let heard = tokio::time::timeout(PATIENCE, async {
+        while let Some(Ok(e)) = events.next().await {
+            if e.instance
+                .as_ref()
+                .is_some_and(|i| i.instance_id == "b" && i.state == pb::State::Exited as i32)
+            {
+                return true;
+            }
+        }
+        false
+    })
+    .await;
+    assert_eq!(heard, Ok(true), "no event told watchers that b ended");
+}
