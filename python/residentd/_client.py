@@ -16,6 +16,9 @@ from ._proto import node_agent_pb2_grpc as pb_grpc
 #: The error domain of the agent's ErrorInfo details.
 ERROR_DOMAIN = "resident.v1"
 
+#: "The client's default deadline" (None means no deadline).
+_DEFAULT = object()
+
 #: Policies by name, for `on_full=`.
 POLICIES = {"refuse": pb.REFUSE, "evict": pb.EVICT}
 
@@ -181,13 +184,11 @@ class Agent:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _call(self, method, request, timeout):
-        try:
-            return method(request, timeout=self.timeout if timeout is None else timeout)
-        except grpc.RpcError as e:
-            raise _decode(e) from None
-
-    def _call_unbounded(self, method, request, timeout):
+    def _call(self, method, request, timeout, default=_DEFAULT):
+        """One unary call; its deadline is `timeout`, else `default` (the
+        client's own unless said otherwise; None: no deadline)."""
+        if timeout is None:
+            timeout = self.timeout if default is _DEFAULT else default
         try:
             return method(request, timeout=timeout)
         except grpc.RpcError as e:
@@ -198,12 +199,12 @@ class Agent:
         """Starts an instance (or finds it running); raises `Refused`."""
         req = pb.StartRequest(workload=workload, instance_id=instance_id, on_full=_policy(on_full),
                               wait_ready=wait_ready, lease_ms=lease_ms)
-        return self._call_unbounded(self._stub.Start, req, timeout)
+        return self._call(self._stub.Start, req, timeout, default=None)
 
     def stop(self, instance_id: str, *, grace_ms: int = 0, timeout: Optional[float] = None) -> pb.Instance:
         """Stops an instance; answers once its memory is released."""
-        return self._call_unbounded(self._stub.Stop,
-                                    pb.StopRequest(instance_id=instance_id, grace_ms=grace_ms), timeout).instance
+        return self._call(self._stub.Stop, pb.StopRequest(instance_id=instance_id, grace_ms=grace_ms),
+                          timeout, default=None).instance
 
     def get(self, instance_id: str, *, timeout: Optional[float] = None) -> pb.Instance:
         return self._call(self._stub.Get, pb.GetRequest(instance_id=instance_id), timeout)

@@ -1,5 +1,6 @@
 //! Connecting a generated client to an agent's Unix socket.
 
+use std::future::Future;
 use std::path::{Path, PathBuf};
 
 use hyper_util::rt::TokioIo;
@@ -29,10 +30,28 @@ pub async fn endpoint_unix(
     endpoint: Endpoint,
     path: PathBuf,
 ) -> Result<Channel, tonic::transport::Error> {
-    endpoint
-        .connect_with_connector(tower::service_fn(move |_: Uri| {
-            let path = path.clone();
-            async move { Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(path).await?)) }
-        }))
-        .await
+    endpoint.connect_with_connector(unix_connector(path)).await
+}
+
+/// As [`endpoint_unix`], connecting at the first call instead of now, so a
+/// client can be made before the agent is up.
+pub fn endpoint_unix_lazy(endpoint: Endpoint, path: PathBuf) -> Channel {
+    endpoint.connect_with_connector_lazy(unix_connector(path))
+}
+
+/// Every connection to the socket at `path`.
+fn unix_connector(
+    path: PathBuf,
+) -> impl tower::Service<
+    Uri,
+    Response = TokioIo<UnixStream>,
+    Error = std::io::Error,
+    Future = impl Future<Output = std::io::Result<TokioIo<UnixStream>>> + Send,
+> + Clone
++ Send
++ 'static {
+    tower::service_fn(move |_: Uri| {
+        let path = path.clone();
+        async move { Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(path).await?)) }
+    })
 }

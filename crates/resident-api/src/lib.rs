@@ -8,7 +8,7 @@ mod client;
 mod convert;
 mod error;
 
-pub use client::{channel_unix, connect_unix, endpoint_unix};
+pub use client::{channel_unix, connect_unix, endpoint_unix, endpoint_unix_lazy};
 
 pub use convert::{demand, instance, placement, pool_status, refusal};
 pub use error::ApiError;

@@ -5,13 +5,11 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use hyper_util::rt::TokioIo;
 use prost::Message as _;
 use resident_api::pb;
 use resident_api::pb::node_agent_client::NodeAgentClient;
-use tokio::net::UnixStream;
 use tonic::Code;
-use tonic::transport::{Channel, Endpoint, Uri};
+use tonic::transport::{Channel, Endpoint};
 use tonic_types::StatusExt as _;
 
 /// The longest a quick call (Touch, Workloads, List) may take: one that
@@ -70,14 +68,9 @@ impl Agent {
                     .or_else(|| endpoint.strip_prefix("unix:"))
                     .unwrap_or(endpoint),
             );
-            Endpoint::from_static("http://localhost")
-                .connect_timeout(Duration::from_secs(5))
-                .connect_with_connector_lazy(tower::service_fn(move |_: Uri| {
-                    let path = path.clone();
-                    async move {
-                        Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(path).await?))
-                    }
-                }))
+            let endpoint =
+                Endpoint::from_static("http://localhost").connect_timeout(Duration::from_secs(5));
+            resident_api::endpoint_unix_lazy(endpoint, path)
         };
         Ok(Self {
             client: NodeAgentClient::new(channel),

@@ -300,6 +300,23 @@ impl Books {
             .collect()
     }
 
+    /// The live instances the exposure guard watches (`expose =
+    /// "loopback"`): id, workload and run. Nothing is copied for the rest.
+    pub(super) fn loopback_only(&self) -> Vec<(String, String, u64)> {
+        let b = self.lock();
+        b.records
+            .iter()
+            .filter(|(_, r)| r.workload.expose == resident_config::Expose::Loopback && !r.cancelled)
+            .map(|(id, r)| {
+                (
+                    id.clone(),
+                    r.workload.spec.workload.to_string(),
+                    r.generation,
+                )
+            })
+            .collect()
+    }
+
     /// The pools as they are.
     pub(super) fn pools(&self) -> Vec<pb::PoolStatus> {
         pool_statuses(&self.lock().ledger)

@@ -10,7 +10,6 @@ use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
 
-use resident_config::Expose;
 use resident_supervisor::State;
 
 use super::Agent;
@@ -130,20 +129,15 @@ impl Agent {
     pub(super) fn guard_exposure(self: &Arc<Self>) {
         let guarded: Vec<(String, String, i32)> = self
             .books
-            .records()
+            .loopback_only()
             .into_iter()
-            .filter(|(_, r)| r.workload.expose == Expose::Loopback && !r.cancelled)
-            .filter_map(|(id, r)| {
+            .filter_map(|(id, workload, generation)| {
                 let s = self
                     .sup
                     .status(&id)
-                    .filter(|s| s.generation == r.generation)?;
+                    .filter(|s| s.generation == generation)?;
                 let pid = s.pid.filter(|_| s.state == State::Ready)?;
-                Some((
-                    id,
-                    r.workload.spec.workload.to_string(),
-                    i32::try_from(pid).ok()?,
-                ))
+                Some((id, workload, i32::try_from(pid).ok()?))
             })
             .collect();
         if guarded.is_empty() {
