@@ -16,6 +16,6 @@ mod units;
 pub use name::{Excerpt, GroupName, InstanceId, NameError, PoolName, Role, WorkloadName};
 pub use planner::{Plan, PlanError, Policy};
 pub use reason::{GroupRule, Holder, Reason, Refusal};
-pub use spec::{Demand, GroupDef, GroupError, GroupPolicy, Groups, Spec};
+pub use spec::{AnyOf, Choice, Demand, GpuChoice, GroupDef, GroupError, GroupPolicy, Groups, Spec};
 pub use state::{Admission, AdmitError, NodeState, PoolConfig, PoolStatus, Resident};
 pub use units::{GB, Gb, UnitError, parse_bytes};

@@ -6,12 +6,18 @@
 //! The rule that sets this planner apart from the ones it grew from: when
 //! the target cannot fit even after every permitted eviction, nothing is
 //! evicted and the start is refused with every reason.
+//!
+//! A spec with any-of demands is planned once per concrete choice of pools
+//! (`Spec::choices`): a choice that fits without eviction wins over one
+//! that needs evictions, then the node's `GpuChoice` (binpack: least room
+//! left, spread: most), then the pool names. Refused only when every
+//! choice is, with the reasons of all of them.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::name::{GroupName, InstanceId, PoolName, Role, WorkloadName};
 use crate::reason::{GroupRule, Reason, Refusal};
-use crate::spec::{GroupPolicy, Spec};
+use crate::spec::{Choice, GpuChoice, GroupPolicy, Spec};
 use crate::state::{NodeState, Pool, Resident};
 
 /// What to do when a constraint fails.
@@ -35,6 +41,9 @@ pub enum Plan {
         evict: Vec<InstanceId>,
         /// Conflicting instances already being evicted for another start.
         wait_for: Vec<InstanceId>,
+        /// The pools chosen for each any-of demand (empty when the spec
+        /// has none): `spec.concrete(&chosen)` is what is reserved.
+        chosen: Choice,
     },
     /// The target cannot be placed; nothing is to be evicted.
     Refuse(Refusal),
@@ -144,6 +153,88 @@ pub fn plan(
     policy: Policy,
     now: u64,
 ) -> Result<Plan, PlanError> {
+    if spec.any_of.is_empty() {
+        return plan_concrete(state, id, spec, policy, now);
+    }
+    if let Some(plan) = existing(state, id, spec)? {
+        return Ok(plan);
+    }
+    let choices = spec.choices();
+    let mut best: Option<((bool, i128, usize), Plan)> = None;
+    let mut reasons: Vec<Reason> = Vec::new();
+    let mut temporary = false;
+    for (n, choice) in choices.iter().enumerate() {
+        let concrete = spec.concrete(choice);
+        match plan_concrete(state, id, &concrete, policy, now)? {
+            Plan::Admit {
+                evict, wait_for, ..
+            } => {
+                let key = (!evict.is_empty(), room(state, choice), n);
+                if best.as_ref().is_none_or(|(k, _)| key < *k) {
+                    let chosen = choice.clone();
+                    let plan = Plan::Admit {
+                        evict,
+                        wait_for,
+                        chosen,
+                    };
+                    best = Some((key, plan));
+                }
+            }
+            Plan::Refuse(refusal) => {
+                temporary |= refusal.temporary();
+                for r in refusal.reasons() {
+                    if !reasons.contains(r) {
+                        reasons.push(r.clone());
+                    }
+                }
+            }
+            Plan::Existing => return Ok(Plan::Existing),
+        }
+    }
+    if let Some((_, plan)) = best {
+        return Ok(plan);
+    }
+    // Co-residency rules first, then the pools by name, as for one choice.
+    reasons.sort_by(|a, b| (a.is_memory(), a.pool()).cmp(&(b.is_memory(), b.pool())));
+    let refusal = Refusal::new(reasons).expect("every choice was refused with a reason");
+    Ok(Plan::Refuse(if temporary {
+        refusal.mark_temporary()
+    } else {
+        refusal
+    }))
+}
+
+/// How a choice ranks under the node's `GpuChoice`: the room its pools
+/// have left now, ascending for binpack and descending for spread.
+fn room(state: &NodeState, choice: &[Vec<PoolName>]) -> i128 {
+    let free: i128 = choice
+        .iter()
+        .flatten()
+        .map(|name| {
+            let Some(pool) = state.pools.get(name) else {
+                return 0;
+            };
+            let figures = PoolFigures::of(state, pool);
+            match figures.effective() {
+                Some(e) => i128::from(e) - figures.used as i128,
+                None => i128::from(u64::MAX),
+            }
+        })
+        .sum();
+    match state.gpu_choice {
+        GpuChoice::Binpack => free,
+        GpuChoice::Spread => -free,
+    }
+}
+
+/// A concrete spec's plan, temporary refusals told apart.
+fn plan_concrete(
+    state: &NodeState,
+    id: Option<&InstanceId>,
+    spec: &Spec,
+    policy: Policy,
+    now: u64,
+) -> Result<Plan, PlanError> {
     let plan = plan_at(state, id, spec, policy, now)?;
     // A refusal under evict is temporary when the same start, with every
     // hold lapsed (`now` at the end of time), would be admitted: only held
@@ -162,7 +253,30 @@ pub fn plan(
     })
 }
 
-/// [`plan`] at `now`, without telling temporary refusals apart.
+/// `Plan::Existing` when `id` is resident with `spec`'s workload; an
+/// error when it is another workload's or on its way out.
+fn existing(
+    state: &NodeState,
+    id: Option<&InstanceId>,
+    spec: &Spec,
+) -> Result<Option<Plan>, PlanError> {
+    let Some((id, r)) = id.and_then(|id| Some((id, state.residents.get(id)?))) else {
+        return Ok(None);
+    };
+    if r.spec.workload != spec.workload {
+        let existing = r.spec.workload.clone();
+        return Err(PlanError::AlreadyExists {
+            id: id.clone(),
+            existing,
+        });
+    }
+    if r.evicting {
+        return Err(PlanError::Evicting { id: id.clone() });
+    }
+    Ok(Some(Plan::Existing))
+}
+
+/// [`plan_concrete`] at `now`, without telling temporary refusals apart.
 fn plan_at(
     state: &NodeState,
     id: Option<&InstanceId>,
@@ -170,18 +284,8 @@ fn plan_at(
     policy: Policy,
     now: u64,
 ) -> Result<Plan, PlanError> {
-    if let Some((id, r)) = id.and_then(|id| Some((id, state.residents.get(id)?))) {
-        if r.spec.workload != spec.workload {
-            let existing = r.spec.workload.clone();
-            return Err(PlanError::AlreadyExists {
-                id: id.clone(),
-                existing,
-            });
-        }
-        if r.evicting {
-            return Err(PlanError::Evicting { id: id.clone() });
-        }
-        return Ok(Plan::Existing);
+    if let Some(plan) = existing(state, id, spec)? {
+        return Ok(plan);
     }
     let mut pools = Vec::with_capacity(spec.demand.len());
     for (name, demand) in &spec.demand {
@@ -217,12 +321,17 @@ fn plan_at(
         return Ok(Plan::Admit {
             evict: Vec::new(),
             wait_for,
+            chosen: Vec::new(),
         });
     }
     if policy == Policy::Evict {
         let conflicting: Vec<&Resident> = conflicts.iter().map(|(r, _)| *r).collect();
         if let Some(evict) = victims(state, spec, now, &conflicting, &pools) {
-            return Ok(Plan::Admit { evict, wait_for });
+            return Ok(Plan::Admit {
+                evict,
+                wait_for,
+                chosen: Vec::new(),
+            });
         }
     }
     // Refused: only now is it worth building every reason, with holders.

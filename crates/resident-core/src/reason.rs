@@ -118,6 +118,14 @@ impl Reason {
         matches!(self, Self::OverBudget { .. } | Self::HostMemory { .. })
     }
 
+    /// The pool a memory reason is about; `None` for a co-residency rule.
+    pub fn pool(&self) -> Option<&PoolName> {
+        match self {
+            Self::OverBudget { pool, .. } | Self::HostMemory { pool, .. } => Some(pool),
+            Self::Excluded { .. } | Self::GroupConflict { .. } => None,
+        }
+    }
+
     /// The reason's scalar fields as (name, value), named as the
     /// `resident.v1` messages name them (`need_bytes`, `declared_by`, ...):
     /// the one mapping of a reason's fields that the error details'

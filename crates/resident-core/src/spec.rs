@@ -1,6 +1,8 @@
-//! What a workload asks of the node: memory per pool, exclusions, group and
-//! priority. Specs are immutable and shared (`Arc<Spec>`) between the roster
-//! and the ledger entries made from them.
+//! What a workload asks of the node: memory per pool (or on any `count` of
+//! several candidate pools), exclusions, group and priority. Specs are
+//! immutable and shared (`Arc<Spec>`) between the roster and the ledger
+//! entries made from them; a ledger entry always holds a concrete spec,
+//! with every any-of demand resolved to the pools the planner chose.
 
 use std::collections::BTreeMap;
 
@@ -35,7 +37,29 @@ pub struct Spec {
     pub demand: BTreeMap<PoolName, Demand>,
     /// Roles this workload cannot sit beside: `"planner"` or `"role:planner"`.
     pub excludes: Vec<String>,
+    /// Demands the planner places on any `count` of several pools, in
+    /// label order; empty for a concrete spec.
+    pub any_of: Vec<AnyOf>,
 }
+
+/// A demand on any `count` distinct pools of `candidates` (the memory of a
+/// model that may run on any one GPU, or across N of them).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AnyOf {
+    /// The name the operator gave it (`[workload.memory.LABEL]`).
+    pub label: String,
+    /// The pools to choose from: distinct, in name order.
+    pub candidates: Vec<PoolName>,
+    /// How many distinct pools to take, at least 1 and at most the
+    /// number of candidates.
+    pub count: usize,
+    /// What it holds in each chosen pool.
+    pub demand: Demand,
+}
+
+/// The pools chosen for each any-of demand of a spec, in the spec's label
+/// order, each list in name order.
+pub type Choice = Vec<Vec<PoolName>>;
 
 impl Spec {
     /// A spec with no demand, no exclusions and priority 0; the role is the
@@ -48,7 +72,47 @@ impl Spec {
             priority: 0,
             demand: BTreeMap::new(),
             excludes: Vec::new(),
+            any_of: Vec::new(),
         }
+    }
+
+    /// Every way to resolve the any-of demands, in name order (the
+    /// product, over labels, of the `count`-subsets of each label's
+    /// candidates). One empty choice for a concrete spec.
+    pub fn choices(&self) -> Vec<Choice> {
+        let mut out: Vec<Choice> = vec![Vec::new()];
+        for a in &self.any_of {
+            let subsets = subsets(&a.candidates, a.count);
+            out = out
+                .into_iter()
+                .flat_map(|prefix| {
+                    subsets.iter().map(move |s| {
+                        let mut c = prefix.clone();
+                        c.push(s.clone());
+                        c
+                    })
+                })
+                .collect();
+        }
+        out
+    }
+
+    /// The concrete spec for `choice` (one list of pools per any-of
+    /// demand): each chosen pool gets that label's demand, added to what
+    /// the spec already asks of the pool.
+    pub fn concrete(&self, choice: &[Vec<PoolName>]) -> Spec {
+        let mut out = Spec {
+            any_of: Vec::new(),
+            ..self.clone()
+        };
+        for (a, pools) in self.any_of.iter().zip(choice) {
+            for pool in pools {
+                let d = out.demand.entry(pool.clone()).or_default();
+                d.weights = d.weights.saturating_add(a.demand.weights);
+                d.kv = d.kv.saturating_add(a.demand.kv);
+            }
+        }
+        out
     }
 
     /// Bytes this spec holds in `pool` (0 when it asks nothing of it).
@@ -64,6 +128,36 @@ impl Spec {
             name == role.as_str()
         })
     }
+}
+
+/// The `count`-element subsets of `items`, in lexicographic order.
+fn subsets(items: &[PoolName], count: usize) -> Vec<Vec<PoolName>> {
+    if count == 0 {
+        return vec![Vec::new()];
+    }
+    if count > items.len() {
+        return Vec::new();
+    }
+    let mut out = Vec::new();
+    for (i, first) in items.iter().enumerate() {
+        for mut rest in subsets(&items[i + 1..], count - 1) {
+            rest.insert(0, first.clone());
+            out.push(rest);
+        }
+    }
+    out
+}
+
+/// How the planner chooses among pools that fit an any-of demand equally
+/// well (`[node] gpu_choice`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum GpuChoice {
+    /// The pools with the least room left: keeps whole devices free for
+    /// large models.
+    #[default]
+    Binpack,
+    /// The pools with the most room left: spreads load across devices.
+    Spread,
 }
 
 /// How members of one group may share the node.

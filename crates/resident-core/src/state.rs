@@ -10,7 +10,7 @@ use std::sync::Arc;
 use crate::name::{InstanceId, PoolName};
 use crate::planner::{self, Plan, PlanError, Policy};
 use crate::reason::{Holder, Refusal};
-use crate::spec::{Groups, Spec};
+use crate::spec::{Choice, GpuChoice, Groups, Spec};
 
 /// A pool as configured.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -116,6 +116,9 @@ pub struct Admission {
     /// Instances already on their way out that conflict with the target:
     /// spawn only once these (and `evict`) are released.
     pub wait_for: Vec<InstanceId>,
+    /// The pools chosen for each any-of demand (empty when the spec has
+    /// none, or when the instance was already resident).
+    pub chosen: Choice,
 }
 
 /// Why `admit` reserved nothing.
@@ -135,6 +138,7 @@ pub struct NodeState {
     pub(crate) pools: BTreeMap<PoolName, Pool>,
     pub(crate) groups: Groups,
     pub(crate) residents: BTreeMap<InstanceId, Resident>,
+    pub(crate) gpu_choice: GpuChoice,
     next_seq: u64,
 }
 
@@ -165,6 +169,11 @@ impl NodeState {
         }
     }
 
+    /// How any-of demands choose among pools that fit alike.
+    pub fn set_gpu_choice(&mut self, choice: GpuChoice) {
+        self.gpu_choice = choice;
+    }
+
     /// The group table.
     pub fn groups(&self) -> &Groups {
         &self.groups
@@ -190,7 +199,8 @@ impl NodeState {
     /// Plans and, when admitted, reserves `spec` for `id` and marks the
     /// victims evicting, in one step. A refusal changes nothing. Starting
     /// an instance that is already resident with the same workload counts
-    /// as a use and reserves nothing more.
+    /// as a use and reserves nothing more. The resident holds the concrete
+    /// spec of the chosen pools (`spec` itself when it has no any-of).
     pub fn admit(
         &mut self,
         id: &InstanceId,
@@ -206,15 +216,25 @@ impl NodeState {
                     created: false,
                     evict: Vec::new(),
                     wait_for: Vec::new(),
+                    chosen: Vec::new(),
                 })
             }
-            Plan::Admit { evict, wait_for } => {
+            Plan::Admit {
+                evict,
+                wait_for,
+                chosen,
+            } => {
                 for victim in &evict {
                     if let Some(r) = self.residents.get_mut(victim) {
                         r.evicting = true;
                     }
                 }
                 self.next_seq += 1;
+                let spec = if spec.any_of.is_empty() {
+                    spec
+                } else {
+                    Arc::new(spec.concrete(&chosen))
+                };
                 let resident = Resident {
                     id: id.clone(),
                     spec,
@@ -229,6 +249,7 @@ impl NodeState {
                     created: true,
                     evict,
                     wait_for,
+                    chosen,
                 })
             }
         }

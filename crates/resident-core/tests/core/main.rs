@@ -3,6 +3,7 @@
 
 mod support;
 
+mod any_of;
 mod planner;
 mod properties;
 mod reference;

@@ -419,7 +419,10 @@ fn conflicts_with_an_instance_already_leaving_wait_for_it() {
         .expect("evicts x");
     assert_eq!(ids(&y.evict), ["x"]);
     // z conflicts with x (leaving: wait for it) and y (evict it).
-    let Plan::Admit { evict, wait_for } = plan(&n, unified("z", 1), Policy::Evict) else {
+    let Plan::Admit {
+        evict, wait_for, ..
+    } = plan(&n, unified("z", 1), Policy::Evict)
+    else {
         panic!("z fits once y goes");
     };
     assert_eq!((ids(&evict), ids(&wait_for)), (vec!["y"], vec!["x"]));

@@ -7,7 +7,8 @@ use std::sync::Arc;
 use crate::support::*;
 use proptest::prelude::*;
 use resident_core::{
-    AdmitError, Demand, GB, GroupPolicy, NodeState, Plan, Policy, Reason, Resident, Spec,
+    AdmitError, AnyOf, Demand, GB, GpuChoice, GroupPolicy, NodeState, Plan, Policy, Reason,
+    Resident, Spec,
 };
 
 const POOLS: [&str; 3] = ["p0", "p1", "p2"];
@@ -65,6 +66,7 @@ fn policy() -> impl Strategy<Value = GroupPolicy> {
 #[derive(Debug, Clone)]
 struct World {
     pools: Vec<(Option<u64>, bool, u64)>,
+    spread: bool,
     groups: Vec<(Vec<usize>, GroupPolicy)>,
     specs: Vec<Spec>,
 }
@@ -79,46 +81,67 @@ fn world() -> impl Strategy<Value = World> {
             proptest::collection::vec(0u64..8, 3),
             -1i32..3,
             proptest::collection::vec(0..WORKLOADS, 0..2),
+            // An any-of demand: candidate pools (a bit mask), count, size.
+            proptest::option::of((1u8..8, 1usize..3, 1u64..8)),
         ),
         WORKLOADS,
     );
-    (pools, memberships, policies, demands).prop_map(|(pools, members, policies, demands)| {
-        let groups = policies
-            .into_iter()
-            .enumerate()
-            .map(|(g, p)| {
-                (
-                    (0..WORKLOADS).filter(|w| members[*w] == Some(g)).collect(),
-                    p,
-                )
-            })
-            .collect();
-        let specs = demands
-            .into_iter()
-            .enumerate()
-            .map(|(w, (gbs, priority, excludes))| {
-                let mut s = spec(&format!("w{w}"), &[]);
-                for (p, gb) in gbs.into_iter().enumerate() {
-                    // Odd byte counts so that "exactly fits" edges come up.
-                    s.demand.insert(
-                        pool(POOLS[p]),
-                        Demand {
-                            weights: gb * GB,
-                            kv: gb * 7,
-                        },
-                    );
-                }
-                s.priority = priority;
-                s.excludes = excludes.iter().map(|x| format!("role:w{x}")).collect();
-                s
-            })
-            .collect();
-        World {
-            pools,
-            groups,
-            specs,
-        }
-    })
+    (pools, memberships, policies, demands, any::<bool>()).prop_map(
+        |(pools, members, policies, demands, spread)| {
+            let groups = policies
+                .into_iter()
+                .enumerate()
+                .map(|(g, p)| {
+                    (
+                        (0..WORKLOADS).filter(|w| members[*w] == Some(g)).collect(),
+                        p,
+                    )
+                })
+                .collect();
+            let specs = demands
+                .into_iter()
+                .enumerate()
+                .map(|(w, (gbs, priority, excludes, any_of))| {
+                    let mut s = spec(&format!("w{w}"), &[]);
+                    if let Some((mask, count, gb)) = any_of {
+                        let candidates: Vec<_> = (0..3)
+                            .filter(|p| mask & (1 << p) != 0)
+                            .map(|p| pool(POOLS[p]))
+                            .collect();
+                        let count = count.min(candidates.len());
+                        s.any_of.push(AnyOf {
+                            label: "gpu".into(),
+                            candidates,
+                            count,
+                            demand: Demand {
+                                weights: gb * GB,
+                                kv: 3,
+                            },
+                        });
+                    }
+                    for (p, gb) in gbs.into_iter().enumerate() {
+                        // Odd byte counts so that "exactly fits" edges come up.
+                        s.demand.insert(
+                            pool(POOLS[p]),
+                            Demand {
+                                weights: gb * GB,
+                                kv: gb * 7,
+                            },
+                        );
+                    }
+                    s.priority = priority;
+                    s.excludes = excludes.iter().map(|x| format!("role:w{x}")).collect();
+                    s
+                })
+                .collect();
+            World {
+                pools,
+                spread,
+                groups,
+                specs,
+            }
+        },
+    )
 }
 
 fn build(w: &World) -> NodeState {
@@ -141,7 +164,13 @@ fn build(w: &World) -> NodeState {
             group(&format!("g{g}"), &refs, *p)
         })
         .collect();
-    node(pools, groups)
+    let mut n = node(pools, groups);
+    n.set_gpu_choice(if w.spread {
+        GpuChoice::Spread
+    } else {
+        GpuChoice::Binpack
+    });
+    n
 }
 
 fn snapshot(n: &NodeState) -> Vec<Resident> {
@@ -247,20 +276,42 @@ proptest! {
                     let could_fit = fits_after_all_evictions(&n, &target, now);
                     let pre = n.clone();
                     match n.admit(&iid, target.clone(), policy, now) {
-                        Err(AdmitError::Refused(_)) => {
+                        Err(AdmitError::Refused(refusal)) => {
                             prop_assert_eq!(snapshot(&n), before, "a refusal changes nothing");
                             prop_assert!(matches!(planned, Ok(Plan::Refuse(_))));
                             if evict {
                                 prop_assert!(!could_fit, "refused although evicting every permitted candidate fits");
+                            }
+                            // Every choice's reasons are in the refusal.
+                            for choice in target.choices() {
+                                if let Ok(Plan::Refuse(one)) = pre.plan(&iid, &target.concrete(&choice), policy, now) {
+                                    for r in one.reasons() {
+                                        prop_assert!(refusal.reasons().contains(r), "choice {:?}: {} missing", choice, r);
+                                    }
+                                }
                             }
                         }
                         Err(AdmitError::Invalid(_)) => prop_assert_eq!(snapshot(&n), before),
                         Ok(a) if a.created => {
                             prop_assert!(could_fit || !evict, "admitted what cannot fit");
                             if !evict { prop_assert!(a.evict.is_empty()); }
+                            if !a.evict.is_empty() {
+                                // No choice fitted without eviction.
+                                prop_assert!(matches!(pre.plan(&iid, &target, Policy::Refuse, now), Ok(Plan::Refuse(_))), "evicted although a choice fits as things stand");
+                            }
+                            // The choice: one list per any-of demand, `count`
+                            // distinct candidates each.
+                            prop_assert_eq!(a.chosen.len(), target.any_of.len());
+                            for (any, pools) in target.any_of.iter().zip(&a.chosen) {
+                                prop_assert_eq!(pools.len(), any.count);
+                                prop_assert!(pools.iter().all(|p| any.candidates.contains(p)));
+                                prop_assert!(pools.windows(2).all(|w| w[0] < w[1]), "distinct, in order");
+                            }
+                            let target = Arc::new(target.concrete(&a.chosen));
+                            prop_assert_eq!(&n.resident(iid.as_str()).expect("admitted").spec, &target, "the resident holds the concrete spec");
                             check_victims(&pre, &target, now, &a.evict);
                             // A reading may shrink under residents; an admission
-                                // never takes a pool it draws on past its budget.
+                            // never takes a pool it draws on past its budget.
                             for p in POOLS.iter().filter(|p| target.footprint(p) > 0) {
                                 let committed: u64 = n.residents().filter(|r| !r.evicting).map(|r| r.footprint(p)).sum();
                                 if let Some(eff) = n.effective_budget(p) {
