@@ -105,7 +105,9 @@ pub fn placement(plan: &Plan, pools: Vec<pb::PoolStatus>) -> pb::Placement {
             pools,
             ..Default::default()
         },
-        Plan::Admit { evict, wait_for } => pb::Placement {
+        Plan::Admit {
+            evict, wait_for, ..
+        } => pb::Placement {
             admitted: true,
             evict: ids(evict),
             wait_for: ids(wait_for),
@@ -148,6 +150,20 @@ pub fn demand(spec: &Spec) -> Vec<pb::PoolDemand> {
             pool: pool.to_string(),
             weights_bytes: d.weights,
             kv_budget_bytes: d.kv,
+        })
+        .collect()
+}
+
+/// The any-of demands of `spec`, as the roster shows them.
+pub fn any_of(spec: &Spec) -> Vec<pb::AnyOfDemand> {
+    spec.any_of
+        .iter()
+        .map(|a| pb::AnyOfDemand {
+            label: a.label.clone(),
+            candidates: a.candidates.iter().map(ToString::to_string).collect(),
+            count: u32::try_from(a.count).unwrap_or(u32::MAX),
+            weights_bytes: a.demand.weights,
+            kv_budget_bytes: a.demand.kv,
         })
         .collect()
 }

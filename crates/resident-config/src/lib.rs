@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use resident_core::{Groups, Policy, PoolConfig, Spec};
+use resident_core::{GpuChoice, Groups, Policy, PoolConfig, PoolName, Spec};
 use resident_supervisor::{CgroupMode, LaunchSpec, Readiness, RestartPolicy};
 
 pub use duration::parse_duration;
@@ -71,6 +71,9 @@ pub struct NodeConfig {
     /// Start and Stop answer only once the journal on disk says what they
     /// did (`durable_answers`, default true).
     pub durable_answers: bool,
+    /// How an any-of demand chooses among pools that fit alike
+    /// (`gpu_choice`, default binpack).
+    pub gpu_choice: GpuChoice,
 }
 
 /// Who may call the mutating RPCs.
@@ -129,6 +132,9 @@ pub struct PoolDef {
     pub host: bool,
     /// Bound to a device probe (`nvml:0`).
     pub device: Option<String>,
+    /// The device index its children see (`CUDA_VISIBLE_DEVICES`,
+    /// `${DEVICE}`): the pool's `index`, or N of `device = "nvml:N"`.
+    pub index: Option<u32>,
 }
 
 /// Where a workload's servers may listen.
@@ -182,20 +188,40 @@ pub struct Workload {
 impl Workload {
     /// The supervisor's spec for instance `instance` of this workload. Its
     /// memory limit is the declared host footprint plus the node's slack;
-    /// none when it declares no host memory.
-    pub fn launch(&self, instance: &str, generation: u64, node: &NodeConfig) -> LaunchSpec {
+    /// none when it declares no host memory. `devices` are the indexes of
+    /// the devices its any-of demands were given (`Config::devices`): they
+    /// fill in `${DEVICE}` and `CUDA_VISIBLE_DEVICES` (unless the workload
+    /// sets that itself), comma-separated.
+    pub fn launch(
+        &self,
+        instance: &str,
+        generation: u64,
+        node: &NodeConfig,
+        devices: &[u32],
+    ) -> LaunchSpec {
         let default_user = node.run_as.as_ref();
         let user = self
             .run_as
             .as_ref()
             .or(default_user)
             .map(|u| (u.uid, u.gid));
+        let (mut argv, mut env) = (self.argv.clone(), self.env.clone());
+        if !devices.is_empty() {
+            let list: Vec<String> = devices.iter().map(u32::to_string).collect();
+            let list = list.join(",");
+            for s in argv.iter_mut().chain(env.values_mut()) {
+                if s.contains("${DEVICE}") {
+                    *s = s.replace("${DEVICE}", &list);
+                }
+            }
+            env.entry("CUDA_VISIBLE_DEVICES".into()).or_insert(list);
+        }
         LaunchSpec {
             instance: instance.to_string(),
             workload: self.spec.workload.to_string(),
             role: self.spec.role.to_string(),
-            argv: self.argv.clone(),
-            env: self.env.clone(),
+            argv,
+            env,
             pass_env: self.pass_env.clone(),
             cwd: self.cwd.clone(),
             user,
@@ -236,6 +262,23 @@ impl Config {
                 .values()
                 .find(|w| w.aliases.iter().any(|a| a == name))
         })
+    }
+
+    /// The device indexes of `chosen` pools (an admission's any-of
+    /// choice), in order; empty unless every chosen pool has one.
+    pub fn devices(&self, chosen: &[Vec<PoolName>]) -> Vec<u32> {
+        let index = |name: &PoolName| {
+            self.pools
+                .iter()
+                .find(|p| p.pool.name == *name)
+                .and_then(|p| p.index)
+        };
+        chosen
+            .iter()
+            .flatten()
+            .map(index)
+            .collect::<Option<Vec<u32>>>()
+            .unwrap_or_default()
     }
 
     /// The planner's pool configs.

@@ -113,6 +113,7 @@ pub struct Node {
     pub max_instances: Option<Spanned<u32>>,
     pub durable_answers: Option<bool>,
     pub tls: Option<Spanned<Tls>>,
+    pub gpu_choice: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -131,6 +132,7 @@ pub struct Pool {
     #[serde(default)]
     pub host: bool,
     pub device: Option<Spanned<String>>,
+    pub index: Option<Spanned<u32>>,
     pub reserve: Option<Spanned<Quantity>>,
 }
 
@@ -193,6 +195,8 @@ pub struct Demand {
     pub from_gguf: Option<Spanned<String>>,
     pub ctx: Option<Spanned<u64>>,
     pub kv_type: Option<Spanned<String>>,
+    pub any_of: Option<Spanned<Vec<Spanned<String>>>>,
+    pub count: Option<Spanned<u32>>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]

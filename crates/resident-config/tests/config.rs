@@ -251,10 +251,10 @@ fn cgroup_memory_limits_are_the_host_footprint_plus_the_slack() {
     let text = BRIEF.replacen("on_full = \"refuse\"", "memory_slack = \"512MB\"", 1);
     let c = parse(Path::new("brief.toml"), &text).expect("valid");
     assert_eq!(c.node.cgroups, resident_supervisor::CgroupMode::Auto);
-    let spec = c.workloads["coder-daily"].launch("i", 1, &c.node);
+    let spec = c.workloads["coder-daily"].launch("i", 1, &c.node, &[]);
     assert_eq!(spec.memory_limit, Some(59 * GB + 512_000_000));
     let default = parse(Path::new("brief.toml"), BRIEF).expect("valid");
-    let spec = default.workloads["coder-daily"].launch("i", 1, &default.node);
+    let spec = default.workloads["coder-daily"].launch("i", 1, &default.node, &[]);
     assert_eq!(spec.memory_limit, Some(60 * GB), "1 GB of slack by default");
 }
 

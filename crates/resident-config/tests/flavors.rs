@@ -120,10 +120,22 @@ fn vllm_is_held_to_the_share_of_the_card_it_declares() {
             "--max-num-seqs",
             "16",
             "--gpu-memory-utilization",
-            "0.438"
+            // 35 of 80 GB is 0.4375: rounded down, never past the
+            // reservation.
+            "0.437"
         ]
     );
     assert_eq!(v.readiness, http("/health"));
+    // On any of several cards of one size, the share of one card.
+    let c = parse(
+        "[[pool]]\nname = \"gpu0\"\nbudget = \"80GB\"\ndevice = \"nvml:0\"\n\n[[pool]]\nname = \"gpu1\"\nbudget = \"80GB\"\ndevice = \"nvml:1\"\n\n[[workload]]\nname = \"v\"\nflavor = \"vllm\"\nmodel = \"m\"\n[workload.memory.gpu]\nany_of = [\"gpu0\", \"gpu1\"]\ncount = 2\nweights = \"60GB\"\n",
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let argv = &c.workloads["v"].argv;
+    assert_eq!(
+        argv[argv.len() - 2..],
+        ["--gpu-memory-utilization", "0.750"]
+    );
 }
 
 #[test]

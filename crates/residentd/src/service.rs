@@ -287,6 +287,7 @@ impl pb::node_agent_server::NodeAgent for Service {
                 role: w.spec.role.to_string(),
                 demand: resident_api::demand(&w.spec),
                 concurrency_limit: w.concurrency_limit.unwrap_or(0),
+                any_of: resident_api::any_of(&w.spec),
             })
             .collect();
         Ok(Response::new(pb::WorkloadsResponse { workloads }))

@@ -1,10 +1,11 @@
-//! A workload's memory, pool by pool (`[workload.memory.POOL]`): weights
-//! and KV in bytes, or sized from a GGUF file's header read through
-//! `Lookups`.
+//! A workload's memory, pool by pool (`[workload.memory.POOL]`), or on any
+//! `count` of several pools (`[workload.memory.LABEL]` with `any_of`):
+//! weights and KV in bytes, or sized from a GGUF file's header read
+//! through `Lookups`.
 
 use std::collections::BTreeMap;
 
-use resident_core::{Demand, PoolName};
+use resident_core::{AnyOf, Demand, PoolName};
 use toml::Spanned;
 
 use super::{Result, bytes};
@@ -12,26 +13,90 @@ use crate::error::Source;
 use crate::host::Lookups;
 use crate::{PoolDef, raw};
 
-/// The demand of each pool in `raw`, every one a pool of the node.
+/// The demand of each pool in `raw`, every one a pool of the node, and
+/// the any-of demands (tables with `any_of`), in label order.
 pub(super) fn memory(
     src: &Source<'_>,
     raw: &BTreeMap<String, Spanned<raw::Demand>>,
     pools: &[PoolDef],
     key: &dyn Fn(&str) -> String,
     host: Lookups,
-) -> Result<BTreeMap<PoolName, Demand>> {
-    let mut out = BTreeMap::new();
-    for (pool, d) in raw {
-        let k = |f: &str| key(&format!("memory.{pool}.{f}"));
-        if !pools.iter().any(|p| p.pool.name.as_str() == pool) {
-            let msg = format!("no pool {pool:?} on this node (declare it with [[pool]])");
-            return Err(src.err(d.span(), key(&format!("memory.{pool}")), msg));
+) -> Result<(BTreeMap<PoolName, Demand>, Vec<AnyOf>)> {
+    let mut fixed = BTreeMap::new();
+    let mut any_of = Vec::new();
+    for (label, d) in raw {
+        let k = |f: &str| key(&format!("memory.{label}.{f}"));
+        let pool_named = |name: &str| pools.iter().any(|p| p.pool.name.as_str() == name);
+        if let Some(candidates) = &d.get_ref().any_of {
+            if pool_named(label) {
+                let msg = format!(
+                    "{label:?} is a pool's name: an any_of table takes a label of its own (such as \"gpu\")"
+                );
+                return Err(src.err(d.span(), key(&format!("memory.{label}")), msg));
+            }
+            let candidates = candidate_pools(src, candidates, pools, &k("any_of"))?;
+            let count = match &d.get_ref().count {
+                None => 1,
+                Some(c) if *c.get_ref() == 0 || *c.get_ref() as usize > candidates.len() => {
+                    let msg = format!(
+                        "{} pools asked for, of {} candidates: give 1 to {}",
+                        c.get_ref(),
+                        candidates.len(),
+                        candidates.len()
+                    );
+                    return Err(src.err(c.span(), k("count"), msg));
+                }
+                Some(c) => *c.get_ref() as usize,
+            };
+            let (weights, kv) = demand(src, d, &k, host)?;
+            any_of.push(AnyOf {
+                label: label.clone(),
+                candidates,
+                count,
+                demand: Demand { weights, kv },
+            });
+            continue;
+        }
+        if let Some(c) = &d.get_ref().count {
+            return Err(src.err(c.span(), k("count"), "count goes with any_of"));
+        }
+        if !pool_named(label) {
+            let msg = format!(
+                "no pool {label:?} on this node (declare it with [[pool]], or give the table any_of = [POOLS])"
+            );
+            return Err(src.err(d.span(), key(&format!("memory.{label}")), msg));
         }
         let (weights, kv) = demand(src, d, &k, host)?;
-        let pool = PoolName::new(pool.as_str())
+        let pool = PoolName::new(label.as_str())
             .map_err(|e| src.err(d.span(), key("memory"), e.to_string()))?;
-        out.insert(pool, Demand { weights, kv });
+        fixed.insert(pool, Demand { weights, kv });
     }
+    Ok((fixed, any_of))
+}
+
+/// The pools of an `any_of` list: declared, distinct, at least one; in
+/// name order.
+fn candidate_pools(
+    src: &Source<'_>,
+    list: &Spanned<Vec<Spanned<String>>>,
+    pools: &[PoolDef],
+    key: &str,
+) -> Result<Vec<PoolName>> {
+    let mut out: Vec<PoolName> = Vec::new();
+    for (i, c) in list.get_ref().iter().enumerate() {
+        let Some(p) = pools.iter().find(|p| p.pool.name.as_str() == c.get_ref()) else {
+            let msg = format!("no pool {:?} on this node", c.get_ref());
+            return Err(src.err(c.span(), format!("{key}[{i}]"), msg));
+        };
+        if out.contains(&p.pool.name) {
+            return Err(src.err(c.span(), format!("{key}[{i}]"), "listed twice"));
+        }
+        out.push(p.pool.name.clone());
+    }
+    if out.is_empty() {
+        return Err(src.err(list.span(), key, "names no pool: list the candidates"));
+    }
+    out.sort();
     Ok(out)
 }
 

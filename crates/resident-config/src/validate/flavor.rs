@@ -87,7 +87,9 @@ fn defaults(flavor: &str, k: &Keys<'_>) -> Defaults {
             opt(
                 &mut argv,
                 "--gpu-memory-utilization",
-                k.gpu_share.map(|s| format!("{s:.3}")),
+                // Rounded down: never more than the reservation.
+                k.gpu_share
+                    .map(|s| format!("{:.3}", (s * 1000.0).floor() / 1000.0)),
             );
         }
         _ => {}
@@ -234,14 +236,25 @@ pub(super) fn apply(
 }
 
 /// The share of its device pool's budget a workload declares, when it
-/// declares memory in exactly one device pool with a budget.
+/// declares memory in exactly one device pool with a budget, or in any of
+/// several device pools that all have the same budget.
 fn gpu_share(w: &raw::Workload, pools: &[PoolDef]) -> Option<f64> {
-    let mut device = w.memory.iter().filter_map(|(name, d)| {
+    let device_budget = |name: &str| {
         let pool = pools
             .iter()
             .find(|p| p.pool.name.as_str() == name && p.device.is_some())?;
-        let budget = pool.pool.budget? as f64;
+        pool.pool.budget
+    };
+    let mut device = w.memory.iter().filter_map(|(name, d)| {
         let d = d.get_ref();
+        let budget = match &d.any_of {
+            None => device_budget(name)?,
+            Some(list) => {
+                let mut budgets = list.get_ref().iter().map(|c| device_budget(c.get_ref()));
+                let first = budgets.next()??;
+                budgets.all(|b| b == Some(first)).then_some(first)?
+            }
+        } as f64;
         let bytes = |q: &Option<Spanned<raw::Quantity>>| match q.as_ref().map(Spanned::get_ref) {
             Some(raw::Quantity::Bytes(b)) => Some(*b),
             Some(raw::Quantity::Text(t)) => resident_core::parse_bytes(t).ok(),

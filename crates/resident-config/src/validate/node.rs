@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use resident_core::Policy;
+use resident_core::{GpuChoice, Policy};
 use resident_supervisor::CgroupMode;
 use toml::Spanned;
 
@@ -53,6 +53,7 @@ pub(super) fn node(src: &Source<'_>, n: &Spanned<raw::Node>, host: Lookups) -> R
         .map(|g| socket_group(src, g, host))
         .transpose()?;
     let max_instances = max_instances(src, n.max_instances.as_ref())?;
+    let gpu_choice = gpu_choice(src, n.gpu_choice.as_ref())?;
     let run_as = n
         .run_as
         .as_ref()
@@ -78,7 +79,19 @@ pub(super) fn node(src: &Source<'_>, n: &Spanned<raw::Node>, host: Lookups) -> R
         },
         max_instances,
         durable_answers: n.durable_answers.unwrap_or(true),
+        gpu_choice,
     })
+}
+
+fn gpu_choice(src: &Source<'_>, s: Option<&Spanned<String>>) -> Result<GpuChoice> {
+    match s.map(|s| (s, s.get_ref().as_str())) {
+        None | Some((_, "binpack")) => Ok(GpuChoice::Binpack),
+        Some((_, "spread")) => Ok(GpuChoice::Spread),
+        Some((s, other)) => {
+            let msg = format!("{other:?} is not a choice (use \"binpack\" or \"spread\")");
+            Err(src.err(s.span(), "node.gpu_choice", msg))
+        }
+    }
 }
 
 fn on_full(src: &Source<'_>, s: Option<&Spanned<String>>) -> Result<Policy> {

@@ -38,6 +38,26 @@ pub(super) fn pools(src: &Source<'_>, raw: &[Spanned<raw::Pool>]) -> Result<Vec<
             device(src, d, p.host, span, &key("device"))?;
         }
         let live = p.host || p.device.is_some();
+        let nvml = p.device.as_ref().and_then(|d| {
+            d.get_ref()
+                .strip_prefix("nvml:")
+                .and_then(|n| n.parse::<u32>().ok())
+        });
+        let index = match (&p.index, nvml) {
+            (Some(i), Some(n)) if *i.get_ref() != n => {
+                let msg = format!(
+                    "{} differs from the device's index {n} (nvml:{n})",
+                    i.get_ref()
+                );
+                return Err(src.err(i.span(), key("index"), msg));
+            }
+            (Some(i), _) if p.host => {
+                let msg = "a pool of host memory has no device index";
+                return Err(src.err(i.span(), key("index"), msg));
+            }
+            (Some(i), _) => Some(*i.get_ref()),
+            (None, n) => n,
+        };
         out.push(PoolDef {
             pool: PoolConfig {
                 name,
@@ -47,6 +67,7 @@ pub(super) fn pools(src: &Source<'_>, raw: &[Spanned<raw::Pool>]) -> Result<Vec<
             },
             host: p.host,
             device: p.device.as_ref().map(|d| d.get_ref().clone()),
+            index,
         });
     }
     Ok(out)

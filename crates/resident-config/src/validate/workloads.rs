@@ -82,6 +82,13 @@ fn workload(
     let key = |k: &str| format!("workload[{name}].{k}");
     let spec = spec(src, name, w, pools, &key, host)?;
     let (argv, env) = command(src, w, &key)?;
+    let uses_device = argv
+        .iter()
+        .chain(env.values())
+        .any(|s| s.contains(DEVICE_MACRO));
+    if uses_device {
+        device_macro(src, w, &spec, pools, &key)?;
+    }
     let (readiness, readiness_timeout) = readiness(src, w, &key)?;
     let restart = restart(src, w, &key)?;
     let stop_grace = match &w.stop_grace {
@@ -171,7 +178,7 @@ fn spec(
         Role::new(bare).map_err(|e| src.err(x.span(), key("excludes"), e.to_string()))?;
         spec.excludes.push(x.get_ref().clone());
     }
-    spec.demand = memory(src, &w.memory, pools, key, host)?;
+    (spec.demand, spec.any_of) = memory(src, &w.memory, pools, key, host)?;
     Ok(spec)
 }
 
@@ -201,7 +208,42 @@ fn command(
     Ok((argv, env))
 }
 
-/// Refuses `${NAME}` for a NAME the supervisor does not fill in.
+/// `${DEVICE}` is usable only where every pool an any-of demand may
+/// choose has a device index.
+fn device_macro(
+    src: &Source<'_>,
+    w: &raw::Workload,
+    spec: &Spec,
+    pools: &[PoolDef],
+    key: &dyn Fn(&str) -> String,
+) -> Result<()> {
+    let span = super::raw_command(w).span();
+    if spec.any_of.is_empty() {
+        let msg = "${DEVICE} names the devices an any_of demand chose, and this workload has none";
+        return Err(src.err(span, key("command"), msg));
+    }
+    for a in &spec.any_of {
+        let unindexed = a.candidates.iter().find(|c| {
+            pools
+                .iter()
+                .any(|p| p.pool.name == **c && p.index.is_none())
+        });
+        if let Some(c) = unindexed {
+            let msg = format!(
+                "${{DEVICE}}: pool '{c}' of memory.{}.any_of has no device index (device = \"nvml:N\", or index = N)",
+                a.label
+            );
+            return Err(src.err(span, key("command"), msg));
+        }
+    }
+    Ok(())
+}
+
+/// The macro the config fills in at launch: the chosen devices' indexes.
+const DEVICE_MACRO: &str = "${DEVICE}";
+
+/// Refuses `${NAME}` for a NAME neither the supervisor nor the launch
+/// (`${DEVICE}`) fills in.
 fn check_macros(s: &str) -> std::result::Result<(), String> {
     let mut rest = s;
     while let Some(start) = rest.find("${") {
@@ -210,9 +252,9 @@ fn check_macros(s: &str) -> std::result::Result<(), String> {
             return Err(format!("{s:?}: unterminated ${{"));
         };
         let name = &after[..end];
-        if !MACROS.contains(&name) {
+        if !MACROS.contains(&name) && name != "DEVICE" {
             return Err(format!(
-                "{s:?}: unknown macro ${{{name}}} (known: ${{PORT}}, ${{INSTANCE}}, ${{WORKLOAD}}, ${{ROLE}})"
+                "{s:?}: unknown macro ${{{name}}} (known: ${{PORT}}, ${{INSTANCE}}, ${{WORKLOAD}}, ${{ROLE}}, ${{DEVICE}})"
             ));
         }
         rest = &after[end + 1..];

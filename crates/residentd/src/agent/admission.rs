@@ -148,7 +148,7 @@ impl Agent {
         if !a.recovery.is_empty() {
             self.await_memory_back(&r.config, &a.recovery).await;
         }
-        let instance = self.spawn(&r, a.generation).await?;
+        let instance = self.spawn(&r, a.generation, &a.devices).await?;
         Ok(Started {
             instance,
             created: true,
@@ -156,7 +156,12 @@ impl Agent {
         })
     }
 
-    async fn spawn(&self, r: &Request, generation: u64) -> Result<pb::Instance, ApiError> {
+    async fn spawn(
+        &self,
+        r: &Request,
+        generation: u64,
+        devices: &[u32],
+    ) -> Result<pb::Instance, ApiError> {
         let id = r.id.as_str();
         if !self.books.wanted(id, generation) {
             // Stopped before it was spawned: the run never existed, so its
@@ -168,7 +173,7 @@ impl Agent {
                 "instance '{id}' was stopped before it was spawned"
             )));
         }
-        let spec = r.workload.launch(id, generation, &r.config.node);
+        let spec = r.workload.launch(id, generation, &r.config.node, devices);
         match self.sup.start(spec).await {
             // Failed with no exit: the process never ran (spawn error). Its
             // terminal event releases the reservation.
@@ -293,7 +298,7 @@ impl Agent {
         // The run this Stop ended, even when a Start has begun a new one
         // of the same id meanwhile.
         match ended.filter(|s| s.generation == c.generation) {
-            Some(status) => Ok(resident_api::instance(id, &c.workload.spec, Some(&status))),
+            Some(status) => Ok(resident_api::instance(id, &c.spec, Some(&status))),
             None => self.get(id),
         }
     }

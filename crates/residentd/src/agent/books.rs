@@ -32,6 +32,11 @@ pub enum Hold {
 #[derive(Debug, Clone)]
 pub(super) struct Record {
     pub(super) workload: Arc<Workload>,
+    /// What this run holds: the workload's spec with its any-of demands
+    /// resolved to the chosen pools.
+    pub(super) spec: Arc<Spec>,
+    /// The device indexes of the chosen pools (`CUDA_VISIBLE_DEVICES`).
+    pub(super) devices: Vec<u32>,
     /// Bumped at every admission of this id; tags the supervisor's run.
     pub(super) generation: u64,
     /// A Stop (or an eviction) has been asked for this run.
@@ -71,6 +76,8 @@ pub(super) struct Eviction {
 #[derive(Debug)]
 pub(super) struct Admitted {
     pub(super) generation: u64,
+    /// The device indexes of the pools chosen for its any-of demands.
+    pub(super) devices: Vec<u32>,
     pub(super) evictions: Vec<Eviction>,
     /// Conflicting instances already being evicted for another start.
     pub(super) wait_for: Vec<InstanceId>,
@@ -97,7 +104,8 @@ pub(super) enum Decision {
 #[derive(Debug)]
 pub(super) struct Cancelled {
     pub(super) generation: u64,
-    pub(super) workload: Arc<Workload>,
+    /// What the run holds (its chosen pools).
+    pub(super) spec: Arc<Spec>,
     /// Whether the run still holds its reservation.
     pub(super) resident: bool,
 }
@@ -119,9 +127,11 @@ pub(super) struct Books {
 
 impl Books {
     pub(super) fn new(config: &Config) -> Self {
+        let mut ledger = NodeState::new(config.pool_configs(), config.groups.clone());
+        ledger.set_gpu_choice(config.node.gpu_choice);
         Self {
             inner: Mutex::new(Inner {
-                ledger: NodeState::new(config.pool_configs(), config.groups.clone()),
+                ledger,
                 records: BTreeMap::new(),
                 generation: 0,
             }),
@@ -184,6 +194,8 @@ impl Books {
                 let record = b.records.get(id.as_str()).cloned();
                 let record = record.unwrap_or_else(|| Record {
                     workload: w.clone(),
+                    spec: w.spec.clone(),
+                    devices: Vec::new(),
                     generation: 0,
                     cancelled: false,
                     lease: None,
@@ -192,8 +204,13 @@ impl Books {
             }
             Ok(a) => a,
         };
-        let evictions = evictions(&b.ledger, w, id, &a.evict);
-        let recovery = recovery(&b.ledger, config, w, &a.evict);
+        let spec = b
+            .ledger
+            .resident(id.as_str())
+            .map_or_else(|| w.spec.clone(), |r| r.spec.clone());
+        let evictions = evictions(&b.ledger, &spec, id, &a.evict);
+        let recovery = recovery(&b.ledger, config, &spec, &a.evict);
+        let devices = config.devices(&a.chosen);
         b.generation += 1;
         let generation = b.generation;
         for v in &a.evict {
@@ -203,6 +220,8 @@ impl Books {
         }
         let record = Record {
             workload: w.clone(),
+            spec,
+            devices: devices.clone(),
             generation,
             cancelled: false,
             lease: Lease::new(lease_ms, now),
@@ -211,6 +230,7 @@ impl Books {
         let forgotten = prune_ended(&mut b, max);
         Ok(Decision::Admitted(Admitted {
             generation,
+            devices,
             evictions,
             wait_for: a.wait_for,
             recovery,
@@ -273,7 +293,7 @@ impl Books {
         r.cancelled = true;
         Some(Cancelled {
             generation: r.generation,
-            workload: r.workload.clone(),
+            spec: r.spec.clone(),
             resident,
         })
     }
@@ -355,9 +375,10 @@ impl Books {
 
     /// New pools and groups (a reload); residents keep their reservations.
     pub(super) fn reconfigure(&self, config: &Config) {
-        self.lock()
-            .ledger
+        let mut b = self.lock();
+        b.ledger
             .reconfigure(config.pool_configs(), config.groups.clone());
+        b.ledger.set_gpu_choice(config.node.gpu_choice);
     }
 
     /// Probe readings: bytes available per pool, and bytes measured per
@@ -448,15 +469,18 @@ pub(super) struct Readings {
     pub(super) host_pools: Vec<PoolName>,
 }
 
-/// A plan as a `Placement`: the pools as they are, each victim with what
-/// it holds, and what the start would leave free.
+/// A plan as a `Placement`: the pools as they are, the demand as it would
+/// be placed, each victim with what it holds, and what the start would
+/// leave free.
 fn placement(ledger: &NodeState, plan: &Plan, spec: &Spec) -> pb::Placement {
     let mut out = resident_api::placement(plan, pool_statuses(ledger));
-    let evict: &[InstanceId] = match plan {
-        Plan::Admit { evict, .. } => evict,
-        Plan::Existing => &[],
+    let (evict, concrete): (&[InstanceId], Spec) = match plan {
+        Plan::Admit { evict, chosen, .. } => (evict, spec.concrete(chosen)),
+        Plan::Existing => (&[], spec.clone()),
         Plan::Refuse(_) => return out,
     };
+    let spec = &concrete;
+    out.demand = resident_api::demand(spec);
     let victims: Vec<_> = evict
         .iter()
         .filter_map(|id| ledger.resident(id.as_str()))
@@ -515,7 +539,7 @@ pub(super) fn plan_error(e: PlanError) -> ApiError {
 /// a group or exclusion rule).
 fn evictions(
     ledger: &NodeState,
-    w: &Workload,
+    spec: &Spec,
     id: &InstanceId,
     victims: &[InstanceId],
 ) -> Vec<Eviction> {
@@ -528,12 +552,12 @@ fn evictions(
                     r.spec
                         .demand
                         .keys()
-                        .filter(|p| w.spec.demand.contains_key(*p))
+                        .filter(|p| spec.demand.contains_key(*p))
                         .map(|p| p.as_str())
                         .collect()
                 })
                 .unwrap_or_default();
-            let start = format!("'{}' (instance '{id}')", w.spec.workload);
+            let start = format!("'{}' (instance '{id}')", spec.workload);
             let cause = match pools.as_slice() {
                 [] => format!("evicted for {start}: a group or exclusion rule"),
                 [one] => format!("evicted to make room for {start} in pool '{one}'"),
@@ -551,16 +575,15 @@ fn evictions(
         .collect()
 }
 
-/// For each live (probe-bound) pool `w` needs: three quarters of what the
-/// victims declared there.
+/// For each live (probe-bound) pool `spec` needs: three quarters of what
+/// the victims declared there.
 fn recovery(
     ledger: &NodeState,
     config: &Config,
-    w: &Workload,
+    spec: &Spec,
     victims: &[InstanceId],
 ) -> Vec<(String, u64)> {
-    w.spec
-        .demand
+    spec.demand
         .keys()
         .filter(|pool| {
             config

@@ -26,9 +26,8 @@ impl Agent {
         if status.state == State::Backoff {
             self.metrics.restarted(&status.workload);
         }
-        let mut instance =
-            resident_api::instance(&status.instance, &record.workload.spec, Some(&status));
-        self.with_lease(&mut instance, &record);
+        let mut instance = resident_api::instance(&status.instance, &record.spec, Some(&status));
+        self.with_record(&mut instance, &record);
         self.events.publish(pb::Event {
             instance: Some(instance),
             kind: pb::EventKind::Transition as i32,

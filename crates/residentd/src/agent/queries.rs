@@ -17,17 +17,20 @@ impl Agent {
             .sup
             .status(id)
             .filter(|s| s.generation == record.generation);
-        let mut out = resident_api::instance(id, &record.workload.spec, status.as_ref());
+        let mut out = resident_api::instance(id, &record.spec, status.as_ref());
         if status.is_none() && record.cancelled {
             out.state = pb::State::Exited as i32;
             out.message = "stopped before it was spawned".into();
         }
-        self.with_lease(&mut out, record);
+        self.with_record(&mut out, record);
         out
     }
 
-    /// Fills in the record's lease: its length and what is left now.
-    pub(super) fn with_lease(&self, out: &mut pb::Instance, record: &Record) {
+    /// Fills in what the record knows beside the run: the devices of its
+    /// chosen pools, and its lease (its length and what is left now).
+    pub(super) fn with_record(&self, out: &mut pb::Instance, record: &Record) {
+        let devices: Vec<String> = record.devices.iter().map(u32::to_string).collect();
+        out.devices = devices.join(",");
         if let Some(lease) = record.lease {
             out.lease_ms = lease.ms;
             out.lease_left_ms = lease.until.saturating_sub(self.now_ms());

@@ -10,6 +10,7 @@ mod support;
 mod chaos;
 mod device;
 mod fleet;
+mod gpu_choice;
 mod hostile_input;
 mod interop;
 mod leases;

@@ -92,7 +92,7 @@ async fn every_subcommand_against_a_live_agent() {
     assert_eq!(o.status.code(), Some(3));
     let o = tokio::task::block_in_place(|| run(&["place", "planner", "--policy", "evict"]));
     assert!(o.status.success());
-    assert_eq!(text(&o).0.trim(), "fits after evicting a");
+    assert_eq!(text(&o).0.trim(), "fits in unified after evicting a");
     // ls, get, touch, node, as JSON.
     let o = tokio::task::block_in_place(|| run(&["--json", "ls"]));
     let v: serde_json::Value = serde_json::from_str(&text(&o).0).expect("JSON");

@@ -51,11 +51,21 @@ fn instance_json(i: &pb::Instance) -> Value {
         "declared_bytes": declared(i),
         "measured_bytes": i.measured_bytes,
         "started_unix_ms": i.started_unix_ms,
-        "demand": i.demand.iter().map(|d| json!({
-            "pool": d.pool, "weights_bytes": d.weights_bytes, "kv_budget_bytes": d.kv_budget_bytes,
-        })).collect::<Vec<_>>(),
+        "demand": demand_json(&i.demand),
+        "devices": i.devices,
         "message": i.message,
     })
+}
+
+fn demand_json(demand: &[pb::PoolDemand]) -> Vec<Value> {
+    demand
+        .iter()
+        .map(|d| {
+            json!({
+                "pool": d.pool, "weights_bytes": d.weights_bytes, "kv_budget_bytes": d.kv_budget_bytes,
+            })
+        })
+        .collect()
 }
 
 fn pool_json(p: &pb::PoolStatus) -> Value {
@@ -275,11 +285,19 @@ pub fn placement(p: &pb::Placement, json: bool) -> io::Result<()> {
             "wait_for": p.wait_for,
             "refusals": p.refusals.iter().map(refusal_json).collect::<Vec<_>>(),
             "pools": p.pools.iter().map(pool_json).collect::<Vec<_>>(),
+            "demand": demand_json(&p.demand),
+            "free_after_bytes": p.free_after_bytes,
         }));
     }
+    let pools: Vec<&str> = p.demand.iter().map(|d| d.pool.as_str()).collect();
+    let on = if pools.is_empty() {
+        String::new()
+    } else {
+        format!(" in {}", pools.join(", "))
+    };
     match (p.admitted, p.evict.is_empty()) {
-        (true, true) => out!("fits"),
-        (true, false) => out!("fits after evicting {}", p.evict.join(", ")),
+        (true, true) => out!("fits{on}"),
+        (true, false) => out!("fits{on} after evicting {}", p.evict.join(", ")),
         (false, _) => {
             err!("does not fit:");
             reasons(&p.refusals)?;
