@@ -284,6 +284,20 @@ fn plan_at(
     policy: Policy,
     now: u64,
 ) -> Result<Plan, PlanError> {
+    plan_present(state, id, spec, policy, now, &BTreeMap::new())
+}
+
+/// Plans a target whose process already runs and already holds `present`
+/// bytes per pool (an adoption): a live pool's reading shows that memory
+/// as taken, so it counts as touched by the target, like a resident's.
+pub(crate) fn plan_present(
+    state: &NodeState,
+    id: Option<&InstanceId>,
+    spec: &Spec,
+    policy: Policy,
+    now: u64,
+    present: &BTreeMap<PoolName, u64>,
+) -> Result<Plan, PlanError> {
     if let Some(plan) = existing(state, id, spec)? {
         return Ok(plan);
     }
@@ -297,7 +311,11 @@ fn plan_at(
             });
         };
         if demand.footprint() > 0 {
-            pools.push((pool, PoolFigures::of(state, pool), demand.footprint()));
+            let mut figures = PoolFigures::of(state, pool);
+            if let (Some(live), Some(bytes)) = (figures.live.as_mut(), present.get(name)) {
+                live.touched += u128::from((*bytes).min(demand.footprint()));
+            }
+            pools.push((pool, figures, demand.footprint()));
         }
     }
 
@@ -421,7 +439,8 @@ fn memory_reasons(
 
 /// Whether policy lets `r` be evicted for `spec` at `now`.
 fn permitted(state: &NodeState, spec: &Spec, now: u64, r: &Resident) -> bool {
-    !r.evicting
+    r.evictable
+        && !r.evicting
         && !r.held(now)
         && r.spec.priority <= spec.priority
         && !state.groups.is_persistent(r.spec.workload.as_str())

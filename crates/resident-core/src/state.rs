@@ -65,6 +65,9 @@ pub struct Resident {
     /// Chosen as a victim: it still holds its memory until released, but
     /// it is no longer a candidate and no longer counts in co-residency.
     pub evicting: bool,
+    /// Whether it may be evicted at all (false for a process the caller
+    /// may not stop, such as an adopted one it does not manage).
+    pub evictable: bool,
 }
 
 impl Resident {
@@ -243,6 +246,7 @@ impl NodeState {
                     hold_until: 0,
                     measured: BTreeMap::new(),
                     evicting: false,
+                    evictable: true,
                 };
                 self.residents.insert(id.clone(), resident);
                 Ok(Admission {
@@ -250,6 +254,49 @@ impl NodeState {
                     evict,
                     wait_for,
                     chosen,
+                })
+            }
+        }
+    }
+
+    /// Enters a process that already runs (an adoption) as resident `id`,
+    /// holding `present` bytes per pool already: planned under the refuse
+    /// policy (nothing is evicted for a process that is already there),
+    /// with those bytes counted as touched. `evictable` says whether it
+    /// may later be chosen as a victim. The spec must be concrete.
+    pub fn adopt(
+        &mut self,
+        id: &InstanceId,
+        spec: Arc<Spec>,
+        now: u64,
+        present: &BTreeMap<PoolName, u64>,
+        evictable: bool,
+    ) -> Result<Admission, AdmitError> {
+        let plan = planner::plan_present(self, Some(id), &spec, Policy::Refuse, now, present)?;
+        match plan {
+            Plan::Refuse(refusal) => Err(AdmitError::Refused(refusal)),
+            Plan::Existing => Err(AdmitError::Invalid(PlanError::AlreadyExists {
+                id: id.clone(),
+                existing: spec.workload.clone(),
+            })),
+            Plan::Admit { wait_for, .. } => {
+                self.next_seq += 1;
+                let resident = Resident {
+                    id: id.clone(),
+                    spec,
+                    seq: self.next_seq,
+                    last_used: now,
+                    hold_until: 0,
+                    measured: present.clone(),
+                    evicting: false,
+                    evictable,
+                };
+                self.residents.insert(id.clone(), resident);
+                Ok(Admission {
+                    created: true,
+                    evict: Vec::new(),
+                    wait_for,
+                    chosen: Vec::new(),
                 })
             }
         }

@@ -3,6 +3,7 @@
 
 mod support;
 
+mod adopt;
 mod any_of;
 mod planner;
 mod properties;
