@@ -30,6 +30,9 @@ pub(crate) struct StopRequest {
     /// Why, when it is not a plain stop ("evicted to make room for ...");
     /// the ended run's reason says it.
     pub(crate) cause: Option<String>,
+    /// Let an adopted process go without a signal (shutdown); a child's
+    /// actor never gets one.
+    pub(crate) detach: bool,
     pub(crate) done: oneshot::Sender<()>,
 }
 

@@ -1,7 +1,9 @@
 //! The process supervisor of residentd: runs each instance as a child
 //! process in its own process group, probes readiness, restarts with
 //! backoff, captures logs into a bounded ring, samples the group's resident
-//! memory, and stops the whole group (SIGTERM, grace, SIGKILL).
+//! memory, and stops the whole group (SIGTERM, grace, SIGKILL). It also
+//! watches adopted processes that it did not start (`adopted.rs`): exit
+//! through a pidfd, readiness, memory; signalled only when managed.
 //!
 //! Architecture invariant: the supervisor knows nothing of budgets or
 //! placement; it runs what it is told and reports every transition. Each
@@ -10,6 +12,7 @@
 //! child is cloned from one long-lived thread so that its parent-death
 //! signal fires only when the agent dies.
 
+mod adopted;
 pub mod cgroup;
 mod child;
 mod instance;
@@ -22,6 +25,7 @@ mod spec;
 mod status;
 mod supervisor;
 
+pub use adopted::Adoption;
 pub use cgroup::CgroupMode;
 pub use child::resolve as find_program;
 pub use logs::{LogLimits, LogLine, LogRing, Stream};

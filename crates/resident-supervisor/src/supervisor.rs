@@ -10,6 +10,7 @@ use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinSet;
 
+use crate::adopted::{AdoptActor, Adoption, Watched};
 use crate::cgroup::{CgroupMode, Cgroups};
 use crate::instance::{Actor, Shared, StopRequest};
 use crate::logs::{LogLimits, LogRing};
@@ -58,6 +59,14 @@ pub enum SupervisorError {
     /// The agent is shutting down.
     #[error("the supervisor is shutting down")]
     ShuttingDown,
+    /// The process to adopt cannot be watched.
+    #[error("cannot adopt pid {pid}: {message}")]
+    Adopt {
+        /// The pid.
+        pid: u32,
+        /// Why.
+        message: String,
+    },
 }
 
 #[derive(Debug)]
@@ -65,6 +74,8 @@ struct Entry {
     shared: Arc<Shared>,
     stops: mpsc::Sender<StopRequest>,
     grace: Duration,
+    /// Watched, not spawned: shutdown lets it go without a signal.
+    adopted: bool,
 }
 
 #[derive(Debug)]
@@ -138,30 +149,7 @@ impl Supervisor {
                     instance: id.clone(),
                     message: e.to_string(),
                 })?;
-            let status = Status {
-                instance: id.clone(),
-                workload: spec.workload.clone(),
-                role: spec.role.clone(),
-                state: State::Pending,
-                pid: None,
-                port,
-                restarts: 0,
-                exit: None,
-                measured_bytes: 0,
-                reason: "accepted".into(),
-                generation: spec.generation,
-                started_at: None,
-                oom_killed: false,
-            };
-            let (status_tx, status_rx) = watch::channel(status.clone());
-            let shared = Arc::new(Shared {
-                status: status_tx,
-                events: self.inner.events.clone(),
-                logs: old_logs.unwrap_or_else(|| LogRing::new(self.inner.config.logs)),
-                pgid: AtomicI32::new(0),
-                cgroup: Mutex::new(None),
-            });
-            let _ = self.inner.events.send(status);
+            let (shared, status_rx) = self.shared(&spec, port, old_logs);
             let (stops_tx, stops_rx) = mpsc::channel(4);
             let grace = spec.stop_grace;
             let actor = Actor {
@@ -179,6 +167,7 @@ impl Supervisor {
                     shared,
                     stops: stops_tx,
                     grace,
+                    adopted: false,
                 },
             );
             tokio::spawn(actor.run());
@@ -188,6 +177,97 @@ impl Supervisor {
         Ok(settled
             .map(|s| s.clone())
             .unwrap_or_else(|_| status_rx.borrow().clone()))
+    }
+
+    /// Watches a process that someone else started, as instance
+    /// `spec.instance` (its argv is not used): readiness with the
+    /// workload's probe on `adoption.port`, memory, exit. Answers once it
+    /// is watched (STARTING), or why it cannot be (gone, pid reused). It
+    /// is signalled only on a Stop of a managed adoption.
+    pub async fn adopt(
+        &self,
+        spec: LaunchSpec,
+        adoption: Adoption,
+    ) -> Result<Status, SupervisorError> {
+        if self.inner.closing.load(Ordering::Acquire) {
+            return Err(SupervisorError::ShuttingDown);
+        }
+        let watched = Watched::open(adoption.pid, adoption.start_ticks).map_err(|e| {
+            SupervisorError::Adopt {
+                pid: adoption.pid,
+                message: e.to_string(),
+            }
+        })?;
+        let id = spec.instance.clone();
+        let mut status_rx = {
+            let mut table = self.table();
+            let old_logs = match table.get(&id) {
+                Some(e) if !e.shared.status.borrow().state.is_terminal() => {
+                    return Err(SupervisorError::AlreadyRunning(id));
+                }
+                Some(e) => Some(e.shared.logs.clone()),
+                None => None,
+            };
+            let (shared, status_rx) = self.shared(&spec, adoption.port, old_logs);
+            let (stops_tx, stops_rx) = mpsc::channel(4);
+            let grace = spec.stop_grace;
+            let actor = AdoptActor {
+                spec,
+                adoption,
+                watched,
+                shared: shared.clone(),
+                stops: stops_rx,
+            };
+            table.insert(
+                id,
+                Entry {
+                    shared,
+                    stops: stops_tx,
+                    grace,
+                    adopted: true,
+                },
+            );
+            tokio::spawn(actor.run());
+            status_rx
+        };
+        let settled = status_rx.wait_for(|s| s.state != State::Pending).await;
+        Ok(settled
+            .map(|s| s.clone())
+            .unwrap_or_else(|_| status_rx.borrow().clone()))
+    }
+
+    /// The shared half of a new instance entry, PENDING, published.
+    fn shared(
+        &self,
+        spec: &LaunchSpec,
+        port: u16,
+        old_logs: Option<Arc<LogRing>>,
+    ) -> (Arc<Shared>, watch::Receiver<Status>) {
+        let status = Status {
+            instance: spec.instance.clone(),
+            workload: spec.workload.clone(),
+            role: spec.role.clone(),
+            state: State::Pending,
+            pid: None,
+            port,
+            restarts: 0,
+            exit: None,
+            measured_bytes: 0,
+            reason: "accepted".into(),
+            generation: spec.generation,
+            started_at: None,
+            oom_killed: false,
+        };
+        let (status_tx, status_rx) = watch::channel(status.clone());
+        let shared = Arc::new(Shared {
+            status: status_tx,
+            events: self.inner.events.clone(),
+            logs: old_logs.unwrap_or_else(|| LogRing::new(self.inner.config.logs)),
+            pgid: AtomicI32::new(0),
+            cgroup: Mutex::new(None),
+        });
+        let _ = self.inner.events.send(status);
+        (shared, status_rx)
     }
 
     /// Stops an instance (SIGTERM, `grace` or its own stop grace, SIGKILL)
@@ -205,6 +285,18 @@ impl Supervisor {
         grace: Option<Duration>,
         cause: Option<String>,
     ) -> Result<Status, SupervisorError> {
+        self.send_stop(id, grace, cause, false).await
+    }
+
+    /// Sends a stop request (or, `detach`, a let-go for an adopted
+    /// process) and waits until the instance is terminal.
+    async fn send_stop(
+        &self,
+        id: &str,
+        grace: Option<Duration>,
+        cause: Option<String>,
+        detach: bool,
+    ) -> Result<Status, SupervisorError> {
         let (stops, mut status_rx, own_grace) = {
             let table = self.table();
             let e = table
@@ -216,6 +308,7 @@ impl Supervisor {
         let request = StopRequest {
             grace: grace.unwrap_or(own_grace),
             cause,
+            detach,
             done,
         };
         // A send fails only when the actor has ended; then it is terminal.
@@ -277,14 +370,19 @@ impl Supervisor {
     }
 
     /// Refuses new starts and stops every live instance in parallel, each
-    /// with its own grace; answers when all are gone.
+    /// with its own grace; lets adopted processes go without a signal;
+    /// answers when all are done.
     pub async fn shutdown(&self) {
         self.inner.closing.store(true, Ordering::Release);
-        let ids: Vec<String> = self.table().keys().cloned().collect();
+        let ids: Vec<(String, bool)> = self
+            .table()
+            .iter()
+            .map(|(id, e)| (id.clone(), e.adopted))
+            .collect();
         let mut stops = JoinSet::new();
-        for id in ids {
+        for (id, adopted) in ids {
             let me = self.clone();
-            stops.spawn(async move { me.stop(&id, None).await });
+            stops.spawn(async move { me.send_stop(&id, None, None, adopted).await });
         }
         while stops.join_next().await.is_some() {}
         if let Some(cg) = &self.inner.cgroups {

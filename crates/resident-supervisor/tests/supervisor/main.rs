@@ -4,6 +4,7 @@
 
 mod support;
 
+mod adopted;
 mod cgroups;
 mod lifecycle;
 mod restarts_logs_memory;
