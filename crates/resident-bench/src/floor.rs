@@ -72,6 +72,9 @@ impl NodeAgent for Floor {
     ) -> Result<Response<pb::WorkloadsResponse>, Status> {
         none()
     }
+    async fn adopt(&self, _: Request<pb::AdoptRequest>) -> Result<Response<pb::Instance>, Status> {
+        none()
+    }
 }
 
 /// Serves the floor on `socket` until killed.

@@ -29,6 +29,18 @@ pub struct Entry {
     pub start_ticks: u64,
     /// The owner's lease in milliseconds, 0 for none.
     pub lease_ms: u64,
+    /// Entered by Adopt (its process is `pgid`, started at `start_ticks`):
+    /// re-adopted, never killed, by the next agent.
+    pub adopted: Option<Adopted>,
+}
+
+/// An adopted instance's terms.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Adopted {
+    /// Whether the agent may signal it.
+    pub manage: bool,
+    /// Its readiness port.
+    pub port: u16,
 }
 
 /// The journal file.
@@ -70,11 +82,22 @@ impl Journal {
         let tmp = self.path.with_extension("journal.tmp");
         let mut f = std::fs::File::create(&tmp)?;
         for e in entries {
-            writeln!(
+            write!(
                 f,
                 "{}\t{}\t{}\t{}\t{}",
                 e.instance, e.workload, e.pgid, e.start_ticks, e.lease_ms
             )?;
+            match e.adopted {
+                Some(a) => {
+                    let how = if a.manage {
+                        "adopted-managed"
+                    } else {
+                        "adopted"
+                    };
+                    writeln!(f, "\t{how}\t{}", a.port)?;
+                }
+                None => writeln!(f)?,
+            }
         }
         f.sync_all()?;
         std::fs::rename(&tmp, &self.path)?;
@@ -98,7 +121,22 @@ fn parse(line: &str) -> Option<Entry> {
             Some(ms) => ms.parse().ok()?,
             None => 0,
         },
+        adopted: None,
     };
+    // An adopted instance has two more: how, and its port.
+    let adopted = match (fields.next(), fields.next()) {
+        (None, _) => None,
+        (Some(how), Some(port)) => Some(Adopted {
+            manage: match how {
+                "adopted" => false,
+                "adopted-managed" => true,
+                _ => return None,
+            },
+            port: port.parse().ok()?,
+        }),
+        (Some(_), None) => return None,
+    };
+    let entry = Entry { adopted, ..entry };
     fields.next().is_none().then_some(entry)
 }
 
@@ -107,7 +145,8 @@ fn parse(line: &str) -> Option<Entry> {
 /// leader still runs with the recorded start time, or when the leader is
 /// gone but members remain (a live group id cannot be reused as a pid).
 pub fn kill_leftovers(entry: &Entry) -> usize {
-    if entry.pgid <= 1 {
+    // An adopted process is not ours to kill: it is adopted again.
+    if entry.pgid <= 1 || entry.adopted.is_some() {
         return 0;
     }
     if let Some(leader) = procfs::stat(entry.pgid)
@@ -139,6 +178,18 @@ mod tests {
                 pgid: 42,
                 start_ticks: 7,
                 lease_ms: 30_000,
+                adopted: None,
+            },
+            Entry {
+                instance: "c".into(),
+                workload: "w".into(),
+                pgid: 4242,
+                start_ticks: 9,
+                lease_ms: 0,
+                adopted: Some(Adopted {
+                    manage: true,
+                    port: 8080,
+                }),
             },
             Entry {
                 instance: "a".into(),
@@ -146,12 +197,17 @@ mod tests {
                 pgid: 0,
                 start_ticks: 0,
                 lease_ms: 0,
+                adopted: None,
             },
         ];
         j.write(&entries).expect("write");
         assert_eq!(j.read(), entries);
         assert_eq!(parse("a\tb\tnot-a-number\t0"), None);
         assert_eq!(parse("a\tb\t1\t2\t3\textra"), None);
+        assert_eq!(parse("a\tb\t1\t2\t3\tadopted\t80\textra"), None);
+        assert_eq!(parse("a\tb\t1\t2\t3\tkidnapped\t80"), None);
+        let adopted = parse("a\tb\t1\t2\t0\tadopted\t0").expect("an adopted line");
+        assert_eq!(adopted.adopted.map(|a| a.manage), Some(false));
         // A journal from before leases: four fields, no lease.
         let old = parse("a\tb\t1\t2").expect("a line of four fields");
         assert_eq!(old.lease_ms, 0);

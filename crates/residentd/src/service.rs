@@ -14,7 +14,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 use tracing::Instrument as _;
 
-use crate::agent::{Agent, Hold};
+use crate::agent::{AdoptCall, Agent, Hold};
 use crate::events::Resume;
 use crate::validate;
 
@@ -112,6 +112,28 @@ impl pb::node_agent_server::NodeAgent for Service {
         Ok(Response::new(pb::StopResponse {
             instance: Some(instance),
         }))
+    }
+
+    async fn adopt(
+        &self,
+        req: Request<pb::AdoptRequest>,
+    ) -> Result<Response<pb::Instance>, Status> {
+        let _timer = self.agent.metrics().time("Adopt");
+        self.authorize(&req, "Adopt")?;
+        let r = req.into_inner();
+        let id = validate::adopt(&r)?;
+        let span =
+            tracing::info_span!("adopt", workload = %r.workload, instance_id = %id, pid = r.pid);
+        let call = AdoptCall {
+            workload: r.workload,
+            id,
+            pid: r.pid,
+            manage: r.manage,
+            // Checked by validate::adopt.
+            port: u16::try_from(r.port).unwrap_or(0),
+        };
+        let instance = self.agent.adopt(call).instrument(span).await?;
+        Ok(Response::new(instance))
     }
 
     async fn get(&self, req: Request<pb::GetRequest>) -> Result<Response<pb::Instance>, Status> {

@@ -81,6 +81,37 @@ pub fn start(r: &pb::StartRequest) -> Result<(Option<InstanceId>, Option<Policy>
     }
 }
 
+/// An Adopt: the instance id; the pid and port checked for range.
+pub fn adopt(r: &pb::AdoptRequest) -> Result<InstanceId, ApiError> {
+    let mut bad = Vec::new();
+    let mut keep = |e: ApiError| match e {
+        ApiError::InvalidArgument(v) => bad.extend(v),
+        other => bad.push(("request".into(), other.to_string())),
+    };
+    if r.pid <= 1 || r.pid > i32::MAX as u32 {
+        keep(ApiError::invalid(
+            "pid",
+            format!("{} is not the pid of a process to adopt", r.pid),
+        ));
+    }
+    if let Err(e) = workload_name("workload", &r.workload) {
+        keep(e);
+    }
+    let id = instance_id("instance_id", &r.instance_id)
+        .map_err(&mut keep)
+        .ok();
+    if r.port > u32::from(u16::MAX) {
+        keep(ApiError::invalid(
+            "port",
+            format!("{} is not a TCP port", r.port),
+        ));
+    }
+    match id {
+        Some(id) if bad.is_empty() => Ok(id),
+        _ => Err(ApiError::InvalidArgument(bad)),
+    }
+}
+
 /// A Stop: the instance and the grace asked for (its own when 0).
 pub fn stop(r: &pb::StopRequest) -> Result<(InstanceId, Option<Duration>), ApiError> {
     let id = instance_id("instance_id", &r.instance_id)?;

@@ -245,7 +245,7 @@ impl Agent {
         }
     }
 
-    fn refused(&self, workload: &str, refusal: &resident_core::Refusal, policy: Policy) {
+    pub(super) fn refused(&self, workload: &str, refusal: &resident_core::Refusal, policy: Policy) {
         tracing::info!(workload, ?policy, reason = %refusal.first(), "start refused");
         self.metrics.refused(refusal.first().code());
         self.events.publish(pb::Event {
@@ -273,6 +273,14 @@ impl Agent {
         grace: Option<Duration>,
         cause: Option<String>,
     ) -> Result<pb::Instance, ApiError> {
+        if let Some(a) = self.books.record(id).and_then(|r| r.adopted)
+            && !a.manage
+        {
+            return Err(ApiError::FailedPrecondition(format!(
+                "instance '{id}' was adopted without manage: the agent never signals pid {}; it leaves the books when that process exits",
+                a.pid
+            )));
+        }
         let Some(c) = self.books.cancel(id) else {
             return Err(ApiError::NotFound(format!("no instance '{id}'")));
         };

@@ -17,6 +17,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use resident_api::{ApiError, pb};
 use resident_config::{Config, Workload};
 use resident_core::{AdmitError, InstanceId, NodeState, Plan, PlanError, Policy, PoolName, Spec};
+use resident_supervisor::Adoption;
 use tokio::sync::watch;
 
 /// What a Touch does to an instance's hold against eviction.
@@ -43,6 +44,11 @@ pub(super) struct Record {
     pub(super) cancelled: bool,
     /// The owner's lease, if any.
     pub(super) lease: Option<Lease>,
+    /// Entered by Adopt: the process, and whether the agent may signal it.
+    pub(super) adopted: Option<Adoption>,
+    /// What the agent found about this run beside its state (an adopted
+    /// server listening beyond loopback), for its message.
+    pub(super) note: Option<String>,
 }
 
 /// An owner's lease on an instance: it runs out at `until` (the agent's
@@ -199,6 +205,8 @@ impl Books {
                     generation: 0,
                     cancelled: false,
                     lease: None,
+                    adopted: None,
+                    note: None,
                 });
                 return Ok(Decision::Existing(record));
             }
@@ -225,6 +233,8 @@ impl Books {
             generation,
             cancelled: false,
             lease: Lease::new(lease_ms, now),
+            adopted: None,
+            note: None,
         };
         b.records.insert(id.to_string(), record);
         let forgotten = prune_ended(&mut b, max);
@@ -236,6 +246,94 @@ impl Books {
             recovery,
             forgotten,
         }))
+    }
+
+    /// Enters the running process of `adoption` as `id`, an instance of
+    /// `w` holding `present` bytes already: nothing is evicted for it, and
+    /// an unmanaged one is never a victim. Returns the run's generation and
+    /// the ended records dropped to keep the table bounded.
+    pub(super) fn adopt(
+        &self,
+        config: &Config,
+        w: &Arc<Workload>,
+        id: &InstanceId,
+        now: u64,
+        adoption: Adoption,
+        present: &BTreeMap<PoolName, u64>,
+    ) -> Result<(u64, Vec<(String, Record)>), ApiError> {
+        let mut b = self.lock();
+        if b.ledger.resident(id.as_str()).is_some() {
+            return Err(ApiError::AlreadyExists(format!(
+                "instance '{id}' already holds memory; adopt under another id"
+            )));
+        }
+        if let Some(r) = b.records.get(id.as_str())
+            && r.workload.spec.workload != w.spec.workload
+        {
+            return Err(ApiError::AlreadyExists(format!(
+                "instance '{id}' already exists with workload '{}'",
+                r.workload.spec.workload
+            )));
+        }
+        let twice = b.records.iter().find(|(other, r)| {
+            r.adopted.is_some_and(|a| a.pid == adoption.pid) && b.ledger.resident(other).is_some()
+        });
+        if let Some((other, _)) = twice {
+            return Err(ApiError::AlreadyExists(format!(
+                "pid {} is already adopted as instance '{other}'",
+                adoption.pid
+            )));
+        }
+        let max = config.node.max_instances;
+        if b.ledger.residents().count() >= max {
+            return Err(ApiError::LimitReached(format!(
+                "the node already holds max_instances = {max} instances; stop one first"
+            )));
+        }
+        match b
+            .ledger
+            .adopt(id, w.spec.clone(), now, present, adoption.manage)
+        {
+            Ok(_) => {}
+            Err(AdmitError::Refused(refusal)) => {
+                let plan = Plan::Refuse(refusal.clone());
+                let placement = placement(&b.ledger, &plan, &w.spec);
+                return Err(ApiError::Refused {
+                    refusal,
+                    placement: Box::new(placement),
+                });
+            }
+            Err(AdmitError::Invalid(e)) => return Err(plan_error(e)),
+        }
+        b.generation += 1;
+        let generation = b.generation;
+        let record = Record {
+            workload: w.clone(),
+            spec: w.spec.clone(),
+            devices: Vec::new(),
+            generation,
+            cancelled: false,
+            lease: None,
+            adopted: Some(adoption),
+            note: None,
+        };
+        b.records.insert(id.to_string(), record);
+        let forgotten = prune_ended(&mut b, max);
+        Ok((generation, forgotten))
+    }
+
+    /// Notes what was found about `id`'s run `generation` (shown in its
+    /// message); false when that run is no longer current or already has
+    /// this note.
+    pub(super) fn note(&self, id: &str, generation: u64, note: String) -> bool {
+        let mut b = self.lock();
+        match b.records.get_mut(id) {
+            Some(r) if r.generation == generation && r.note.as_ref() != Some(&note) => {
+                r.note = Some(note);
+                true
+            }
+            _ => false,
+        }
     }
 
     /// The placement query: what a Start would do, with the pool figures
@@ -321,18 +419,18 @@ impl Books {
     }
 
     /// The live instances the exposure guard watches (`expose =
-    /// "loopback"`): id, workload and run. Nothing is copied for the rest.
-    pub(super) fn loopback_only(&self) -> Vec<(String, String, u64)> {
+    /// "loopback"`): id, workload, run, and whether it was adopted.
+    /// Nothing is copied for the rest.
+    pub(super) fn loopback_only(&self) -> Vec<Guarded> {
         let b = self.lock();
         b.records
             .iter()
             .filter(|(_, r)| r.workload.expose == resident_config::Expose::Loopback && !r.cancelled)
-            .map(|(id, r)| {
-                (
-                    id.clone(),
-                    r.workload.spec.workload.to_string(),
-                    r.generation,
-                )
+            .map(|(id, r)| Guarded {
+                id: id.clone(),
+                workload: r.workload.spec.workload.to_string(),
+                generation: r.generation,
+                adopted: r.adopted.is_some(),
             })
             .collect()
     }
@@ -412,7 +510,7 @@ impl Books {
         let b = self.lock();
         b.records
             .iter()
-            .filter(|(_, rec)| !rec.cancelled)
+            .filter(|(_, rec)| !rec.cancelled && rec.adopted.is_none_or(|a| a.manage))
             .filter_map(|(id, rec)| Some((id, rec.workload.idle_ttl?)))
             .filter(|(id, ttl)| {
                 b.ledger.resident(id).is_some_and(|r| {
@@ -438,6 +536,7 @@ impl Books {
                 workload: r.workload.spec.workload.to_string(),
                 generation: r.generation,
                 lease_ms: r.lease.map_or(0, |l| l.ms),
+                adopted: r.adopted,
             })
             .collect();
         rows.sort_by_key(|r| r.generation);
@@ -451,6 +550,16 @@ impl Books {
     }
 }
 
+/// An instance the exposure guard checks.
+#[derive(Debug)]
+pub(super) struct Guarded {
+    pub(super) id: String,
+    pub(super) workload: String,
+    pub(super) generation: u64,
+    /// Adopted: reported, never stopped.
+    pub(super) adopted: bool,
+}
+
 /// One instance as the journal keeps it.
 #[derive(Debug)]
 pub(super) struct JournalRow {
@@ -458,6 +567,7 @@ pub(super) struct JournalRow {
     pub(super) workload: String,
     pub(super) generation: u64,
     pub(super) lease_ms: u64,
+    pub(super) adopted: Option<Adoption>,
 }
 
 /// Probe readings for [`Books::set_readings`].

@@ -1,10 +1,11 @@
 //! The exposure guard: an instance of a workload with `expose =
 //! "loopback"` (the default of flavors) whose processes listen on any
 //! address beyond loopback is stopped, its message and events saying
-//! EXPOSED and the address. Checked once a second, from the agent's tick,
+//! EXPOSED and the address; an adopted one is reported (message, event,
+//! metric), never stopped. Checked once a second, from the agent's tick,
 //! for READY instances: their process group's sockets (`/proc/PID/fd`)
 //! matched against the listening TCP sockets of `/proc/net/tcp` and
-//! `tcp6`.
+//! `tcp6`. The same matching finds the port of a server being adopted.
 
 use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -123,44 +124,99 @@ fn group_sockets(groups: &HashSet<i32>) -> HashMap<i32, HashSet<u64>> {
     out
 }
 
+/// The addresses process `pid` (with its whole group, when it leads one)
+/// listens on over TCP, in port order.
+pub(super) fn listeners_of(pid: i32) -> Vec<SocketAddr> {
+    let group = resident_supervisor::procfs::stat(pid).map_or(pid, |s| s.pgrp);
+    // A process that does not lead its group is looked at alone: its group
+    // may hold unrelated processes (a shell's job).
+    let sockets = if group == pid {
+        group_sockets(&HashSet::from([pid])).remove(&pid)
+    } else {
+        process_sockets(pid)
+    };
+    let listening = listening();
+    let mut out: Vec<SocketAddr> = sockets
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|i| listening.get(i).copied())
+        .collect();
+    out.sort_by_key(|a| (a.port(), a.ip()));
+    out.dedup();
+    out
+}
+
+/// The socket inodes open in process `pid`.
+fn process_sockets(pid: i32) -> Option<HashSet<u64>> {
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?;
+    let inodes = fds
+        .flatten()
+        .filter_map(|fd| std::fs::read_link(fd.path()).ok())
+        .filter_map(|t| {
+            t.to_str()?
+                .strip_prefix("socket:[")?
+                .strip_suffix(']')?
+                .parse()
+                .ok()
+        })
+        .collect();
+    Some(inodes)
+}
+
 impl Agent {
     /// Stops every READY instance under `expose = "loopback"` that listens
-    /// beyond loopback.
+    /// beyond loopback; an adopted one is reported instead (once per run).
     pub(super) fn guard_exposure(self: &Arc<Self>) {
-        let guarded: Vec<(String, String, i32)> = self
+        let guarded: Vec<(super::books::Guarded, i32)> = self
             .books
             .loopback_only()
             .into_iter()
-            .filter_map(|(id, workload, generation)| {
+            .filter_map(|g| {
                 let s = self
                     .sup
-                    .status(&id)
-                    .filter(|s| s.generation == generation)?;
+                    .status(&g.id)
+                    .filter(|s| s.generation == g.generation)?;
                 let pid = s.pid.filter(|_| s.state == State::Ready)?;
-                Some((id, workload, i32::try_from(pid).ok()?))
+                let pid = i32::try_from(pid).ok()?;
+                Some((g, pid))
             })
             .collect();
         if guarded.is_empty() {
             return;
         }
-        let groups: HashSet<i32> = guarded.iter().map(|(_, _, g)| *g).collect();
+        let groups: HashSet<i32> = guarded.iter().map(|(_, g)| *g).collect();
         let sockets = group_sockets(&groups);
         let listening = listening();
-        for (id, workload, group) in guarded {
-            let exposed = sockets.get(&group).and_then(|inodes| {
+        for (g, pid) in guarded {
+            let inodes = match sockets.get(&pid) {
+                Some(inodes) => Some(inodes.clone()),
+                // An adopted process that does not lead its group.
+                None if g.adopted => process_sockets(pid),
+                None => None,
+            };
+            let exposed = inodes.and_then(|inodes| {
                 inodes
                     .iter()
-                    .filter_map(|i| listening.get(i))
+                    .filter_map(|i| listening.get(i).copied())
                     .find(|a| !is_loopback(a.ip()))
             });
             let Some(addr) = exposed else { continue };
-            tracing::warn!(instance_id = %id, %addr, "listening beyond loopback under expose = \"loopback\"; stopping");
-            self.metrics.exposed(&workload);
-            let cause = Some(format!(
-                "EXPOSED: listening on {addr}, beyond loopback (expose = \"loopback\")"
-            ));
+            let what =
+                format!("EXPOSED: listening on {addr}, beyond loopback (expose = \"loopback\")");
+            if g.adopted {
+                let note = format!("{what}; adopted, so reported and not stopped");
+                if self.books.note(&g.id, g.generation, note) {
+                    tracing::warn!(instance_id = %g.id, %addr, "an adopted server listens beyond loopback under expose = \"loopback\"; reported, not stopped");
+                    self.metrics.exposed(&g.workload);
+                    self.publish_view(&g.id);
+                }
+                continue;
+            }
+            tracing::warn!(instance_id = %g.id, %addr, "listening beyond loopback under expose = \"loopback\"; stopping");
+            self.metrics.exposed(&g.workload);
             let me = self.clone();
-            tokio::spawn(async move { me.stop_because(&id, None, cause).await });
+            let id = g.id;
+            tokio::spawn(async move { me.stop_because(&id, None, Some(what)).await });
         }
     }
 }

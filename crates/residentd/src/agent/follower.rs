@@ -50,6 +50,18 @@ impl Agent {
         });
     }
 
+    /// Tells watchers what is now known of `id` (a note on its run), with
+    /// no change of state.
+    pub(super) fn publish_view(&self, id: &str) {
+        if let Some(record) = self.books.record(id) {
+            self.events.publish(pb::Event {
+                instance: Some(self.view(id, &record)),
+                kind: pb::EventKind::Transition as i32,
+                ..Default::default()
+            });
+        }
+    }
+
     /// Stops instances unused for longer than their workload's idle TTL.
     /// Runs every second: only instances of workloads with a TTL are
     /// looked at, so a node without TTLs does no per-instance work.

@@ -25,6 +25,7 @@ use crate::events::EventLog;
 use crate::journal::Journal;
 
 mod admission;
+mod adoption;
 mod books;
 mod exposure;
 mod follower;
@@ -32,6 +33,7 @@ mod memory;
 mod persist;
 mod queries;
 
+pub use adoption::AdoptCall;
 use books::Books;
 pub use books::Hold;
 

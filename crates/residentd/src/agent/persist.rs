@@ -30,7 +30,7 @@ impl Agent {
             return;
         }
         let killed: usize = entries.iter().map(journal::kill_leftovers).sum();
-        for e in entries.iter().filter(|e| e.pgid > 1) {
+        for e in entries.iter().filter(|e| e.pgid > 1 && e.adopted.is_none()) {
             let gone = || resident_supervisor::procfs::group_members(e.pgid).is_empty();
             let deadline = Instant::now() + Duration::from_secs(5);
             while !gone() && Instant::now() < deadline {
@@ -46,6 +46,10 @@ impl Agent {
             let Ok(id) = InstanceId::new(e.instance.as_str()) else {
                 continue;
             };
+            if let Some(a) = e.adopted {
+                self.readopt(&e, id, a).await;
+                continue;
+            }
             let (workload, policy) = (&e.workload, Some(Policy::Refuse));
             // A restored lease runs afresh from now: its owner has had no
             // agent to renew it with.
@@ -65,6 +69,31 @@ impl Agent {
         }
         self.persist();
     }
+    /// Adopts a journaled adoption again if its process (the same pid and
+    /// start time) still runs.
+    async fn readopt(self: &Arc<Self>, e: &journal::Entry, id: InstanceId, a: journal::Adopted) {
+        let call = super::AdoptCall {
+            workload: e.workload.clone(),
+            id,
+            pid: u32::try_from(e.pgid).unwrap_or(0),
+            manage: a.manage,
+            port: a.port,
+        };
+        let answer = super::admission::Answer::Prompt;
+        match self
+            .adopt_answering(call, Some(e.start_ticks), answer)
+            .await
+        {
+            Ok(_) => {
+                tracing::info!(instance_id = %e.instance, pid = e.pgid, "adopted again")
+            }
+            Err(err) => tracing::warn!(
+                instance_id = %e.instance, pid = e.pgid, error = %err,
+                "a journaled adoption was not adopted again"
+            ),
+        }
+    }
+
     /// Marks the journal out of date and returns the change's number; the
     /// writer task rewrites it at once. Once shutdown has begun the
     /// journal stays as shutdown wrote it.
@@ -160,12 +189,27 @@ impl Agent {
                 if pid > 0 && start_ticks > 0 {
                     kept.insert(key, start_ticks);
                 }
-                journal::Entry {
-                    instance: id,
-                    workload: row.workload,
-                    pgid: pid,
-                    start_ticks,
-                    lease_ms: row.lease_ms,
+                match row.adopted {
+                    // Its own pid and start time, whatever its state.
+                    Some(a) => journal::Entry {
+                        instance: id,
+                        workload: row.workload,
+                        pgid: a.pid as i32,
+                        start_ticks: a.start_ticks,
+                        lease_ms: 0,
+                        adopted: Some(journal::Adopted {
+                            manage: a.manage,
+                            port: a.port,
+                        }),
+                    },
+                    None => journal::Entry {
+                        instance: id,
+                        workload: row.workload,
+                        pgid: pid,
+                        start_ticks,
+                        lease_ms: row.lease_ms,
+                        adopted: None,
+                    },
                 }
             })
             .collect();

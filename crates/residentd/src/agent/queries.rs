@@ -27,10 +27,19 @@ impl Agent {
     }
 
     /// Fills in what the record knows beside the run: the devices of its
-    /// chosen pools, and its lease (its length and what is left now).
+    /// chosen pools, whether it was adopted, a note on the run, and its
+    /// lease (its length and what is left now).
     pub(super) fn with_record(&self, out: &mut pb::Instance, record: &Record) {
         let devices: Vec<String> = record.devices.iter().map(u32::to_string).collect();
         out.devices = devices.join(",");
+        if let Some(a) = record.adopted {
+            out.adopted = true;
+            out.managed = a.manage;
+        }
+        let ended = [pb::State::Exited as i32, pb::State::Failed as i32].contains(&out.state);
+        if let Some(note) = record.note.as_ref().filter(|_| !ended) {
+            out.message = format!("{}; {note}", out.message);
+        }
         if let Some(lease) = record.lease {
             out.lease_ms = lease.ms;
             out.lease_left_ms = lease.until.saturating_sub(self.now_ms());

@@ -7,6 +7,7 @@
 
 mod support;
 
+mod adopt;
 mod chaos;
 mod device;
 mod fleet;

@@ -91,6 +91,25 @@ enum Command {
         #[arg(long, value_enum)]
         policy: Option<PolicyArg>,
     },
+    /// Enter a server someone else started into the books, without
+    /// restarting it: counted against WORKLOAD's pools, probed, released
+    /// when it exits. The agent never signals it unless --manage.
+    Adopt {
+        /// The running process.
+        pid: u32,
+        /// The roster workload whose memory and readiness it has.
+        workload: String,
+        /// The instance id to give it.
+        #[arg(long)]
+        id: String,
+        /// Let the agent stop it (Stop, eviction, idle TTL).
+        #[arg(long)]
+        manage: bool,
+        /// The port its readiness probe reaches (default: the one TCP
+        /// port it listens on).
+        #[arg(long)]
+        port: Option<u16>,
+    },
     /// Mark a use of an instance; with --hold, protect it from eviction.
     Touch {
         id: String,
@@ -359,6 +378,23 @@ async fn run(cli: &Cli) -> Result<ExitCode, Failure> {
                 })
                 .await?
                 .into_inner();
+            render::instances(&[r], json)?;
+        }
+        Command::Adopt {
+            pid,
+            workload,
+            id,
+            manage,
+            port,
+        } => {
+            let req = pb::AdoptRequest {
+                pid: *pid,
+                workload: workload.clone(),
+                instance_id: id.clone(),
+                manage: *manage,
+                port: port.map_or(0, u32::from),
+            };
+            let r = c.adopt(req).await?.into_inner();
             render::instances(&[r], json)?;
         }
         Command::Node => {

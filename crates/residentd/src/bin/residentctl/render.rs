@@ -53,6 +53,8 @@ fn instance_json(i: &pb::Instance) -> Value {
         "started_unix_ms": i.started_unix_ms,
         "demand": demand_json(&i.demand),
         "devices": i.devices,
+        "adopted": i.adopted,
+        "managed": i.managed,
         "message": i.message,
     })
 }
@@ -181,10 +183,10 @@ pub fn instances(list: &[pb::Instance], json: bool) -> io::Result<()> {
                 i.instance_id.clone(),
                 i.role.clone(),
                 state_name(i.state).to_string(),
-                if i.pid == 0 {
-                    "-".into()
-                } else {
-                    i.pid.to_string()
+                match (i.pid, i.adopted) {
+                    (0, _) => "-".into(),
+                    (pid, true) => format!("{pid} (adopted)"),
+                    (pid, false) => pid.to_string(),
                 },
                 if i.port == 0 {
                     "-".into()

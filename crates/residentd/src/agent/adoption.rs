@@ -1,0 +1,186 @@
+//! Adopt: a server someone else started, entered into the books without a
+//! restart. The process is checked (alive, not the agent's own, not
+//! adopted twice), its port found from its listening sockets when the
+//! call does not give one, its present memory counted as already touched,
+//! and it is admitted under the refuse policy: nothing is evicted for a
+//! process that is already there. The supervisor then watches it; its
+//! exit releases it like any run's end. The journal keeps it, with its
+//! start time, so the next agent re-adopts it if it still runs.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use resident_api::{ApiError, pb};
+use resident_core::{InstanceId, PoolName};
+use resident_supervisor::{Adoption, Readiness, procfs};
+
+use super::Agent;
+use super::admission::{Answer, workload_of};
+
+/// An Adopt as asked.
+#[derive(Debug, Clone)]
+pub struct AdoptCall {
+    /// The roster workload (or alias) it is an instance of.
+    pub workload: String,
+    /// Its instance id.
+    pub id: InstanceId,
+    /// The running process.
+    pub pid: u32,
+    /// Whether the agent may signal it.
+    pub manage: bool,
+    /// Its readiness port; 0: found from its listening sockets.
+    pub port: u16,
+}
+
+impl Agent {
+    /// Adopts a running process (see the module's text); answers once the
+    /// journal on disk holds it.
+    pub async fn adopt(self: &Arc<Self>, call: AdoptCall) -> Result<pb::Instance, ApiError> {
+        self.adopt_answering(call, None, Answer::Durable).await
+    }
+
+    /// [`Agent::adopt`]; with `start_ticks`, only the process that started
+    /// then (a journaled adoption being restored).
+    pub(super) async fn adopt_answering(
+        self: &Arc<Self>,
+        call: AdoptCall,
+        start_ticks: Option<u64>,
+        answer: Answer,
+    ) -> Result<pb::Instance, ApiError> {
+        let config = self.config();
+        let w = workload_of(&config, &call.workload)?;
+        let pid = call.pid;
+        if !w.spec.any_of.is_empty() {
+            return Err(ApiError::FailedPrecondition(format!(
+                "workload '{}' has an any-of demand: which of its pools a running server holds is not known, so it cannot be adopted",
+                w.spec.workload
+            )));
+        }
+        let stat = procfs::stat(pid as i32)
+            .filter(|s| s.state != 'Z' && s.state != 'X')
+            .filter(|s| start_ticks.is_none_or(|t| t == s.start_ticks))
+            .ok_or_else(|| ApiError::NotFound(format!("no process {pid} to adopt")))?;
+        if pid == std::process::id() {
+            return Err(ApiError::FailedPrecondition(format!(
+                "pid {pid} is the agent itself"
+            )));
+        }
+        let ours = self.sup.list().into_iter().find(|s| {
+            s.pid
+                .is_some_and(|p| p == pid || p as i32 == stat.pgrp || p as i32 == stat.ppid)
+        });
+        if let Some(s) = ours {
+            let adopted = self.books.record(&s.instance).and_then(|r| r.adopted);
+            if adopted.is_some_and(|a| a.pid == pid) && !s.state.is_terminal() {
+                return Err(ApiError::AlreadyExists(format!(
+                    "pid {pid} is already adopted as instance '{}'",
+                    s.instance
+                )));
+            }
+            if adopted.is_none() && !s.state.is_terminal() {
+                return Err(ApiError::FailedPrecondition(format!(
+                    "pid {pid} belongs to instance '{}', which this agent runs",
+                    s.instance
+                )));
+            }
+        }
+        let port = match call.port {
+            0 => discovered_port(pid, &w.readiness)?,
+            p => p,
+        };
+        let present = present_bytes(&config, &w.spec, &stat);
+        let adoption = Adoption {
+            pid,
+            start_ticks: stat.start_ticks,
+            port,
+            manage: call.manage,
+        };
+        let id = call.id;
+        let admitted = self
+            .books
+            .adopt(&config, &w, &id, self.now_ms(), adoption, &present);
+        let (generation, forgotten) = match admitted {
+            Ok(a) => a,
+            Err(ApiError::Refused { refusal, placement }) => {
+                self.refused(&call.workload, &refusal, resident_core::Policy::Refuse);
+                return Err(ApiError::Refused { refusal, placement });
+            }
+            Err(e) => return Err(e),
+        };
+        for (gone, record) in &forgotten {
+            self.forgotten(gone, record);
+        }
+        let spec = w.launch(id.as_str(), generation, &config.node, &[]);
+        if let Err(e) = self.sup.adopt(spec, adoption).await {
+            // Nothing watches it: its end is marked here.
+            self.books.release(id.as_str(), generation);
+            self.publish_ended(id.as_str());
+            return Err(ApiError::FailedPrecondition(e.to_string()));
+        }
+        tracing::info!(instance_id = %id, pid, port, manage = call.manage, "adopted");
+        let change = self.persist();
+        if answer == Answer::Durable && config.node.durable_answers {
+            // On failure it stays adopted and watched; the caller hears
+            // that the journal could not say so.
+            self.durable(change).await?;
+        }
+        self.get(id.as_str())
+    }
+}
+
+/// The port a readiness probe reaches: the one TCP port the process
+/// listens on (with no probe, the lowest, or 0 for none).
+fn discovered_port(pid: u32, readiness: &Readiness) -> Result<u16, ApiError> {
+    let mut ports: Vec<u16> = super::exposure::listeners_of(pid as i32)
+        .iter()
+        .map(|a| a.port())
+        .collect();
+    ports.dedup();
+    if *readiness == Readiness::None {
+        // Nothing is probed: the port is only shown.
+        return Ok(ports.first().copied().unwrap_or(0));
+    }
+    match ports.as_slice() {
+        [one] => Ok(*one),
+        [] => Err(ApiError::FailedPrecondition(format!(
+            "pid {pid} listens on no TCP port; give the port its readiness probe reaches"
+        ))),
+        many => {
+            let list: Vec<String> = many.iter().map(u16::to_string).collect();
+            Err(ApiError::FailedPrecondition(format!(
+                "pid {pid} listens on ports {}; give the one its readiness probe reaches",
+                list.join(", ")
+            )))
+        }
+    }
+}
+
+/// What the process already holds, for the first host-memory pool its
+/// workload declares: its group's resident bytes when it leads its group,
+/// its own otherwise. (A device pool's share is not known here; the
+/// device's probe shows it as foreign use until the agent's own reading
+/// counts it.)
+fn present_bytes(
+    config: &resident_config::Config,
+    spec: &resident_core::Spec,
+    stat: &procfs::ProcStat,
+) -> BTreeMap<PoolName, u64> {
+    let pool = spec.demand.keys().find(|name| {
+        config
+            .pools
+            .iter()
+            .any(|p| p.pool.name == **name && p.device.is_none())
+    });
+    let Some(pool) = pool else {
+        return BTreeMap::new();
+    };
+    let bytes = if stat.pgrp == stat.pid {
+        procfs::group_rss(&[stat.pid])
+            .get(&stat.pid)
+            .copied()
+            .unwrap_or(0)
+    } else {
+        stat.rss_pages * procfs::page_size()
+    };
+    BTreeMap::from([(pool.clone(), bytes)])
+}
