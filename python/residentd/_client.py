@@ -223,6 +223,16 @@ class Agent:
         req = pb.TouchRequest(instance_id=instance_id, hold_ms=hold_ms, release_hold=release_hold)
         return self._call(self._stub.Touch, req, timeout)
 
+    def adopt(self, pid: int, workload: str, instance_id: str, *, manage: bool = False,
+              port: int = 0, timeout: Optional[float] = None) -> pb.Instance:
+        """Enters a server someone else started (process `pid`) into the
+        agent's books without restarting it; the agent never signals it
+        unless `manage`. `port`: its readiness port (0: the one it listens
+        on). Raises `Refused` when its memory does not fit."""
+        req = pb.AdoptRequest(pid=pid, workload=workload, instance_id=instance_id, manage=manage,
+                              port=port)
+        return self._call(self._stub.Adopt, req, timeout)
+
     def node(self, *, timeout: Optional[float] = None) -> pb.NodeStatus:
         return self._call(self._stub.Node, pb.NodeRequest(), timeout)
 

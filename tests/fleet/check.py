@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -56,6 +57,25 @@ def main():
             assert e.code.name == "NOT_FOUND" and not isinstance(e, residentd.Refused), e
         assert a.stop("x8").state == pb.EXITED
         assert a.list()[0].state == pb.EXITED
+        # Adopt: a process this script started, entered without a restart,
+        # released when it exits.
+        outsider = subprocess.Popen(["sleep", "600"])
+        try:
+            i = a.adopt(outsider.pid, "m1", "hand")
+            assert i.adopted and not i.managed and i.pid == outsider.pid, i
+            try:
+                a.stop("hand")
+                raise AssertionError("an unmanaged adoption is never stopped by the agent")
+            except residentd.AgentError as e:
+                assert e.code.name == "FAILED_PRECONDITION", e
+        finally:
+            outsider.kill()
+            outsider.wait()
+        deadline = time.monotonic() + 10
+        while a.get("hand").state != pb.EXITED:
+            assert time.monotonic() < deadline, a.get("hand")
+            time.sleep(0.01)
+        assert a.node().pools[0].used_bytes == 0, a.node()
 
     # The fleet: n1 10 GB, n2 20 GB, n3 30 GB, and an agent that is not there.
     endpoints = dict(agents, dead=setup["dead"])

@@ -64,7 +64,7 @@ pub struct NodeConfig {
     /// The group that owns the Unix socket (`socket_group`), resolved.
     pub socket_group: Option<(String, u32)>,
     /// Callers allowed to change state over the Unix socket (Start, Stop,
-    /// Touch), by uid or gid; both empty: anyone who can open the socket.
+    /// Touch, Adopt), by uid or gid; both empty: anyone who can open the socket.
     pub allow: Allowlist,
     /// The most instances that may hold memory at once.
     pub max_instances: usize,

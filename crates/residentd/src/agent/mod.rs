@@ -6,10 +6,11 @@
 //! touches the ledger); `admission.rs` carries a Start and a Stop out;
 //! `follower.rs` applies the supervisor's transitions (the one place a
 //! run's end releases its memory) and runs the periodic work; `queries.rs`
-//! answers Get, List, Place, Touch and reload; `memory.rs` feeds probe
+//! answers Get, List, Place, Touch and reload; `adoption.rs` enters a
+//! server started elsewhere (Adopt); `memory.rs` feeds probe
 //! readings; `persist.rs` keeps the journal and makes answers durable;
 //! `exposure.rs` stops servers that listen beyond loopback where their
-//! workload says `expose = "loopback"`.
+//! workload says `expose = "loopback"` (and reports adopted ones).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};

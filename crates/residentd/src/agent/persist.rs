@@ -21,9 +21,10 @@ use crate::journal;
 impl Agent {
     /// After a restart: kills what the previous run left behind (recorded
     /// process groups, checked against pid reuse), then starts the
-    /// journaled instances again in their original order. Instances that no
-    /// longer fit, or whose workload left the roster, are reported and
-    /// dropped.
+    /// journaled instances again in their original order. Adopted ones are
+    /// never killed: adopted again when the same process (pid and start
+    /// time) still runs. Instances that no longer fit, or whose workload
+    /// left the roster, are reported and dropped.
     pub async fn restore(self: &Arc<Self>) {
         let entries = self.journal.read();
         if entries.is_empty() {

@@ -44,6 +44,14 @@ async fn callers_outside_the_allowlist_change_nothing() {
     };
     let denied = d.client.touch(touch).await.expect_err("touch denied too");
     assert_eq!(denied.code(), Code::PermissionDenied);
+    let adopt = pb::AdoptRequest {
+        pid: std::process::id(),
+        workload: "nap".into(),
+        instance_id: "n2".into(),
+        ..Default::default()
+    };
+    let denied = d.client.adopt(adopt).await.expect_err("adopt denied too");
+    assert_eq!(denied.code(), Code::PermissionDenied);
     // Reading is not restricted, and nothing changed.
     assert!(d.ids().await.is_empty());
     let place = pb::PlaceRequest {
