@@ -233,6 +233,10 @@ class Agent:
                               port=port)
         return self._call(self._stub.Adopt, req, timeout)
 
+    def reload(self, *, timeout: Optional[float] = None) -> pb.ReloadResponse:
+        """Re-reads the agent's configuration (needs the admin role)."""
+        return self._call(self._stub.Reload, pb.ReloadRequest(), timeout)
+
     def node(self, *, timeout: Optional[float] = None) -> pb.NodeStatus:
         return self._call(self._stub.Node, pb.NodeRequest(), timeout)
 

@@ -76,6 +76,8 @@ def main():
             assert time.monotonic() < deadline, a.get("hand")
             time.sleep(0.01)
         assert a.node().pools[0].used_bytes == 0, a.node()
+        # The test runs as root, the admin of a socket without [node.access].
+        assert a.reload().config.endswith(".toml")
 
     # The fleet: n1 10 GB, n2 20 GB, n3 30 GB, and an agent that is not there.
     endpoints = dict(agents, dead=setup["dead"])

@@ -74,6 +74,59 @@ pub struct NodeConfig {
     /// How an any-of demand chooses among pools that fit alike
     /// (`gpu_choice`, default binpack).
     pub gpu_choice: GpuChoice,
+    /// `[node.access]`, when given: who holds which role. `None`: the
+    /// defaults (see docs/security.md).
+    pub access: Option<Access>,
+}
+
+/// What a caller may do: each role includes the ones before it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum AccessRole {
+    /// Get, List, Place, Watch, Logs, Node, Workloads, health, reflection.
+    Viewer,
+    /// And Start, Stop, Touch, Adopt.
+    Operator,
+    /// And Reload.
+    Admin,
+}
+
+impl AccessRole {
+    /// Its name, as `[node.access]` spells its list (singular).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Viewer => "viewer",
+            Self::Operator => "operator",
+            Self::Admin => "admin",
+        }
+    }
+}
+
+/// One entry of a `[node.access]` list: whom it grants the role.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Principal {
+    /// A Unix caller with this uid (`uid:N`, `user:NAME`).
+    Uid(u32),
+    /// A Unix caller with this gid, primary or supplementary (`gid:N`,
+    /// `group:NAME`).
+    Gid(u32),
+    /// A client certificate with this SAN DNS name (`cert-dns:NAME`).
+    CertDns(String),
+    /// A client certificate with this SAN URI, such as a SPIFFE id
+    /// (`cert-uri:URI`).
+    CertUri(String),
+    /// A client certificate with this subject common name (`cert-cn:NAME`).
+    CertCn(String),
+}
+
+/// `[node.access]`: who holds each role.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Access {
+    /// Granted viewer.
+    pub viewers: Vec<Principal>,
+    /// Granted operator (and viewer).
+    pub operators: Vec<Principal>,
+    /// Granted admin (and operator and viewer).
+    pub admins: Vec<Principal>,
 }
 
 /// Who may call the mutating RPCs.

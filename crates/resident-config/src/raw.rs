@@ -114,6 +114,18 @@ pub struct Node {
     pub durable_answers: Option<bool>,
     pub tls: Option<Spanned<Tls>>,
     pub gpu_choice: Option<Spanned<String>>,
+    pub access: Option<Spanned<Access>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Access {
+    #[serde(default)]
+    pub viewers: Vec<Spanned<String>>,
+    #[serde(default)]
+    pub operators: Vec<Spanned<String>>,
+    #[serde(default)]
+    pub admins: Vec<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -5,6 +5,7 @@
 //! `Agent::start`), which plans and reserves under the one books lock;
 //! nothing else reserves, and only a run's end releases.
 
+pub mod access;
 pub mod agent;
 pub mod authority;
 pub mod events;

@@ -29,6 +29,8 @@ struct StateLabels {
     instance: String,
     workload: String,
     state: String,
+    /// "true" for an instance entered by Adopt.
+    adopted: String,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -47,6 +49,12 @@ struct EvictionLabels {
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ReasonLabels {
     reason: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RoleLabels {
+    /// The role the refused call needed.
+    role: String,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -73,6 +81,7 @@ pub struct Metrics {
     evictions: Family<EvictionLabels, Counter>,
     restarts: Family<WorkloadLabels, Counter>,
     exposed: Family<WorkloadLabels, Counter>,
+    denied: Family<RoleLabels, Counter>,
     refusals: Family<ReasonLabels, Counter>,
     rpc: Family<RpcLabels, Histogram, fn() -> Histogram>,
 }
@@ -102,6 +111,7 @@ impl Metrics {
             evictions: Family::default(),
             restarts: Family::default(),
             exposed: Family::default(),
+            denied: Family::default(),
             refusals: Family::default(),
             rpc: Family::new_with_constructor(rpc_histogram),
         };
@@ -145,8 +155,13 @@ impl Metrics {
         r.register("restarts", "Restarts after an exit", m.restarts.clone());
         r.register(
             "exposed",
-            "Instances stopped for listening beyond loopback under expose = loopback",
+            "Instances found listening beyond loopback under expose = loopback (stopped; adopted ones reported)",
             m.exposed.clone(),
+        );
+        r.register(
+            "access_denied",
+            "Calls refused PERMISSION_DENIED, by the role they needed",
+            m.denied.clone(),
         );
         r.register(
             "refusals",
@@ -191,6 +206,15 @@ impl Metrics {
         self.refusals
             .get_or_create(&ReasonLabels {
                 reason: reason.to_string(),
+            })
+            .inc();
+    }
+
+    /// Counts a call refused for want of `role` (the role it needed).
+    pub fn denied(&self, role: &str) {
+        self.denied
+            .get_or_create(&RoleLabels {
+                role: role.to_string(),
             })
             .inc();
     }
@@ -255,6 +279,7 @@ impl Metrics {
                 instance: l.instance,
                 workload: l.workload,
                 state: state.to_string(),
+                adopted: i.adopted.to_string(),
             };
             self.state.get_or_create(&s).set(1);
         }

@@ -1,5 +1,6 @@
 //! Serving the API: the Unix socket (or TCP), grpc.health.v1, server
-//! reflection, and the orderly shutdown on SIGTERM/SIGINT.
+//! reflection, every service behind the access layer (`access.rs`), and
+//! the orderly shutdown on SIGTERM/SIGINT.
 
 use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt as _;
@@ -73,19 +74,24 @@ pub async fn serve(agent: Arc<Agent>) -> anyhow::Result<()> {
     let service = NodeAgentServer::new(Service::new(agent.clone()))
         .max_decoding_message_size(MAX_MESSAGE)
         .max_encoding_message_size(MAX_MESSAGE);
-    let mut builder = Server::builder()
+    let builder = Server::builder()
         .max_concurrent_streams(MAX_STREAMS)
         // The authority layer cuts the header blocks it re-encodes to
         // this size; it is h2's default, stated so it cannot drift.
         .max_frame_size(u32::try_from(crate::authority::MAX_FRAME).ok());
-    if let (Listen::Tcp(_), Some(tls)) = (&config.node.listen, &config.node.tls) {
-        // Client certificates are required: a client without one, or with
-        // one from another CA, fails the handshake.
-        let tls = ServerTlsConfig::new()
-            .identity(Identity::from_pem(&tls.cert, &tls.key))
-            .client_ca_root(Certificate::from_pem(&tls.client_ca));
-        builder = builder.tls_config(tls).context("the [node.tls] files")?;
+    let mut builder = match (&config.node.listen, &config.node.tls) {
+        (Listen::Tcp(_), Some(tls)) => {
+            // Client certificates are required: a client without one, or
+            // with one from another CA, fails the handshake.
+            let tls = ServerTlsConfig::new()
+                .identity(Identity::from_pem(&tls.cert, &tls.key))
+                .client_ca_root(Certificate::from_pem(&tls.client_ca));
+            builder.tls_config(tls).context("the [node.tls] files")?
+        }
+        _ => builder,
     }
+    // Every call, to every service, is checked against the caller's role.
+    .layer(crate::access::AccessLayer::new(agent.clone()));
     let router = builder
         .add_service(health_service)
         .add_service(reflection_v1)
@@ -171,13 +177,19 @@ pub async fn serve(agent: Arc<Agent>) -> anyhow::Result<()> {
 /// SIGHUP re-reads the configuration; a bad file is logged and ignored.
 async fn reload_on_sighup(agent: Arc<Agent>, mut hup: Signal) {
     while hup.recv().await.is_some() {
-        match agent.reload() {
-            Ok(()) => {
+        let me = agent.clone();
+        let reloaded = tokio::task::spawn_blocking(move || me.reload()).await;
+        match reloaded {
+            Ok(Ok(_warnings)) => {
+                tracing::info!(target: "audit", rpc = "Reload", caller = "SIGHUP", outcome = "ok", reason = "", "audit");
                 tracing::info!(config = %agent.config().source.display(), "configuration reloaded")
             }
-            Err(e) => {
+            Ok(Err(e)) => {
+                let reason = e.to_string();
+                tracing::info!(target: "audit", rpc = "Reload", caller = "SIGHUP", outcome = "refused", reason, "audit");
                 tracing::error!(error = %e, "configuration reload refused; the previous one stays in force")
             }
+            Err(e) => tracing::error!(error = %e, "the reload task failed"),
         }
     }
 }

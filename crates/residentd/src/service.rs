@@ -1,12 +1,14 @@
 //! The `resident.v1.NodeAgent` service: request validation and translation
-//! to and from the agent, and the streams of Watch and Logs (a followed log
-//! ends with its instance's run). No decision is made here.
+//! to and from the agent, the streams of Watch and Logs (a followed log
+//! ends with its instance's run), and the audit line of every call that
+//! changes something (who may call is decided before, in `access.rs`). No
+//! decision is made here.
 
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Weak};
 
-use resident_api::{ApiError, pb};
+use resident_api::pb;
 use tokio::sync::broadcast::error::{RecvError, TryRecvError};
 use tokio::sync::{broadcast, mpsc};
 use tokio_stream::Stream;
@@ -14,6 +16,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 use tracing::Instrument as _;
 
+use crate::access::{self, Caller};
 use crate::agent::{AdoptCall, Agent, Hold};
 use crate::events::Resume;
 use crate::validate;
@@ -33,45 +36,62 @@ impl Service {
 
 type Streamed<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
 
-/// Who is calling, as the Unix socket reports it (SO_PEERCRED): uid, gid
-/// and pid. None over TCP, where the client certificate is the identity.
-fn peer<T>(req: &Request<T>) -> Option<(u32, u32, Option<i32>)> {
-    let info = req
-        .extensions()
-        .get::<tonic::transport::server::UdsConnectInfo>()?;
-    let cred = info.peer_cred?;
-    Some((cred.uid(), cred.gid(), cred.pid()))
+impl Service {
+    /// Runs a call that changes something and writes its audit line: who
+    /// (the caller the access layer let through), what, which instance,
+    /// and how it ended.
+    async fn audited<T>(
+        &self,
+        rpc: &'static str,
+        caller: &Caller,
+        instance_id: &str,
+        call: impl Future<Output = Result<T, Status>>,
+        id_of: impl Fn(&T) -> String,
+    ) -> Result<T, Status> {
+        let result = call.await;
+        let quiet = rpc == "Touch";
+        match &result {
+            Ok(answer) => {
+                let id = id_of(answer);
+                let id = if id.is_empty() { instance_id } else { &id };
+                if quiet {
+                    // Every use of a model touches it: at debug when it
+                    // succeeds, at info when it does not.
+                    tracing::debug!(target: "audit", rpc, caller = ?caller.to_string(), instance_id = id, outcome = "ok", reason = "", "audit");
+                } else {
+                    access::audit(rpc, caller, id, "ok", "");
+                }
+            }
+            Err(status) => {
+                let excerpt = resident_core::Excerpt::of(status.message()).to_string();
+                access::audit(rpc, caller, instance_id, code_name(status.code()), &excerpt);
+            }
+        }
+        result
+    }
 }
 
-impl Service {
-    /// Logs who makes a mutating call and checks the node's allowlist.
-    /// Touch is frequent (every use of a model), so it logs at debug.
-    fn authorize<T>(&self, req: &Request<T>, rpc: &'static str) -> Result<(), Status> {
-        let Some((uid, gid, pid)) = peer(req) else {
-            let addr = req.remote_addr();
-            tracing::debug!(rpc, peer = ?addr, "mutating call over TCP (mutual TLS)");
-            return Ok(());
-        };
-        let pid = pid.unwrap_or(0);
-        if rpc == "Touch" {
-            tracing::debug!(rpc, uid, gid, pid, "caller");
-        } else {
-            tracing::info!(rpc, uid, gid, pid, "caller");
-        }
-        if self.agent.config().node.allow.permits(uid, gid) {
-            return Ok(());
-        }
-        tracing::warn!(
-            rpc,
-            uid,
-            gid,
-            pid,
-            "refused: caller not in allow_uids / allow_gids"
-        );
-        Err(ApiError::PermissionDenied(format!(
-            "{rpc} is not allowed for uid {uid} gid {gid}: not in the node's allow_uids or allow_gids"
-        ))
-        .into())
+/// A gRPC code as its proto name (`PERMISSION_DENIED`).
+fn code_name(code: tonic::Code) -> &'static str {
+    use tonic::Code::*;
+    match code {
+        Ok => "OK",
+        Cancelled => "CANCELLED",
+        Unknown => "UNKNOWN",
+        InvalidArgument => "INVALID_ARGUMENT",
+        DeadlineExceeded => "DEADLINE_EXCEEDED",
+        NotFound => "NOT_FOUND",
+        AlreadyExists => "ALREADY_EXISTS",
+        PermissionDenied => "PERMISSION_DENIED",
+        ResourceExhausted => "RESOURCE_EXHAUSTED",
+        FailedPrecondition => "FAILED_PRECONDITION",
+        Aborted => "ABORTED",
+        OutOfRange => "OUT_OF_RANGE",
+        Unimplemented => "UNIMPLEMENTED",
+        Internal => "INTERNAL",
+        Unavailable => "UNAVAILABLE",
+        DataLoss => "DATA_LOSS",
+        Unauthenticated => "UNAUTHENTICATED",
     }
 }
 
@@ -82,21 +102,33 @@ impl pb::node_agent_server::NodeAgent for Service {
         req: Request<pb::StartRequest>,
     ) -> Result<Response<pb::StartResponse>, Status> {
         let _timer = self.agent.metrics().time("Start");
-        self.authorize(&req, "Start")?;
+        let caller = Caller::of(&req);
         let r = req.into_inner();
-        let (id, on_full) = validate::start(&r)?;
-        let span =
-            tracing::info_span!("start", workload = %r.workload, instance_id = %r.instance_id);
-        let started = self
-            .agent
-            .start(&r.workload, id, on_full, r.wait_ready, r.lease_ms)
-            .instrument(span)
+        let excerpt = r.instance_id.clone();
+        let call = async {
+            let (id, on_full) = validate::start(&r)?;
+            let span =
+                tracing::info_span!("start", workload = %r.workload, instance_id = %r.instance_id);
+            let started = self
+                .agent
+                .start(&r.workload, id, on_full, r.wait_ready, r.lease_ms)
+                .instrument(span)
+                .await?;
+            Ok(pb::StartResponse {
+                instance: Some(started.instance),
+                created: started.created,
+                evicted: started.evicted,
+            })
+        };
+        let id_of = |s: &pb::StartResponse| {
+            s.instance
+                .as_ref()
+                .map_or_else(String::new, |i| i.instance_id.clone())
+        };
+        let answer = self
+            .audited("Start", &caller, &excerpt, call, id_of)
             .await?;
-        Ok(Response::new(pb::StartResponse {
-            instance: Some(started.instance),
-            created: started.created,
-            evicted: started.evicted,
-        }))
+        Ok(Response::new(answer))
     }
 
     async fn stop(
@@ -104,14 +136,21 @@ impl pb::node_agent_server::NodeAgent for Service {
         req: Request<pb::StopRequest>,
     ) -> Result<Response<pb::StopResponse>, Status> {
         let _timer = self.agent.metrics().time("Stop");
-        self.authorize(&req, "Stop")?;
+        let caller = Caller::of(&req);
         let r = req.into_inner();
-        let (id, grace) = validate::stop(&r)?;
-        let span = tracing::info_span!("stop", instance_id = %id);
-        let instance = self.agent.stop(id.as_str(), grace).instrument(span).await?;
-        Ok(Response::new(pb::StopResponse {
-            instance: Some(instance),
-        }))
+        let excerpt = r.instance_id.clone();
+        let call = async {
+            let (id, grace) = validate::stop(&r)?;
+            let span = tracing::info_span!("stop", instance_id = %id);
+            let instance = self.agent.stop(id.as_str(), grace).instrument(span).await?;
+            Ok(pb::StopResponse {
+                instance: Some(instance),
+            })
+        };
+        let answer = self
+            .audited("Stop", &caller, &excerpt, call, |_| String::new())
+            .await?;
+        Ok(Response::new(answer))
     }
 
     async fn adopt(
@@ -119,21 +158,54 @@ impl pb::node_agent_server::NodeAgent for Service {
         req: Request<pb::AdoptRequest>,
     ) -> Result<Response<pb::Instance>, Status> {
         let _timer = self.agent.metrics().time("Adopt");
-        self.authorize(&req, "Adopt")?;
+        let caller = Caller::of(&req);
         let r = req.into_inner();
-        let id = validate::adopt(&r)?;
-        let span =
-            tracing::info_span!("adopt", workload = %r.workload, instance_id = %id, pid = r.pid);
-        let call = AdoptCall {
-            workload: r.workload,
-            id,
-            pid: r.pid,
-            manage: r.manage,
-            // Checked by validate::adopt.
-            port: u16::try_from(r.port).unwrap_or(0),
+        let excerpt = r.instance_id.clone();
+        let call = async {
+            let id = validate::adopt(&r)?;
+            let span = tracing::info_span!("adopt", workload = %r.workload, instance_id = %id, pid = r.pid);
+            let call = AdoptCall {
+                workload: r.workload.clone(),
+                id,
+                pid: r.pid,
+                manage: r.manage,
+                // Checked by validate::adopt.
+                port: u16::try_from(r.port).unwrap_or(0),
+            };
+            Ok(self.agent.adopt(call).instrument(span).await?)
         };
-        let instance = self.agent.adopt(call).instrument(span).await?;
-        Ok(Response::new(instance))
+        let answer = self
+            .audited("Adopt", &caller, &excerpt, call, |_| String::new())
+            .await?;
+        Ok(Response::new(answer))
+    }
+
+    async fn reload(
+        &self,
+        req: Request<pb::ReloadRequest>,
+    ) -> Result<Response<pb::ReloadResponse>, Status> {
+        let _timer = self.agent.metrics().time("Reload");
+        let caller = Caller::of(&req);
+        let call = async {
+            let agent = self.agent.clone();
+            // Reading and validating the file blocks (it may look up users,
+            // programs and GGUF headers).
+            let reloaded = tokio::task::spawn_blocking(move || agent.reload())
+                .await
+                .map_err(|e| Status::internal(format!("the reload failed: {e}")))?;
+            let warnings = reloaded.map_err(|e| {
+                Status::failed_precondition(format!("the configuration was not reloaded: {e}"))
+            })?;
+            let config = self.agent.config();
+            Ok(pb::ReloadResponse {
+                config: config.source.display().to_string(),
+                warnings,
+            })
+        };
+        let answer = self
+            .audited("Reload", &caller, "", call, |_| String::new())
+            .await?;
+        Ok(Response::new(answer))
     }
 
     async fn get(&self, req: Request<pb::GetRequest>) -> Result<Response<pb::Instance>, Status> {
@@ -169,16 +241,23 @@ impl pb::node_agent_server::NodeAgent for Service {
         req: Request<pb::TouchRequest>,
     ) -> Result<Response<pb::Instance>, Status> {
         let _timer = self.agent.metrics().time("Touch");
-        self.authorize(&req, "Touch")?;
+        let caller = Caller::of(&req);
         let r = req.into_inner();
-        let id = validate::instance_id("instance_id", &r.instance_id)?;
-        let _span = tracing::info_span!("touch", instance_id = %id).entered();
-        let hold = if r.release_hold {
-            Hold::Release
-        } else {
-            Hold::For(r.hold_ms)
+        let excerpt = r.instance_id.clone();
+        let call = async {
+            let id = validate::instance_id("instance_id", &r.instance_id)?;
+            let _span = tracing::info_span!("touch", instance_id = %id).entered();
+            let hold = if r.release_hold {
+                Hold::Release
+            } else {
+                Hold::For(r.hold_ms)
+            };
+            Ok(self.agent.touch(id.as_str(), hold)?)
         };
-        Ok(Response::new(self.agent.touch(id.as_str(), hold)?))
+        let answer = self
+            .audited("Touch", &caller, &excerpt, call, |_| String::new())
+            .await?;
+        Ok(Response::new(answer))
     }
 
     type WatchStream = Streamed<pb::Event>;

@@ -6,6 +6,7 @@
 //! order and holds the helpers they share. No section asks the machine
 //! anything itself: every look-up goes through `Lookups` (`host.rs`).
 
+mod access;
 mod demand;
 pub(crate) mod flavor;
 mod groups;

@@ -54,6 +54,17 @@ pub(super) fn node(src: &Source<'_>, n: &Spanned<raw::Node>, host: Lookups) -> R
         .transpose()?;
     let max_instances = max_instances(src, n.max_instances.as_ref())?;
     let gpu_choice = gpu_choice(src, n.gpu_choice.as_ref())?;
+    let access = match &n.access {
+        Some(a) if !n.allow_uids.is_empty() || !n.allow_gids.is_empty() => {
+            return Err(src.err(
+                a.span(),
+                "node.access",
+                "give either [node.access] or allow_uids / allow_gids (list those callers as operators)",
+            ));
+        }
+        Some(a) => Some(super::access::access(src, a.get_ref(), host)?),
+        None => None,
+    };
     let run_as = n
         .run_as
         .as_ref()
@@ -80,6 +91,7 @@ pub(super) fn node(src: &Source<'_>, n: &Spanned<raw::Node>, host: Lookups) -> R
         max_instances,
         durable_answers: n.durable_answers.unwrap_or(true),
         gpu_choice,
+        access,
     })
 }
 

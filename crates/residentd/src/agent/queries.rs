@@ -101,19 +101,42 @@ impl Agent {
 
     /// Re-reads the configuration file: workloads, groups and pools change;
     /// running instances are not touched. An invalid file changes nothing.
-    pub fn reload(&self) -> Result<(), resident_config::ConfigError> {
+    pub fn reload(&self) -> Result<Vec<String>, resident_config::ConfigError> {
         let old = self.config();
         let new = resident_config::load(&old.source)?;
-        for w in &new.warnings {
+        let mut warnings = new.warnings.clone();
+        warnings.extend(restart_needed(&old, &new));
+        for w in &warnings {
             tracing::warn!("{w}");
-        }
-        if new.node.listen != old.node.listen || new.node.state_dir != old.node.state_dir {
-            tracing::warn!("listen and state_dir changes take effect at the next restart");
         }
         self.books.reconfigure(&new);
         *self.config.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(new);
         self.open_device_probes();
         self.refresh_probes();
-        Ok(())
+        Ok(warnings)
     }
+}
+
+/// Every changed key that a reload does not apply: each takes effect at
+/// the next start of the agent.
+fn restart_needed(old: &resident_config::Config, new: &resident_config::Config) -> Vec<String> {
+    let (o, n) = (&old.node, &new.node);
+    let changed = [
+        ("listen", o.listen != n.listen),
+        ("state_dir", o.state_dir != n.state_dir),
+        ("metrics_listen", o.metrics_listen != n.metrics_listen),
+        ("socket_group", o.socket_group != n.socket_group),
+        ("cgroups", o.cgroups != n.cgroups),
+        ("sample_every", o.sample_every != n.sample_every),
+        ("tls", o.tls != n.tls),
+        ("insecure", o.insecure != n.insecure),
+        ("name", o.name != n.name),
+    ];
+    changed
+        .iter()
+        .filter(|(_, c)| *c)
+        .map(|(key, _)| {
+            format!("node.{key} changed: it takes effect at the next restart of the agent")
+        })
+        .collect()
 }

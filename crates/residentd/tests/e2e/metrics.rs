@@ -9,7 +9,7 @@ use crate::support::*;
 use resident_api::pb;
 use serde_json::Value;
 
-fn scrape(port: u16) -> String {
+pub fn scrape(port: u16) -> String {
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
     s.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
         .expect("request");
@@ -176,6 +176,21 @@ async fn every_metric_served_is_documented_and_every_documented_one_served() {
     let mut evict = start_req("big", "b3");
     evict.on_full = pb::Policy::Evict as i32;
     d.client.start(evict).await.expect("evicts b1");
+    // A call refused for want of a role: this caller left out of the
+    // allowlist by a reload.
+    let text = config_text(d.dir.path(), &format!("allow_uids = [4242]\n{config}"));
+    std::fs::write(d.dir.path().join("residentd.toml"), text).expect("rewrite the config");
+    d.signal(nix::sys::signal::Signal::SIGHUP);
+    let denied = until(
+        async || match d.client.start(start_req("big", "b4")).await {
+            Err(e) if e.code() == tonic::Code::PermissionDenied => Some(()),
+            _ => None,
+        },
+    );
+    assert!(
+        denied.await.is_some(),
+        "the reload left this caller a viewer"
+    );
     let body = tokio::task::spawn_blocking(move || scrape(port))
         .await
         .expect("joined");

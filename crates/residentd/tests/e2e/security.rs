@@ -61,9 +61,15 @@ async fn callers_outside_the_allowlist_change_nothing() {
     let placement = d.client.place(place).await.expect("place is a read");
     assert!(placement.into_inner().admitted);
     assert_eq!(d.node().await.pools[0].used_bytes, 0);
+    let log = d.log();
+    let denied = log.lines().find(|l| {
+        l.contains(" audit: ") && l.contains("rpc=\"Start\"") && l.contains("outcome=\"denied\"")
+    });
+    let denied = denied.unwrap_or_else(|| panic!("no audit line of the denied Start: {log}"));
     assert!(
-        d.log()
-            .contains("refused: caller not in allow_uids / allow_gids")
+        denied.contains("Start needs the operator role; uid ")
+            && denied.contains("has the viewer role"),
+        "{denied}"
     );
 
     // The same caller, listed by group, may start.
@@ -389,4 +395,102 @@ async fn a_server_listening_beyond_loopback_is_stopped_as_exposed() {
     for id in ["in", "ok"] {
         assert_eq!(d.get(id).await.state, pb::State::Ready as i32, "{id}");
     }
+}
+
+/// residentctl with `args`, run as uid and gid 65534 (nobody, nogroup)
+/// with `groups` as its supplementary groups: another user, as an operator
+/// would see them.
+fn as_nobody(d: &Daemon, groups: &[u32], args: &[&str]) -> std::process::Output {
+    let groups: Vec<String> = groups.iter().map(u32::to_string).collect();
+    let drop = format!(
+        "import os, sys\nos.setgroups([{}])\nos.setgid(65534)\nos.setuid(65534)\nos.execv(sys.argv[1], sys.argv[1:])\n",
+        groups.join(", ")
+    );
+    Command::new("python3")
+        .args(["-c", &drop, env!("CARGO_BIN_EXE_residentctl"), "--socket"])
+        .arg(&d.socket)
+        .args(args)
+        .output()
+        .expect("python3 runs")
+}
+
+#[tokio::test]
+async fn unix_callers_get_the_roles_their_uid_and_groups_are_granted() {
+    if !nix::unistd::geteuid().is_root() {
+        return skip("needs root: callers of other users are made with setuid");
+    }
+    const OPERATORS: u32 = 4242;
+    let access = format!(
+        "socket_group = \"nogroup\"\n[node.access]\nviewers = [\"group:nogroup\"]\noperators = [\"gid:{OPERATORS}\"]\nadmins = [\"uid:0\"]\n\n"
+    );
+    let mut d = Daemon::start(&format!("{access}{}", roster())).await;
+    // The socket's directory must let other users reach the socket.
+    std::fs::set_permissions(d.dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let text = |o: &std::process::Output| {
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        )
+    };
+    // In nogroup only: a viewer. It reads; it cannot start.
+    let o = as_nobody(&d, &[65534], &["ls"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let o = as_nobody(&d, &[65534], &["start", "nap", "--id", "v"]);
+    assert!(!o.status.success());
+    assert!(
+        text(&o).contains("Start needs the operator role; uid 65534 gid 65534 groups 65534"),
+        "{}",
+        text(&o)
+    );
+    assert!(d.ids().await.is_empty(), "nothing changed");
+    // With the operators' group among its supplementary groups: an
+    // operator. It starts; it cannot reload.
+    let o = as_nobody(&d, &[65534, OPERATORS], &["start", "nap", "--id", "o"]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(d.ids().await, ["o"]);
+    let o = as_nobody(&d, &[65534, OPERATORS], &["reload"]);
+    assert!(
+        text(&o).contains("Reload needs the admin role"),
+        "{}",
+        text(&o)
+    );
+    // Root is the admin here.
+    let r = d
+        .client
+        .reload(pb::ReloadRequest {})
+        .await
+        .expect("root reloads");
+    assert!(
+        r.into_inner()
+            .warnings
+            .iter()
+            .all(|w| !w.contains("changed"))
+    );
+    // The audit trail says who did what, allowed or not.
+    let log = d.log();
+    let audit: Vec<&str> = log.lines().filter(|l| l.contains(" audit: ")).collect();
+    let line = |rpc: &str, outcome: &str| {
+        audit
+            .iter()
+            .find(|l| {
+                l.contains(&format!("rpc=\"{rpc}\""))
+                    && l.contains(&format!("outcome=\"{outcome}\""))
+            })
+            .copied()
+    };
+    let denied = line("Start", "denied").expect("the viewer's Start is audited");
+    assert!(denied.contains("uid=65534 gid=65534"), "{denied}");
+    assert!(
+        denied.contains("instance_id=\"\""),
+        "refused before it was read: {denied}"
+    );
+    let ok = line("Start", "ok").expect("the operator's Start is audited");
+    assert!(ok.contains(&format!("groups {OPERATORS},65534")), "{ok}");
+    assert!(ok.contains("instance_id=\"o\""), "{ok}");
+    assert!(
+        line("Reload", "denied").is_some() && line("Reload", "ok").is_some(),
+        "{audit:#?}"
+    );
+    d.stopped("o").await;
 }

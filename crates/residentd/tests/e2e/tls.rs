@@ -1,6 +1,8 @@
 //! TCP is served only with mutual TLS (unless the operator writes
 //! `insecure = true`): a plaintext client is refused, a client with a
-//! certificate from another CA is refused, the right one works.
+//! certificate from another CA is refused, the right one works, with the
+//! role `[node.access]` grants its certificate's names (and none
+//! otherwise).
 
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -29,9 +31,26 @@ fn ca() -> Ca {
 
 /// A certificate for `names`, signed by `ca`: (cert PEM, key PEM).
 fn leaf(ca: &Ca, names: &[&str]) -> (String, String) {
+    leaf_with(ca, names, None, None)
+}
+
+/// A certificate for DNS `names`, a SAN `uri` and a subject `cn`.
+fn leaf_with(ca: &Ca, names: &[&str], uri: Option<&str>, cn: Option<&str>) -> (String, String) {
     let key = KeyPair::generate().expect("key");
-    let params = CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
-        .expect("params");
+    let mut params =
+        CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
+            .expect("params");
+    if let Some(uri) = uri {
+        let uri = uri.to_string().try_into().expect("an ia5 string");
+        params.subject_alt_names.push(rcgen::SanType::URI(uri));
+    }
+    // rcgen's default subject has a CN of its own.
+    params.distinguished_name = rcgen::DistinguishedName::new();
+    if let Some(cn) = cn {
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, cn);
+    }
     let cert = params.signed_by(&key, &ca.cert, &ca.key).expect("signed");
     (cert.pem(), key.serialize_pem())
 }
@@ -75,7 +94,7 @@ async fn tcp_needs_a_client_certificate_from_the_configured_ca() {
     let dir = tempfile::tempdir().expect("tempdir");
     let port = free_port();
     let config = format!(
-        "[node]\nname = \"tls-node\"\nlisten = \"tcp://127.0.0.1:{port}\"\nstate_dir = \"{}/state\"\n[node.tls]\ncert = \"{}\"\nkey = \"{}\"\nclient_ca = \"{}\"\n\n[[pool]]\nname = \"ram\"\nbudget = \"1GB\"\n",
+        "[node]\nname = \"tls-node\"\nlisten = \"tcp://127.0.0.1:{port}\"\nstate_dir = \"{}/state\"\n[node.access]\nviewers = [\"cert-dns:client\"]\n[node.tls]\ncert = \"{}\"\nkey = \"{}\"\nclient_ca = \"{}\"\n\n[[pool]]\nname = \"ram\"\nbudget = \"1GB\"\n",
         dir.path().display(),
         write(dir.path(), "server.pem", &server_cert),
         write(dir.path(), "server.key", &server_key),
@@ -128,6 +147,206 @@ async fn tcp_needs_a_client_certificate_from_the_configured_ca() {
     assert!(plain.await.is_err(), "a plaintext client got an answer");
     let _ = agent.kill();
     let _ = agent.wait();
+}
+
+/// A TLS agent on a free port with `access` as its `[node.access]` table
+/// and a workload `nap`; returns it, its port and the CAs' PEM.
+struct TlsAgent {
+    child: std::process::Child,
+    port: u16,
+    metrics: u16,
+    server_ca: String,
+    client_ca: Ca,
+    _dir: tempfile::TempDir,
+    log: std::path::PathBuf,
+}
+
+impl Drop for TlsAgent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn tls_agent(access: &str) -> TlsAgent {
+    let (server_ca, client_ca) = (ca(), ca());
+    let (server_cert, server_key) = leaf(&server_ca, &["localhost"]);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (port, metrics) = (free_port(), free_port());
+    let config = format!(
+        "[node]\nname = \"tls-node\"\nlisten = \"tcp://127.0.0.1:{port}\"\nstate_dir = \"{}/state\"\nmetrics_listen = \"127.0.0.1:{metrics}\"\n{access}\n[node.tls]\ncert = \"{}\"\nkey = \"{}\"\nclient_ca = \"{}\"\n\n[[pool]]\nname = \"ram\"\nbudget = \"1GB\"\n\n[[workload]]\nname = \"nap\"\ncommand = [\"/bin/sleep\", \"3600\"]\n[workload.memory.ram]\nweights = \"1MB\"\n",
+        dir.path().display(),
+        write(dir.path(), "server.pem", &server_cert),
+        write(dir.path(), "server.key", &server_key),
+        write(dir.path(), "client-ca.pem", &client_ca.cert.pem()),
+    );
+    let config_path = write(dir.path(), "residentd.toml", &config);
+    let log = dir.path().join("residentd.log");
+    let child = Command::new(RESIDENTD)
+        .args(["--config", &config_path])
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).expect("log"))
+        .spawn()
+        .expect("start residentd");
+    TlsAgent {
+        child,
+        port,
+        metrics,
+        server_ca: server_ca.cert.pem(),
+        client_ca,
+        _dir: dir,
+        log,
+    }
+}
+
+/// A client with a client certificate (no call made).
+async fn channel(a: &TlsAgent, cert: &str, key: &str) -> NodeAgentClient<Channel> {
+    NodeAgentClient::new(connect_tls(a, cert, key).await)
+}
+
+/// The PERMISSION_DENIED message of `r`; panics on anything else.
+fn denied<T: std::fmt::Debug>(r: Result<T, tonic::Status>, what: &str) -> String {
+    match r {
+        Err(e) if e.code() == tonic::Code::PermissionDenied => e.message().to_string(),
+        other => panic!("{what}: {other:?}"),
+    }
+}
+
+/// A channel with a client certificate, once the agent listens.
+async fn connect_tls(a: &TlsAgent, cert: &str, key: &str) -> Channel {
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(&a.server_ca))
+        .domain_name("localhost")
+        .identity(Identity::from_pem(cert, key));
+    let endpoint = Endpoint::from_shared(format!("https://127.0.0.1:{}", a.port))
+        .expect("endpoint")
+        .tls_config(tls)
+        .expect("tls")
+        .timeout(Duration::from_secs(5));
+    let channel = until(async || endpoint.connect().await.ok()).await;
+    channel.expect("the agent listens")
+}
+
+#[tokio::test]
+async fn certificates_get_the_roles_their_names_are_granted() {
+    let a = tls_agent(
+        "[node.access]\nviewers = [\"cert-dns:dashboard.example\"]\noperators = [\"cert-cn:orchestrator\"]\nadmins = [\"cert-uri:spiffe://example/admin\"]",
+    );
+    let (viewer_cert, viewer_key) = leaf(&a.client_ca, &["dashboard.example"]);
+    let (op_cert, op_key) = leaf_with(&a.client_ca, &["op.example"], None, Some("orchestrator"));
+    let (admin_cert, admin_key) =
+        leaf_with(&a.client_ca, &[], Some("spiffe://example/admin"), None);
+    let (nobody_cert, nobody_key) = leaf(&a.client_ca, &["stranger.example"]);
+    let start = || pb::StartRequest {
+        workload: "nap".into(),
+        instance_id: "n".into(),
+        ..Default::default()
+    };
+
+    // Viewer: reads, no changes.
+    let mut v = channel(&a, &viewer_cert, &viewer_key).await;
+    let node = until(async || v.node(pb::NodeRequest {}).await.ok()).await;
+    assert!(node.is_some(), "the viewer reads");
+    let msg = denied(v.start(start()).await, "a viewer's Start");
+    assert!(
+        msg.contains("Start needs the operator role; cert-dns:dashboard.example from 127.0.0.1:"),
+        "{msg}"
+    );
+    assert!(msg.ends_with("has the viewer role"), "{msg}");
+    // Operator: starts and stops; no reload.
+    let mut o = channel(&a, &op_cert, &op_key).await;
+    o.start(start()).await.expect("the operator starts");
+    let msg = denied(o.reload(pb::ReloadRequest {}).await, "an operator's Reload");
+    assert!(
+        msg.contains("Reload needs the admin role; cert-cn:orchestrator"),
+        "{msg}"
+    );
+    // Admin: reloads.
+    let mut ad = channel(&a, &admin_cert, &admin_key).await;
+    let r = ad
+        .reload(pb::ReloadRequest {})
+        .await
+        .expect("the admin reloads");
+    assert!(r.into_inner().config.ends_with("residentd.toml"));
+    // A certificate of the right CA whose names are granted nothing: not
+    // even a read, and the health service neither.
+    let mut n = channel(&a, &nobody_cert, &nobody_key).await;
+    let msg = denied(n.node(pb::NodeRequest {}).await, "a stranger's Node");
+    assert!(msg.contains("has no role"), "{msg}");
+    let mut health = tonic_health::pb::health_client::HealthClient::new(
+        connect_tls(&a, &nobody_cert, &nobody_key).await,
+    );
+    let h = health
+        .check(tonic_health::pb::HealthCheckRequest::default())
+        .await;
+    assert_eq!(
+        h.map_err(|e| e.code()).err(),
+        Some(tonic::Code::PermissionDenied)
+    );
+    o.stop(pb::StopRequest {
+        instance_id: "n".into(),
+        grace_ms: 0,
+    })
+    .await
+    .expect("the operator stops");
+    // Every change is in the audit trail, allowed or not, with who.
+    let log = std::fs::read_to_string(&a.log).expect("log");
+    let audit: Vec<&str> = log.lines().filter(|l| l.contains(" audit: ")).collect();
+    let has = |rpc: &str, who: &str, outcome: &str| {
+        audit.iter().any(|l| {
+            l.contains(&format!("rpc=\"{rpc}\""))
+                && l.contains(who)
+                && l.contains(&format!("outcome=\"{outcome}\""))
+        })
+    };
+    assert!(
+        has("Start", "cert-dns:dashboard.example", "denied"),
+        "{audit:#?}"
+    );
+    assert!(has("Start", "cert-cn:orchestrator", "ok"), "{audit:#?}");
+    assert!(
+        has("Reload", "cert-cn:orchestrator", "denied"),
+        "{audit:#?}"
+    );
+    assert!(
+        has("Reload", "cert-uri:spiffe://example/admin", "ok"),
+        "{audit:#?}"
+    );
+    assert!(has("Stop", "cert-cn:orchestrator", "ok"), "{audit:#?}");
+    // Refusals are counted by the role they needed.
+    let port = a.metrics;
+    let body = tokio::task::spawn_blocking(move || crate::metrics::scrape(port))
+        .await
+        .expect("joined");
+    let count = |role: &str| {
+        let series = format!("residentd_access_denied_total{{role=\"{role}\"}} ");
+        body.lines()
+            .find_map(|l| l.strip_prefix(&series))
+            .map(|v| v.trim().to_string())
+    };
+    assert_eq!(count("operator").as_deref(), Some("1"), "{body}");
+    assert_eq!(count("admin").as_deref(), Some("1"), "{body}");
+    assert_eq!(
+        count("viewer").as_deref(),
+        Some("2"),
+        "Node and health: {body}"
+    );
+}
+
+#[tokio::test]
+async fn without_an_access_table_a_tls_caller_is_granted_nothing() {
+    let a = tls_agent("");
+    let (cert, key) = leaf(&a.client_ca, &["client"]);
+    let mut c = channel(&a, &cert, &key).await;
+    let r = until(async || match c.node(pb::NodeRequest {}).await {
+        Err(e) if e.code() == tonic::Code::PermissionDenied => Some(e),
+        _ => None,
+    })
+    .await;
+    assert!(
+        r.is_some(),
+        "a TLS caller is denied until [node.access] grants it"
+    );
 }
 
 #[test]

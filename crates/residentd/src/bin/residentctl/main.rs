@@ -110,6 +110,9 @@ enum Command {
         #[arg(long)]
         port: Option<u16>,
     },
+    /// Re-read the agent's configuration file, as SIGHUP does (needs the
+    /// admin role).
+    Reload,
     /// Mark a use of an instance; with --hold, protect it from eviction.
     Touch {
         id: String,
@@ -396,6 +399,10 @@ async fn run(cli: &Cli) -> Result<ExitCode, Failure> {
             };
             let r = c.adopt(req).await?.into_inner();
             render::instances(&[r], json)?;
+        }
+        Command::Reload => {
+            let r = c.reload(pb::ReloadRequest {}).await?.into_inner();
+            render::reloaded(&r, json)?;
         }
         Command::Node => {
             let r = c.node(pb::NodeRequest {}).await?.into_inner();

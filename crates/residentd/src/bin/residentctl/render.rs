@@ -332,6 +332,18 @@ pub fn refusal(status: &tonic::Status, json: bool) -> io::Result<()> {
     Ok(())
 }
 
+/// A reload: the file read, and its warnings (on stderr).
+pub fn reloaded(r: &pb::ReloadResponse, json: bool) -> io::Result<()> {
+    if json {
+        return print_json(&json!({ "config": r.config, "warnings": r.warnings }));
+    }
+    for w in &r.warnings {
+        err!("residentctl: warning: {w}");
+    }
+    out!("reloaded {}", r.config);
+    Ok(())
+}
+
 /// One log line, on stdout whichever stream it came from.
 pub fn log_line(l: &pb::LogLine, json: bool) -> io::Result<()> {
     if json {

@@ -1,0 +1,465 @@
+//! Who may do what. Every call names its caller: over the Unix socket its
+//! uid, gid, supplementary groups (read for its pid) and pid; over TCP
+//! with mutual TLS its certificate's SAN DNS names, SAN URIs and subject
+//! CN. The caller's role (viewer, operator, admin; each includes the ones
+//! before it) comes from `[node.access]`, or from the defaults:
+//!
+//! - Unix socket: every caller is a viewer and an operator (the socket's
+//!   mode 0660 already limits callers to the agent's user, the socket
+//!   group and root), and root and the agent's own uid are admins; with
+//!   `allow_uids` / `allow_gids`, callers outside them are viewers only.
+//! - TCP with mutual TLS: nothing, until `[node.access]` grants it.
+//! - Plain TCP (`insecure = true`): every caller is an operator, as the
+//!   operator chose; `[node.access]` can grant nothing to a caller without
+//!   a certificate.
+
+use std::fmt;
+use std::net::SocketAddr;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use resident_config::{AccessRole, Config, Principal};
+use tonic::Request;
+use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo, UdsConnectInfo};
+use x509_parser::extensions::GeneralName;
+
+use crate::agent::Agent;
+
+/// What the access layer found for a call it let through, for the
+/// service's audit lines.
+#[derive(Debug, Clone)]
+pub struct Authorized {
+    /// Who.
+    pub caller: Caller,
+    /// With which role.
+    pub role: AccessRole,
+}
+
+/// The tower layer in front of every service (NodeAgent, health,
+/// reflection): the caller's role must cover the method's, or the call is
+/// answered PERMISSION_DENIED before any service sees it.
+#[derive(Debug, Clone)]
+pub struct AccessLayer {
+    agent: Arc<Agent>,
+}
+
+impl AccessLayer {
+    /// The layer, reading the roles from `agent`'s current config.
+    pub fn new(agent: Arc<Agent>) -> Self {
+        Self { agent }
+    }
+}
+
+impl<S> tower::Layer<S> for AccessLayer {
+    type Service = Guarded<S>;
+    fn layer(&self, inner: S) -> Guarded<S> {
+        Guarded {
+            inner,
+            agent: self.agent.clone(),
+        }
+    }
+}
+
+/// A service behind the access check.
+#[derive(Debug, Clone)]
+pub struct Guarded<S> {
+    inner: S,
+    agent: Arc<Agent>,
+}
+
+type Boxed<T, E> = Pin<Box<dyn Future<Output = Result<T, E>> + Send>>;
+
+impl<S, B> tower::Service<http::Request<B>> for Guarded<S>
+where
+    S: tower::Service<http::Request<B>, Response = http::Response<tonic::body::Body>>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    B: Send + 'static,
+{
+    type Response = http::Response<tonic::body::Body>;
+    type Error = S::Error;
+    type Future = Boxed<Self::Response, Self::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut req: http::Request<B>) -> Self::Future {
+        let caller = Caller::from_extensions(req.extensions());
+        let path = req.uri().path().to_string();
+        let need = required(&path);
+        let has = caller.role(&self.agent.config());
+        match (need, has) {
+            (Some(need), Some(role)) if role >= need => {
+                req.extensions_mut().insert(Authorized { caller, role });
+                // The service that was polled ready takes the call; a
+                // clone takes its place.
+                let clone = self.inner.clone();
+                let mut ready = std::mem::replace(&mut self.inner, clone);
+                Box::pin(ready.call(req))
+            }
+            _ => {
+                let denied = deny(&self.agent, &caller, &path, need, has);
+                Box::pin(async move { Ok(denied.into_http()) })
+            }
+        }
+    }
+}
+
+/// Who is calling.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Caller {
+    /// Over the Unix socket (SO_PEERCRED).
+    Unix {
+        /// Its uid.
+        uid: u32,
+        /// Its primary gid.
+        gid: u32,
+        /// Its pid, when the kernel says.
+        pid: Option<i32>,
+        /// Its supplementary groups, read from `/proc/PID/status`.
+        groups: Vec<u32>,
+    },
+    /// Over TCP with a client certificate.
+    Cert {
+        /// SAN DNS names.
+        dns: Vec<String>,
+        /// SAN URIs (a SPIFFE id).
+        uris: Vec<String>,
+        /// Subject common names.
+        cn: Vec<String>,
+        /// Where from.
+        addr: Option<SocketAddr>,
+    },
+    /// Over TCP without a certificate (`insecure = true`).
+    Anonymous {
+        /// Where from.
+        addr: Option<SocketAddr>,
+    },
+}
+
+impl Caller {
+    /// The caller of `req`: the one the access layer found, or read anew.
+    pub fn of<T>(req: &Request<T>) -> Self {
+        match req.extensions().get::<Authorized>() {
+            Some(a) => a.caller.clone(),
+            None => Self::from_extensions(req.extensions()),
+        }
+    }
+
+    /// The caller a request's connection says (the extensions tonic gives
+    /// every request).
+    pub fn from_extensions(ext: &http::Extensions) -> Self {
+        if let Some(cred) = ext.get::<UdsConnectInfo>().and_then(|i| i.peer_cred) {
+            let pid = cred.pid();
+            return Self::Unix {
+                uid: cred.uid(),
+                gid: cred.gid(),
+                pid,
+                groups: pid.map(supplementary_groups).unwrap_or_default(),
+            };
+        }
+        if let Some(tls) = ext.get::<TlsConnectInfo<TcpConnectInfo>>() {
+            let addr = tls.get_ref().remote_addr();
+            if let Some(leaf) = tls.peer_certs().as_ref().and_then(|c| c.first().cloned()) {
+                return identity(leaf.as_ref(), addr);
+            }
+            return Self::Anonymous { addr };
+        }
+        let addr = ext.get::<TcpConnectInfo>().and_then(|i| i.remote_addr());
+        Self::Anonymous { addr }
+    }
+
+    /// Whether `p` names this caller.
+    fn is(&self, p: &Principal) -> bool {
+        match (self, p) {
+            (Self::Unix { uid, .. }, Principal::Uid(u)) => uid == u,
+            (Self::Unix { gid, groups, .. }, Principal::Gid(g)) => gid == g || groups.contains(g),
+            (Self::Cert { dns, .. }, Principal::CertDns(d)) => dns.contains(d),
+            (Self::Cert { uris, .. }, Principal::CertUri(u)) => uris.contains(u),
+            (Self::Cert { cn, .. }, Principal::CertCn(c)) => cn.contains(c),
+            _ => false,
+        }
+    }
+
+    /// The highest role `config` grants this caller; `None`: no role.
+    pub fn role(&self, config: &Config) -> Option<AccessRole> {
+        let Some(access) = &config.node.access else {
+            return self.default_role(config);
+        };
+        let granted = |list: &[Principal]| list.iter().any(|p| self.is(p));
+        if granted(&access.admins) {
+            Some(AccessRole::Admin)
+        } else if granted(&access.operators) {
+            Some(AccessRole::Operator)
+        } else if granted(&access.viewers) {
+            Some(AccessRole::Viewer)
+        } else {
+            None
+        }
+    }
+
+    fn default_role(&self, config: &Config) -> Option<AccessRole> {
+        match self {
+            Self::Unix { uid, gid, .. } => {
+                let own = nix::unistd::geteuid().as_raw();
+                if !config.node.allow.permits(*uid, *gid) {
+                    Some(AccessRole::Viewer)
+                } else if *uid == 0 || *uid == own {
+                    Some(AccessRole::Admin)
+                } else {
+                    Some(AccessRole::Operator)
+                }
+            }
+            Self::Cert { .. } => None,
+            Self::Anonymous { .. } => Some(AccessRole::Operator),
+        }
+    }
+}
+
+impl fmt::Display for Caller {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Unix {
+                uid,
+                gid,
+                pid,
+                groups,
+            } => {
+                write!(f, "uid {uid} gid {gid}")?;
+                if !groups.is_empty() {
+                    let list: Vec<String> = groups.iter().map(u32::to_string).collect();
+                    write!(f, " groups {}", list.join(","))?;
+                }
+                match pid {
+                    Some(pid) => write!(f, " pid {pid}"),
+                    None => Ok(()),
+                }
+            }
+            Self::Cert {
+                dns,
+                uris,
+                cn,
+                addr,
+            } => {
+                let mut names: Vec<String> = Vec::new();
+                names.extend(cn.iter().map(|c| format!("cert-cn:{c}")));
+                names.extend(dns.iter().map(|d| format!("cert-dns:{d}")));
+                names.extend(uris.iter().map(|u| format!("cert-uri:{u}")));
+                if names.is_empty() {
+                    names.push("a certificate without names".into());
+                }
+                write!(f, "{}", names.join(" "))?;
+                match addr {
+                    Some(a) => write!(f, " from {a}"),
+                    None => Ok(()),
+                }
+            }
+            Self::Anonymous { addr } => match addr {
+                Some(a) => write!(f, "an unauthenticated TCP caller from {a}"),
+                None => f.write_str("an unauthenticated TCP caller"),
+            },
+        }
+    }
+}
+
+/// A refused call: logged (an audit line for a call that would change
+/// something), counted by the role it needed, answered PERMISSION_DENIED.
+fn deny(
+    agent: &Agent,
+    caller: &Caller,
+    path: &str,
+    need: Option<AccessRole>,
+    has: Option<AccessRole>,
+) -> tonic::Status {
+    let rpc = path.rsplit('/').next().unwrap_or(path);
+    let has = has.map_or("no role".to_string(), |r| {
+        format!("the {} role", r.as_str())
+    });
+    let message = match need {
+        Some(need) => format!("{rpc} needs the {} role; {caller} has {has}", need.as_str()),
+        None => format!("{path} is not a method of this agent"),
+    };
+    let need_name = need.map_or("none", AccessRole::as_str);
+    agent.metrics().denied(need_name);
+    if need >= Some(AccessRole::Operator) {
+        audit(rpc, caller, "", "denied", &message);
+    } else {
+        tracing::info!(rpc, caller = %caller, "refused: {message}");
+    }
+    tonic::Status::permission_denied(message)
+}
+
+/// The audit line of a call that changes something (Start, Stop, Touch,
+/// Adopt, Reload), allowed or not, with stable fields: `rpc`, `caller`
+/// (as messages name it), `uid`, `gid` and `pid` for a Unix caller,
+/// `instance_id` (at most 32 characters of it), `outcome` (`ok`, `denied`,
+/// `refused`, or the gRPC code of the error) and `reason`. Logged under the
+/// target `audit`.
+pub fn audit(rpc: &str, caller: &Caller, instance_id: &str, outcome: &str, reason: &str) {
+    let (uid, gid, pid) = match caller {
+        Caller::Unix { uid, gid, pid, .. } => (Some(*uid), Some(*gid), *pid),
+        _ => (None, None, None),
+    };
+    let instance_id = short(instance_id);
+    tracing::info!(
+        target: "audit",
+        rpc,
+        caller = ?caller.to_string(),
+        uid,
+        gid,
+        pid,
+        instance_id,
+        outcome,
+        reason,
+        "audit"
+    );
+}
+
+/// A caller-supplied value as a log field: whole when short, else an
+/// excerpt with its length.
+fn short(s: &str) -> String {
+    if s.chars().count() <= resident_core::Excerpt::HEAD {
+        s.to_string()
+    } else {
+        resident_core::Excerpt::of(s).to_string()
+    }
+}
+
+/// The role an RPC needs, by its gRPC method path; `None` for a path no
+/// role covers (refused).
+pub fn required(path: &str) -> Option<AccessRole> {
+    let (service, method) = path.trim_start_matches('/').split_once('/')?;
+    match service {
+        "resident.v1.NodeAgent" => match method {
+            "Start" | "Stop" | "Touch" | "Adopt" => Some(AccessRole::Operator),
+            "Reload" => Some(AccessRole::Admin),
+            _ => Some(AccessRole::Viewer),
+        },
+        "grpc.health.v1.Health"
+        | "grpc.reflection.v1.ServerReflection"
+        | "grpc.reflection.v1alpha.ServerReflection" => Some(AccessRole::Viewer),
+        _ => None,
+    }
+}
+
+/// A certificate's names; one that does not parse names nobody.
+fn identity(der: &[u8], addr: Option<SocketAddr>) -> Caller {
+    let (mut dns, mut uris, mut cn) = (Vec::new(), Vec::new(), Vec::new());
+    if let Ok((_, cert)) = x509_parser::parse_x509_certificate(der) {
+        if let Ok(Some(san)) = cert.subject_alternative_name() {
+            for name in &san.value.general_names {
+                match name {
+                    GeneralName::DNSName(d) => dns.push((*d).to_string()),
+                    GeneralName::URI(u) => uris.push((*u).to_string()),
+                    _ => {}
+                }
+            }
+        }
+        cn.extend(
+            cert.subject()
+                .iter_common_name()
+                .filter_map(|a| a.as_str().ok())
+                .map(String::from),
+        );
+    }
+    Caller::Cert {
+        dns,
+        uris,
+        cn,
+        addr,
+    }
+}
+
+/// The supplementary groups of process `pid` (`Groups:` of its status).
+fn supplementary_groups(pid: i32) -> Vec<u32> {
+    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+        return Vec::new();
+    };
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Groups:"))
+        .map(|g| {
+            g.split_whitespace()
+                .filter_map(|n| n.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn methods_need_their_roles() {
+        assert_eq!(
+            required("/resident.v1.NodeAgent/Get"),
+            Some(AccessRole::Viewer)
+        );
+        assert_eq!(
+            required("/resident.v1.NodeAgent/Start"),
+            Some(AccessRole::Operator)
+        );
+        assert_eq!(
+            required("/resident.v1.NodeAgent/Adopt"),
+            Some(AccessRole::Operator)
+        );
+        assert_eq!(
+            required("/resident.v1.NodeAgent/Reload"),
+            Some(AccessRole::Admin)
+        );
+        assert_eq!(
+            required("/grpc.health.v1.Health/Check"),
+            Some(AccessRole::Viewer)
+        );
+        assert_eq!(required("/other.Service/Call"), None);
+        assert_eq!(required("nonsense"), None);
+    }
+
+    #[test]
+    fn this_process_has_its_groups_read() {
+        let mine = supplementary_groups(std::process::id() as i32);
+        let want: Vec<u32> = nix::unistd::getgroups()
+            .expect("getgroups")
+            .iter()
+            .map(|g| g.as_raw())
+            .collect();
+        assert_eq!(mine, want);
+    }
+
+    #[test]
+    fn a_certificates_names_are_read() {
+        let mut params =
+            rcgen::CertificateParams::new(vec!["worker-1.example".to_string()]).expect("params");
+        params.subject_alt_names.push(rcgen::SanType::URI(
+            "spiffe://example/ns/a".try_into().expect("uri"),
+        ));
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "orchestrator");
+        let key = rcgen::KeyPair::generate().expect("key");
+        let cert = params.self_signed(&key).expect("cert");
+        let caller = identity(cert.der(), None);
+        assert_eq!(
+            caller,
+            Caller::Cert {
+                dns: vec!["worker-1.example".into()],
+                uris: vec!["spiffe://example/ns/a".into()],
+                cn: vec!["orchestrator".into()],
+                addr: None,
+            }
+        );
+        assert!(caller.is(&Principal::CertUri("spiffe://example/ns/a".into())));
+        assert!(!caller.is(&Principal::CertDns("worker-2.example".into())));
+        assert_eq!(
+            caller.to_string(),
+            "cert-cn:orchestrator cert-dns:worker-1.example cert-uri:spiffe://example/ns/a"
+        );
+    }
+}
