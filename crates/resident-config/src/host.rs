@@ -66,7 +66,7 @@ impl Lookups {
         }
     }
 
-    fn local(self) -> bool {
+    pub(crate) fn local(self) -> bool {
         self.host == Host::Local
     }
 

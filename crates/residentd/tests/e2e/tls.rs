@@ -384,3 +384,29 @@ fn tcp_without_tls_is_refused_unless_insecure_is_written() {
     );
     assert!(String::from_utf8_lossy(&out.stdout).contains("valid"));
 }
+
+#[test]
+fn tls_files_that_do_not_fit_together_exit_78_at_check_and_at_start() {
+    let (server_ca, other) = (ca(), ca());
+    let (cert, _key) = leaf(&server_ca, &["localhost"]);
+    let (_, wrong_key) = leaf(&other, &["elsewhere"]);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = format!(
+        "[node]\nname = \"n\"\nlisten = \"tcp://127.0.0.1:{}\"\nstate_dir = \"{}/state\"\n[node.tls]\ncert = \"{}\"\nkey = \"{}\"\nclient_ca = \"{}\"\n",
+        free_port(),
+        dir.path().display(),
+        write(dir.path(), "server.pem", &cert),
+        write(dir.path(), "wrong.key", &wrong_key),
+        write(dir.path(), "ca.pem", &server_ca.cert.pem()),
+    );
+    let path = write(dir.path(), "c.toml", &config);
+    for args in [vec!["--check-config", &path], vec!["--config", &path]] {
+        let out = Command::new(RESIDENTD).args(&args).output().expect("run");
+        assert_eq!(out.status.code(), Some(78), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("c.toml:7: node.tls.key: does not match the certificate in"),
+            "{args:?}: {err}"
+        );
+    }
+}
