@@ -36,8 +36,9 @@ pub enum Listen {
 pub struct NodeConfig {
     /// The node's name, reported by `Node`.
     pub name: String,
-    /// Where the API listens.
-    pub listen: Listen,
+    /// Where the API listens: one or more Unix sockets and TCP addresses,
+    /// in the order written.
+    pub listen: Vec<Listen>,
     /// TCP without TLS was asked for explicitly.
     pub insecure: bool,
     /// Where the journal lives.
@@ -286,6 +287,16 @@ impl Workload {
                 .then(|| self.host_bytes.saturating_add(node.memory_slack)),
             generation,
         }
+    }
+}
+
+impl NodeConfig {
+    /// The first Unix socket the API listens on, if any.
+    pub fn socket(&self) -> Option<&Path> {
+        self.listen.iter().find_map(|l| match l {
+            Listen::Unix(p) => Some(p.as_path()),
+            Listen::Tcp(_) => None,
+        })
     }
 }
 

@@ -94,7 +94,7 @@ pub struct Document {
 #[serde(deny_unknown_fields)]
 pub struct Node {
     pub name: Spanned<String>,
-    pub listen: Spanned<String>,
+    pub listen: Spanned<Listen>,
     pub state_dir: Option<Spanned<String>>,
     pub on_full: Option<Spanned<String>>,
     pub run_as: Option<Spanned<String>>,
@@ -126,6 +126,14 @@ pub struct Access {
     pub operators: Vec<Spanned<String>>,
     #[serde(default)]
     pub admins: Vec<Spanned<String>>,
+}
+
+/// `listen`: one address, or a list of them.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Listen {
+    One(String),
+    Many(Vec<String>),
 }
 
 #[derive(Debug, Deserialize)]

@@ -67,3 +67,37 @@ fn mistakes_are_named_with_their_key() {
         "node.access: give either [node.access] or allow_uids / allow_gids",
     );
 }
+
+#[test]
+fn listen_takes_one_address_or_a_list() {
+    use resident_config::Listen;
+    let with = |listen: &str| format!("[node]\nname = \"n\"\nlisten = {listen}\ninsecure = true\n");
+    let c = parse(
+        Path::new("r.toml"),
+        &with("[\"unix:///run/r.sock\", \"tcp://127.0.0.1:7443\"]"),
+    )
+    .expect("valid");
+    assert_eq!(
+        c.node.listen,
+        [
+            Listen::Unix("/run/r.sock".into()),
+            Listen::Tcp("127.0.0.1:7443".parse().expect("addr"))
+        ]
+    );
+    assert_eq!(c.node.socket(), Some(Path::new("/run/r.sock")));
+    let check = |listen: &str, want: &str| {
+        let err = parse(Path::new("r.toml"), &with(listen))
+            .expect_err(want)
+            .to_string();
+        assert!(err.contains(want), "want {want:?} in: {err}");
+    };
+    check("[]", "r.toml:3: node.listen: names no address");
+    check(
+        "[\"unix:///a.sock\", \"tcp://nowhere\"]",
+        "node.listen[1]: \"tcp://nowhere\": expected tcp://HOST:PORT",
+    );
+    check(
+        "[\"unix:///a.sock\", \"unix:///a.sock\"]",
+        "node.listen[1]: \"unix:///a.sock\" is listed twice",
+    );
+}

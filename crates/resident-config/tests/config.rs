@@ -16,7 +16,7 @@ fn the_brief_example_parses() {
     assert_eq!(c.node.name, "node-a");
     assert_eq!(
         c.node.listen,
-        Listen::Unix("/run/residentd/residentd.sock".into())
+        [Listen::Unix("/run/residentd/residentd.sock".into())]
     );
     assert_eq!(c.node.on_full, Policy::Refuse);
     assert_eq!(c.pools.len(), 1);

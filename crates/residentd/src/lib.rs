@@ -13,6 +13,7 @@ pub mod journal;
 pub mod metrics;
 pub mod server;
 pub mod service;
+pub mod tls;
 pub mod validate;
 
 /// The example configuration `residentd` runs when given no `--config`:

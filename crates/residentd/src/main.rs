@@ -142,7 +142,7 @@ fn default_config() -> Result<resident_config::Config, resident_config::ConfigEr
         residentd::DEFAULT_CONFIG,
     )?;
     let socket = dir.join("residentd.sock");
-    config.node.listen = resident_config::Listen::Unix(socket.clone());
+    config.node.listen = vec![resident_config::Listen::Unix(socket.clone())];
     config.node.state_dir = dir.join("state");
     eprintln!(
         "residentd: running the embedded laptop example; socket {}",

@@ -1,4 +1,5 @@
-//! Serving the API: the Unix socket (or TCP), grpc.health.v1, server
+//! Serving the API: on every address of `listen` (Unix sockets, TCP with
+//! mutual TLS through `tls.rs`, or plain TCP), grpc.health.v1, server
 //! reflection, every service behind the access layer (`access.rs`), and
 //! the orderly shutdown on SIGTERM/SIGINT.
 
@@ -15,7 +16,7 @@ use tokio::net::UnixListener;
 use tokio::signal::unix::{Signal, SignalKind, signal};
 use tokio_stream::StreamExt as _;
 use tokio_stream::wrappers::UnixListenerStream;
-use tonic::transport::{Certificate, Identity, Server, ServerTlsConfig};
+use tonic::transport::Server;
 use tonic_health::ServingStatus;
 
 use crate::agent::Agent;
@@ -79,19 +80,8 @@ pub async fn serve(agent: Arc<Agent>) -> anyhow::Result<()> {
         // The authority layer cuts the header blocks it re-encodes to
         // this size; it is h2's default, stated so it cannot drift.
         .max_frame_size(u32::try_from(crate::authority::MAX_FRAME).ok());
-    let mut builder = match (&config.node.listen, &config.node.tls) {
-        (Listen::Tcp(_), Some(tls)) => {
-            // Client certificates are required: a client without one, or
-            // with one from another CA, fails the handshake.
-            let tls = ServerTlsConfig::new()
-                .identity(Identity::from_pem(&tls.cert, &tls.key))
-                .client_ca_root(Certificate::from_pem(&tls.client_ca));
-            builder.tls_config(tls).context("the [node.tls] files")?
-        }
-        _ => builder,
-    }
     // Every call, to every service, is checked against the caller's role.
-    .layer(crate::access::AccessLayer::new(agent.clone()));
+    let mut builder = builder.layer(crate::access::AccessLayer::new(agent.clone()));
     let router = builder
         .add_service(health_service)
         .add_service(reflection_v1)
@@ -134,41 +124,69 @@ pub async fn serve(agent: Arc<Agent>) -> anyhow::Result<()> {
             }
         });
     }
-    let shutdown = async {
+    // Each listener is served by a clone of the router; all stop together.
+    let (stopping_tx, stopping) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
         let _ = stop_rx.await;
-    };
+        let _ = stopping_tx.send(true);
+    });
     let drain_bound = async {
         let _ = drained_rx.await;
         tracing::warn!("connections still open after {DRAIN:?}; exiting anyway");
     };
     start_watchdog();
-    match &config.node.listen {
-        Listen::Unix(path) => {
-            let listener = bind_unix(path, config.node.socket_group.as_ref())?;
-            tracing::info!(socket = %path.display(), node = %config.node.name, "serving");
-            let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
-            // Stock gRPC clients send the socket path as :authority; each
-            // connection goes through the layer that makes it one h2 takes.
-            let incoming = UnixListenerStream::new(listener)
-                .map(|conn| conn.map(crate::authority::AuthorityFix::new));
-            router
-                .serve_with_incoming_shutdown(incoming, shutdown)
-                .await?;
-            let _ = std::fs::remove_file(path);
-        }
-        Listen::Tcp(addr) => {
-            match config.node.tls {
-                Some(_) => {
-                    tracing::info!(%addr, node = %config.node.name, "serving TCP with mutual TLS")
+    let mut servers = tokio::task::JoinSet::new();
+    let mut sockets = Vec::new();
+    for listen in &config.node.listen {
+        let router = router.clone();
+        let mut stopping = stopping.clone();
+        let shutdown = async move {
+            let _ = stopping.wait_for(|s| *s).await;
+        };
+        match listen {
+            Listen::Unix(path) => {
+                let listener = bind_unix(path, config.node.socket_group.as_ref())?;
+                tracing::info!(socket = %path.display(), node = %config.node.name, "serving");
+                sockets.push(path.clone());
+                // Stock gRPC clients send the socket path as :authority;
+                // each connection goes through the layer that makes it one
+                // h2 takes.
+                let incoming = UnixListenerStream::new(listener)
+                    .map(|conn| conn.map(crate::authority::AuthorityFix::new));
+                servers.spawn(router.serve_with_incoming_shutdown(incoming, shutdown));
+            }
+            Listen::Tcp(addr) => {
+                let listener = tokio::net::TcpListener::bind(addr)
+                    .await
+                    .with_context(|| format!("cannot listen on {addr}"))?;
+                match agent.tls() {
+                    Some(tls) => {
+                        tracing::info!(%addr, node = %config.node.name, "serving TCP with mutual TLS");
+                        let incoming = tls.incoming(listener);
+                        servers.spawn(router.serve_with_incoming_shutdown(incoming, shutdown));
+                    }
+                    None => {
+                        tracing::warn!(%addr, "serving plaintext TCP (insecure = true)");
+                        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+                        servers.spawn(router.serve_with_incoming_shutdown(incoming, shutdown));
+                    }
                 }
-                None => tracing::warn!(%addr, "serving plaintext TCP (insecure = true)"),
-            }
-            let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
-            tokio::select! {
-                result = router.serve_with_shutdown(*addr, shutdown) => result?,
-                () = drain_bound => {}
             }
         }
+    }
+    let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
+    let all = async {
+        while let Some(done) = servers.join_next().await {
+            done.context("a listener's task")??;
+        }
+        Ok::<(), anyhow::Error>(())
+    };
+    tokio::select! {
+        result = all => result?,
+        () = drain_bound => {}
+    }
+    for path in sockets {
+        let _ = std::fs::remove_file(path);
     }
     tracing::info!("stopped");
     Ok(())

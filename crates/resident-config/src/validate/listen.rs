@@ -131,37 +131,61 @@ fn matching(
     }
 }
 
+/// Every address of `listen` (one, or a list), each a Unix socket or TCP;
 /// `tcp_allowed`: TLS is configured, or plaintext was asked for.
-pub(super) fn listen(src: &Source<'_>, l: &Spanned<String>, tcp_allowed: bool) -> Result<Listen> {
-    let text = l.get_ref();
+pub(super) fn listen(
+    src: &Source<'_>,
+    l: &Spanned<raw::Listen>,
+    tcp_allowed: bool,
+) -> Result<Vec<Listen>> {
+    let (texts, list) = match l.get_ref() {
+        raw::Listen::One(one) => (std::slice::from_ref(one), false),
+        raw::Listen::Many(many) => (many.as_slice(), true),
+    };
+    if texts.is_empty() {
+        return Err(src.err(
+            l.span(),
+            "node.listen",
+            "names no address: give at least one",
+        ));
+    }
+    let mut out: Vec<Listen> = Vec::new();
+    for (i, text) in texts.iter().enumerate() {
+        let key = if list {
+            format!("node.listen[{i}]")
+        } else {
+            "node.listen".to_string()
+        };
+        let one = address(text, tcp_allowed).map_err(|m| src.err(l.span(), key.clone(), m))?;
+        if out.contains(&one) {
+            return Err(src.err(l.span(), key, format!("{text:?} is listed twice")));
+        }
+        out.push(one);
+    }
+    Ok(out)
+}
+
+fn address(text: &str, tcp_allowed: bool) -> std::result::Result<Listen, String> {
     if let Some(path) = text.strip_prefix("unix://") {
         if !path.starts_with('/') {
-            return Err(src.err(
-                l.span(),
-                "node.listen",
-                format!("{text:?}: the socket path must be absolute"),
-            ));
+            return Err(format!("{text:?}: the socket path must be absolute"));
         }
         return Ok(Listen::Unix(PathBuf::from(path)));
     }
     if let Some(addr) = text.strip_prefix("tcp://") {
-        let addr = addr.parse().map_err(|_| {
-            src.err(
-                l.span(),
-                "node.listen",
-                format!("{text:?}: expected tcp://HOST:PORT with an IP address"),
-            )
-        })?;
+        let addr = addr
+            .parse()
+            .map_err(|_| format!("{text:?}: expected tcp://HOST:PORT with an IP address"))?;
         if !tcp_allowed {
-            let msg = "TCP needs TLS with client certificates: add [node.tls] with cert, key and \
-                       client_ca, or set insecure = true to accept plaintext TCP";
-            return Err(src.err(l.span(), "node.listen", msg));
+            return Err(
+                "TCP needs TLS with client certificates: add [node.tls] with cert, key \
+                        and client_ca, or set insecure = true to accept plaintext TCP"
+                    .into(),
+            );
         }
         return Ok(Listen::Tcp(addr));
     }
-    Err(src.err(
-        l.span(),
-        "node.listen",
-        format!("{text:?}: expected unix:///PATH or tcp://HOST:PORT"),
+    Err(format!(
+        "{text:?}: expected unix:///PATH or tcp://HOST:PORT"
     ))
 }

@@ -78,6 +78,8 @@ pub struct Agent {
     journal_changes: AtomicU64,
     /// Which change is on disk (`durable` waits on it).
     durable: tokio::sync::watch::Sender<persist::Durable>,
+    /// TLS for TCP listeners, reloaded with the config.
+    tls: Option<Arc<crate::tls::TlsServer>>,
     /// The start time of each journaled process group's leader, by
     /// instance, run and pid.
     start_ticks: Mutex<std::collections::HashMap<(String, u64, i32), u64>>,
@@ -90,6 +92,12 @@ impl Agent {
     /// tokio runtime.
     pub fn new(config: Config, host: Arc<dyn MemoryProbe>) -> std::io::Result<Arc<Self>> {
         let journal = Journal::open(&config.node.state_dir)?;
+        let tls = match &config.node.tls {
+            Some(files) => Some(Arc::new(
+                crate::tls::TlsServer::new(files).map_err(std::io::Error::other)?,
+            )),
+            None => None,
+        };
         let (tx, rx) = mpsc::unbounded_channel();
         let sup_config = SupervisorConfig {
             sample_every: config.node.sample_every,
@@ -114,6 +122,7 @@ impl Agent {
             durable: tokio::sync::watch::Sender::new(persist::Durable::default()),
             start_ticks: Mutex::new(std::collections::HashMap::new()),
             metrics: crate::metrics::Metrics::new(),
+            tls,
         });
         agent.open_device_probes();
         agent.refresh_probes();
@@ -134,6 +143,12 @@ impl Agent {
 
     fn now_ms(&self) -> u64 {
         u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// The TLS server configuration of TCP listeners (`[node.tls]`),
+    /// which a reload replaces.
+    pub fn tls(&self) -> Option<Arc<crate::tls::TlsServer>> {
+        self.tls.clone()
     }
 
     /// The metrics.

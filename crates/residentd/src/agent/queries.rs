@@ -106,6 +106,20 @@ impl Agent {
         let new = resident_config::load(&old.source)?;
         let mut warnings = new.warnings.clone();
         warnings.extend(restart_needed(&old, &new));
+        // New certificates for new connections (the files were checked
+        // with the rest of the config).
+        if let (Some(tls), Some(files)) = (&self.tls, &new.node.tls)
+            && old.node.tls.as_ref() != Some(files)
+        {
+            tls.reload(files)
+                .map_err(|e| resident_config::ConfigError {
+                    file: new.source.clone(),
+                    line: None,
+                    key: "node.tls".into(),
+                    message: format!("the TLS files cannot be used: {e}"),
+                })?;
+            tracing::info!("TLS certificates reloaded: new connections use them");
+        }
         for w in &warnings {
             tracing::warn!("{w}");
         }
@@ -128,7 +142,8 @@ fn restart_needed(old: &resident_config::Config, new: &resident_config::Config) 
         ("socket_group", o.socket_group != n.socket_group),
         ("cgroups", o.cgroups != n.cgroups),
         ("sample_every", o.sample_every != n.sample_every),
-        ("tls", o.tls != n.tls),
+        // Certificates are reloaded; adding or removing TLS is not.
+        ("tls", o.tls.is_some() != n.tls.is_some()),
         ("insecure", o.insecure != n.insecure),
         ("name", o.name != n.name),
     ];

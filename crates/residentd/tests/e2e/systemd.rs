@@ -160,6 +160,8 @@ fn the_packaged_config_runs_models_as_a_dedicated_user() {
     assert!(c.warnings.is_empty(), "{:?}", c.warnings);
     assert_eq!(
         c.node.listen,
-        resident_config::Listen::Unix("/run/residentd/residentd.sock".into())
+        [resident_config::Listen::Unix(
+            "/run/residentd/residentd.sock".into()
+        )]
     );
 }

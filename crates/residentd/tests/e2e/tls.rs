@@ -410,3 +410,106 @@ fn tls_files_that_do_not_fit_together_exit_78_at_check_and_at_start() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_socket_and_tls_together_residentctl_over_tcp_and_renewed_certificates() {
+    let (server_ca, client_ca, renewed_ca) = (ca(), ca(), ca());
+    let (server_cert, server_key) = leaf(&server_ca, &["localhost"]);
+    let (op_cert, op_key) = leaf_with(&client_ca, &[], None, Some("ops"));
+    let dir = tempfile::tempdir().expect("tempdir");
+    let port = free_port();
+    let socket = dir.path().join("agent.sock");
+    let config = format!(
+        "[node]\nname = \"both\"\nlisten = [\"unix://{}\", \"tcp://127.0.0.1:{port}\"]\nstate_dir = \"{}/state\"\n[node.access]\noperators = [\"cert-cn:ops\", \"uid:0\"]\n[node.tls]\ncert = \"{}\"\nkey = \"{}\"\nclient_ca = \"{}\"\n\n[[pool]]\nname = \"ram\"\nbudget = \"1GB\"\n\n[[workload]]\nname = \"nap\"\ncommand = [\"/bin/sleep\", \"3600\"]\n[workload.memory.ram]\nweights = \"1MB\"\n",
+        socket.display(),
+        dir.path().display(),
+        write(dir.path(), "server.pem", &server_cert),
+        write(dir.path(), "server.key", &server_key),
+        write(dir.path(), "client-ca.pem", &client_ca.cert.pem()),
+    );
+    let config_path = write(dir.path(), "residentd.toml", &config);
+    let log = dir.path().join("residentd.log");
+    let mut agent = Command::new(RESIDENTD)
+        .args(["--config", &config_path])
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).expect("log"))
+        .spawn()
+        .expect("start residentd");
+    let ca_path = write(dir.path(), "server-ca.pem", &server_ca.cert.pem());
+    let cert_path = write(dir.path(), "ops.pem", &op_cert);
+    let key_path = write(dir.path(), "ops.key", &op_key);
+    let ctl = |ca: &str, args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_residentctl"))
+            .args(["--endpoint", &format!("https://localhost:{port}")])
+            .env("RESIDENTD_CA", ca)
+            .env("RESIDENTD_CERT", &cert_path)
+            .env("RESIDENTD_KEY", &key_path)
+            .args(args)
+            .output()
+            .expect("residentctl")
+    };
+    // Over TCP with the client certificate: an operator.
+    let up = until(async || ctl(&ca_path, &["node"]).status.success().then_some(())).await;
+    assert!(up.is_some(), "residentctl never reached the TLS listener");
+    let o = ctl(&ca_path, &["start", "nap", "--id", "t"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // The same agent over its Unix socket.
+    let mut c = connect(&socket).await;
+    let ids: Vec<String> = c
+        .list(pb::ListRequest {})
+        .await
+        .expect("list")
+        .into_inner()
+        .instances
+        .into_iter()
+        .map(|i| i.instance_id)
+        .collect();
+    assert_eq!(ids, ["t"]);
+
+    // A client without a certificate: its handshake is refused and logged.
+    let none = client(port, &server_ca.cert.pem(), None).await;
+    assert!(none.is_err());
+    let logged = until(async || {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        text.lines()
+            .find(|l| l.contains("TLS handshake refused") && l.contains("peer=127.0.0.1:"))
+            .map(String::from)
+    })
+    .await;
+    assert!(logged.is_some(), "the refused handshake is logged");
+
+    // The server certificate is renewed (by another CA) in place: after a
+    // SIGHUP, new connections get it.
+    let (new_cert, new_key) = leaf(&renewed_ca, &["localhost"]);
+    let renewed_ca_path = write(dir.path(), "renewed-ca.pem", &renewed_ca.cert.pem());
+    assert!(
+        !ctl(&renewed_ca_path, &["node"]).status.success(),
+        "the old certificate is not trusted by the renewed CA"
+    );
+    write(dir.path(), "server.pem", &new_cert);
+    write(dir.path(), "server.key", &new_key);
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(agent.id() as i32),
+        nix::sys::signal::Signal::SIGHUP,
+    )
+    .expect("SIGHUP");
+    let renewed = until(async || {
+        ctl(&renewed_ca_path, &["node"])
+            .status
+            .success()
+            .then_some(())
+    })
+    .await;
+    assert!(
+        renewed.is_some(),
+        "new connections get the renewed certificate"
+    );
+    assert!(
+        !ctl(&ca_path, &["node"]).status.success(),
+        "and no longer the old one"
+    );
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(text.contains("TLS certificates reloaded"), "{text}");
+    let _ = agent.kill();
+    let _ = agent.wait();
+}

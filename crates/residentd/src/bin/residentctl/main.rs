@@ -42,6 +42,29 @@ struct Cli {
     /// The agent's socket.
     #[arg(long, global = true, env = "RESIDENTD_SOCKET", default_value = DEFAULT_SOCKET)]
     socket: PathBuf,
+    /// The agent elsewhere: `https://HOST:PORT` (mutual TLS: give --ca,
+    /// --cert and --key), `http://HOST:PORT` (an agent with insecure =
+    /// true) or `unix:///PATH`. Instead of --socket.
+    #[arg(
+        long,
+        global = true,
+        env = "RESIDENTD_ENDPOINT",
+        conflicts_with = "socket"
+    )]
+    endpoint: Option<String>,
+    /// The CA that signed the agent's certificate (PEM).
+    #[arg(long, global = true, env = "RESIDENTD_CA")]
+    ca: Option<PathBuf>,
+    /// This client's certificate (PEM), for mutual TLS.
+    #[arg(long, global = true, env = "RESIDENTD_CERT")]
+    cert: Option<PathBuf>,
+    /// This client's private key (PEM).
+    #[arg(long, global = true, env = "RESIDENTD_KEY")]
+    key: Option<PathBuf>,
+    /// The name the agent's certificate is checked against (default: the
+    /// endpoint's host).
+    #[arg(long, global = true, env = "RESIDENTD_TLS_NAME")]
+    tls_name: Option<String>,
     /// Print JSON instead of tables.
     #[arg(long, global = true)]
     json: bool,
@@ -295,12 +318,63 @@ fn complain(msg: &str) {
 }
 
 async fn connect(cli: &Cli) -> Result<NodeAgentClient<Channel>, Failure> {
-    resident_api::connect_unix(&cli.socket).await.map_err(|e| {
-        Failure::Error(format!(
-            "cannot reach residentd at {}: {e}",
-            cli.socket.display()
-        ))
-    })
+    let endpoint = match &cli.endpoint {
+        None => return unix(&cli.socket).await,
+        Some(e) => e,
+    };
+    if let Some(path) = endpoint.strip_prefix("unix://") {
+        return unix(std::path::Path::new(path)).await;
+    }
+    let unreachable = |e: &dyn std::fmt::Display| {
+        Failure::Error(format!("cannot reach residentd at {endpoint}: {e}"))
+    };
+    let uri: tonic::transport::Uri = endpoint
+        .parse()
+        .map_err(|e| Failure::Error(format!("--endpoint {endpoint:?}: {e}")))?;
+    let mut channel = tonic::transport::Endpoint::from(uri.clone());
+    match uri.scheme_str() {
+        Some("https") => {
+            let read = |what: &str, path: &Option<PathBuf>| -> Result<Vec<u8>, Failure> {
+                let path = path.as_ref().ok_or_else(|| {
+                    Failure::Error(format!(
+                        "{endpoint} needs --{what} (or RESIDENTD_{})",
+                        what.to_uppercase()
+                    ))
+                })?;
+                std::fs::read(path)
+                    .map_err(|e| Failure::Error(format!("--{what} {}: {e}", path.display())))
+            };
+            let name = cli
+                .tls_name
+                .clone()
+                .or_else(|| uri.host().map(String::from))
+                .unwrap_or_default();
+            let tls = tonic::transport::ClientTlsConfig::new()
+                .ca_certificate(tonic::transport::Certificate::from_pem(read(
+                    "ca", &cli.ca,
+                )?))
+                .identity(tonic::transport::Identity::from_pem(
+                    read("cert", &cli.cert)?,
+                    read("key", &cli.key)?,
+                ))
+                .domain_name(name);
+            channel = channel.tls_config(tls).map_err(|e| unreachable(&e))?;
+        }
+        Some("http") => {}
+        _ => {
+            return Err(Failure::Error(format!(
+                "--endpoint {endpoint:?}: expected https://HOST:PORT, http://HOST:PORT or unix:///PATH"
+            )));
+        }
+    }
+    let channel = channel.connect().await.map_err(|e| unreachable(&e))?;
+    Ok(NodeAgentClient::new(channel))
+}
+
+async fn unix(path: &std::path::Path) -> Result<NodeAgentClient<Channel>, Failure> {
+    resident_api::connect_unix(path)
+        .await
+        .map_err(|e| Failure::Error(format!("cannot reach residentd at {}: {e}", path.display())))
 }
 
 async fn run(cli: &Cli) -> Result<ExitCode, Failure> {
