@@ -82,6 +82,8 @@ pub struct Metrics {
     restarts: Family<WorkloadLabels, Counter>,
     exposed: Family<WorkloadLabels, Counter>,
     denied: Family<RoleLabels, Counter>,
+    pool_live: Family<PoolLabels, Gauge>,
+    probe_failures: Family<PoolLabels, Counter>,
     refusals: Family<ReasonLabels, Counter>,
     rpc: Family<RpcLabels, Histogram, fn() -> Histogram>,
 }
@@ -112,6 +114,8 @@ impl Metrics {
             restarts: Family::default(),
             exposed: Family::default(),
             denied: Family::default(),
+            pool_live: Family::default(),
+            probe_failures: Family::default(),
             refusals: Family::default(),
             rpc: Family::new_with_constructor(rpc_histogram),
         };
@@ -157,6 +161,16 @@ impl Metrics {
             "exposed",
             "Instances found listening beyond loopback under expose = loopback (stopped; adopted ones reported)",
             m.exposed.clone(),
+        );
+        r.register(
+            "pool_live",
+            "1 while a probe-bound pool has live readings, 0 while its configured budget stands in",
+            m.pool_live.clone(),
+        );
+        r.register(
+            "probe_failures",
+            "Times a pool's live reading failed and its configured budget took over",
+            m.probe_failures.clone(),
         );
         r.register(
             "access_denied",
@@ -208,6 +222,17 @@ impl Metrics {
                 reason: reason.to_string(),
             })
             .inc();
+    }
+
+    /// Whether `pool`'s probe gives readings; a failure is counted.
+    pub fn pool_live(&self, pool: &str, live: bool) {
+        let labels = PoolLabels {
+            pool: pool.to_string(),
+        };
+        self.pool_live.get_or_create(&labels).set(i64::from(live));
+        if !live {
+            self.probe_failures.get_or_create(&labels).inc();
+        }
     }
 
     /// Counts a call refused for want of `role` (the role it needed).

@@ -50,6 +50,16 @@ impl Agent {
         });
     }
 
+    /// Tells watchers what happened to `pool`'s live reading.
+    pub(super) fn publish_pool(&self, pool: &str, message: &str) {
+        self.events.publish(pb::Event {
+            kind: pb::EventKind::Pool as i32,
+            pool: pool.to_string(),
+            message: message.to_string(),
+            ..Default::default()
+        });
+    }
+
     /// Tells watchers what is now known of `id` (a note on its run), with
     /// no change of state.
     pub(super) fn publish_view(&self, id: &str) {

@@ -56,8 +56,36 @@ impl Agent {
                 .map(|s| (s.instance, s.measured_bytes))
                 .collect();
         }
+        self.probe_health(&readings.available);
         self.books.set_readings(readings);
     }
+
+    /// Tells when a pool's live reading fails (no reading: its configured
+    /// budget stands in) and when it comes back: a log line, a POOL event
+    /// and the metrics, once per change.
+    fn probe_health(&self, available: &[(String, Option<u64>)]) {
+        let mut live = self.pools_live.lock().unwrap_or_else(|e| e.into_inner());
+        for (pool, reading) in available {
+            let now = reading.is_some();
+            let before = live.insert(pool.clone(), now);
+            if before == Some(now) {
+                continue;
+            }
+            self.metrics.pool_live(pool, now);
+            if now {
+                if before.is_some() {
+                    tracing::info!(pool = %pool, "live readings are back");
+                    self.publish_pool(pool, "live readings are back");
+                }
+            } else {
+                let message =
+                    "no live reading: its configured budget stands in until readings come back";
+                tracing::warn!(pool = %pool, "{message}");
+                self.publish_pool(pool, message);
+            }
+        }
+    }
+
     /// What each instance holds on each device pool whose probe accounts
     /// per process (NVML, or a file with `PID BYTES` lines): the sum over
     /// the instance's process group. One scan of /proc, only when needed.

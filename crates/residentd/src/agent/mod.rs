@@ -80,6 +80,8 @@ pub struct Agent {
     durable: tokio::sync::watch::Sender<persist::Durable>,
     /// TLS for TCP listeners, reloaded with the config.
     tls: Option<Arc<crate::tls::TlsServer>>,
+    /// Whether each probe-bound pool's last reading was live.
+    pools_live: Mutex<std::collections::HashMap<String, bool>>,
     /// The start time of each journaled process group's leader, by
     /// instance, run and pid.
     start_ticks: Mutex<std::collections::HashMap<(String, u64, i32), u64>>,
@@ -123,6 +125,7 @@ impl Agent {
             start_ticks: Mutex::new(std::collections::HashMap::new()),
             metrics: crate::metrics::Metrics::new(),
             tls,
+            pools_live: Mutex::new(std::collections::HashMap::new()),
         });
         agent.open_device_probes();
         agent.refresh_probes();

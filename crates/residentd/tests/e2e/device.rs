@@ -209,3 +209,81 @@ async fn per_process_device_use_counts_as_touched_memory() {
         "{p:?}"
     );
 }
+
+#[tokio::test]
+async fn a_failing_probe_falls_back_to_the_budget_says_so_and_recovers() {
+    let port = free_port();
+    let node = format!("metrics_listen = \"127.0.0.1:{port}\"\n");
+    let (mut d, reading) = gpu_daemon(10 * GB, "", &node, &sleeper("m4", "gpu0", 4, "")).await;
+    let mut events = d.watch(0).await;
+    assert_eq!(
+        gpu(d.node().await).effective_budget_bytes,
+        Some(10 * GB),
+        "live"
+    );
+    // The probe fails (an unreadable reading, as an NVML error would be):
+    // the configured 24 GB stand in.
+    std::fs::write(&reading, "garbage\n").expect("reading");
+    let fallback = until(async || {
+        let g = gpu(d.node().await);
+        (g.effective_budget_bytes == Some(24 * GB)).then_some(g)
+    })
+    .await;
+    assert!(fallback.is_some(), "the configured budget stands in");
+    let down = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        pool_event(&mut events, "no live reading"),
+    );
+    down.await.expect("a POOL event says the reading failed");
+    assert!(
+        d.log()
+            .contains("no live reading: its configured budget stands in")
+    );
+    let metrics = tokio::task::spawn_blocking(move || crate::metrics::scrape(port))
+        .await
+        .expect("joined");
+    assert!(
+        metrics.contains("residentd_pool_live{pool=\"gpu0\"} 0"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("residentd_probe_failures_total{pool=\"gpu0\"} 1"),
+        "{metrics}"
+    );
+    // Starts go on against the budget meanwhile.
+    d.started("m4", "a").await;
+    // Readings come back: live again.
+    std::fs::write(&reading, format!("{}\n", 10 * GB)).expect("reading");
+    let up = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        pool_event(&mut events, "are back"),
+    );
+    up.await.expect("a POOL event says readings are back");
+    let live = until(async || {
+        let g = gpu(d.node().await);
+        (g.available_bytes == Some(10 * GB)).then_some(g)
+    })
+    .await;
+    assert!(live.is_some(), "the live reading is used again");
+    let metrics = tokio::task::spawn_blocking(move || crate::metrics::scrape(port))
+        .await
+        .expect("joined");
+    assert!(
+        metrics.contains("residentd_pool_live{pool=\"gpu0\"} 1"),
+        "{metrics}"
+    );
+}
+
+/// The next POOL event of gpu0 whose message has `want`.
+async fn pool_event(events: &mut tonic::Streaming<pb::Event>, want: &str) -> pb::Event {
+    use tokio_stream::StreamExt as _;
+    loop {
+        let e = events.next().await.expect("the watch goes on").expect("ok");
+        if e.kind == pb::EventKind::Pool as i32 {
+            assert_eq!(e.pool, "gpu0");
+            if e.message.contains(want) {
+                return e;
+            }
+        }
+    }
+}

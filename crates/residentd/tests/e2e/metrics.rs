@@ -153,8 +153,15 @@ fn documented() -> BTreeSet<String> {
 async fn every_metric_served_is_documented_and_every_documented_one_served() {
     let port = free_port();
     // A run that makes every family show a series: an admission, an
-    // eviction, a refusal, a restart, an exposed server, RPCs.
+    // eviction, a refusal, a restart, an exposed server, RPCs, a probe
+    // that gives no reading.
+    let reading = tempfile::NamedTempFile::new().expect("a reading file");
+    std::fs::write(reading.path(), "not a number\n").expect("write");
     let mut config = format!("metrics_listen = \"127.0.0.1:{port}\"\n") + &pool("ram", "10GB");
+    config += &format!(
+        "[[pool]]\nname = \"gpu0\"\nbudget = \"8GB\"\ndevice = \"file:{}\"\n\n",
+        reading.path().display()
+    );
     config += &sleeper("big", "ram", 6, "");
     config += "[[workload]]\nname = \"open\"\ncommand = [\"python3\", \"-m\", \"http.server\", \"${PORT}\", \"--bind\", \"0.0.0.0\"]\nexpose = \"loopback\"\n[workload.memory.ram]\nweights = \"1GB\"\n[workload.readiness]\ntcp = true\n[workload.restart]\npolicy = \"never\"\n";
     config += &shell(

@@ -386,7 +386,19 @@ pub fn event(e: &pb::Event, json: bool) -> io::Result<()> {
             "instance": e.instance.as_ref().map(instance_json),
             "refusal": e.refusal.as_ref().map(refusal_json),
             "workload": e.workload,
+            "pool": e.pool,
+            "message": e.message,
         }));
+    }
+    if !e.pool.is_empty() {
+        out!(
+            "{:>6} {:<10} pool {}: {}",
+            e.revision,
+            kind,
+            e.pool,
+            e.message
+        );
+        return Ok(());
     }
     match (&e.instance, &e.refusal) {
         (Some(i), _) => out!(
