@@ -4,11 +4,17 @@
 //! restart the agent kills what its previous run left behind and starts the
 //! journaled instances again, in their original order.
 //!
-//! Format: one instance per line, tab-separated:
-//! `instance_id  workload  pgid  start_ticks  lease_ms` (pgid 0: not
-//! spawned yet; lease 0: none; a line without the lease, from before
-//! leases, reads as none).
+//! Format: a header line `# residentd journal 2`, then one instance per
+//! line, tab-separated:
+//! `instance_id  workload  pgid  start_ticks  lease_ms [adopted port]`
+//! (pgid 0: not spawned yet; lease 0: none; a line without the lease, from
+//! before leases, reads as none; an adopted instance's pgid is its pid).
 //! Ids and workload names are tokens without tabs or newlines.
+//!
+//! A damaged journal (cut short, garbage, from a newer version) does not
+//! stop the agent: what can be read is restored, every line skipped is
+//! said, and the file as found is kept aside beside it
+//! (`instances.journal.damaged-UNIXTIME`) for the operator.
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
@@ -43,6 +49,21 @@ pub struct Adopted {
     pub port: u16,
 }
 
+/// The format this agent writes; a header with a higher one is from a
+/// newer agent.
+const FORMAT: u32 = 2;
+
+/// What a read of the journal found.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Found {
+    /// The entries it could read, in order.
+    pub entries: Vec<Entry>,
+    /// The lines it skipped: line number and why.
+    pub skipped: Vec<(usize, String)>,
+    /// Where the damaged file was kept, when it was.
+    pub kept_aside: Option<PathBuf>,
+}
+
 /// The journal file.
 #[derive(Debug)]
 pub struct Journal {
@@ -59,28 +80,73 @@ impl Journal {
     }
 
     /// The entries, in order. A missing file is an empty journal; a line
-    /// that does not parse is skipped with a warning.
-    pub fn read(&self) -> Vec<Entry> {
-        let Ok(text) = std::fs::read_to_string(&self.path) else {
-            return Vec::new();
+    /// that does not parse, or a file from a newer format, is skipped with
+    /// a warning, and a damaged file is kept aside for the operator.
+    pub fn read(&self) -> Found {
+        let Ok(bytes) = std::fs::read(&self.path) else {
+            return Found::default();
         };
-        text.lines()
-            .enumerate()
-            .filter(|(_, l)| !l.trim().is_empty())
-            .filter_map(|(n, line)| {
-                let parsed = parse(line);
-                if parsed.is_none() {
-                    tracing::warn!(journal = %self.path.display(), line = n + 1, "unreadable journal line skipped");
+        let mut found = Found::default();
+        for (n, line) in bytes.split(|b| *b == b'\n').enumerate() {
+            let number = n + 1;
+            let Ok(line) = std::str::from_utf8(line) else {
+                found.skipped.push((number, "not text".into()));
+                continue;
+            };
+            if line.trim().is_empty() {
+                continue;
+            }
+            if let Some(header) = line.strip_prefix("# residentd journal ") {
+                match header.trim().parse::<u32>() {
+                    Ok(v) if v <= FORMAT => {}
+                    Ok(v) => found.skipped.push((
+                        number,
+                        format!("written by a newer residentd (format {v}, this one reads {FORMAT}); its lines are read as far as they are understood"),
+                    )),
+                    Err(_) => found.skipped.push((number, "an unreadable header".into())),
                 }
-                parsed
-            })
-            .collect()
+                continue;
+            }
+            match parse(line) {
+                Some(entry) => found.entries.push(entry),
+                None => {
+                    let excerpt = resident_core::Excerpt::of(line);
+                    found
+                        .skipped
+                        .push((number, format!("cannot be read: {excerpt}")));
+                }
+            }
+        }
+        if !found.skipped.is_empty() {
+            let stamp = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs());
+            let aside = self.path.with_extension(format!("journal.damaged-{stamp}"));
+            match std::fs::write(&aside, &bytes) {
+                Ok(()) => found.kept_aside = Some(aside),
+                Err(e) => {
+                    tracing::error!(journal = %self.path.display(), error = %e, "cannot keep the damaged journal aside")
+                }
+            }
+            for (line, why) in &found.skipped {
+                tracing::warn!(journal = %self.path.display(), line, "journal line skipped: {why}");
+            }
+            tracing::warn!(
+                journal = %self.path.display(),
+                restored = found.entries.len(),
+                skipped = found.skipped.len(),
+                kept_aside = ?found.kept_aside,
+                "the journal was damaged: restoring what could be read"
+            );
+        }
+        found
     }
 
     /// Replaces the journal with `entries`, atomically.
     pub fn write(&self, entries: &[Entry]) -> std::io::Result<()> {
         let tmp = self.path.with_extension("journal.tmp");
         let mut f = std::fs::File::create(&tmp)?;
+        writeln!(f, "# residentd journal {FORMAT}")?;
         for e in entries {
             write!(
                 f,
@@ -167,10 +233,31 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_damaged_journal_gives_what_it_can_and_is_kept_aside() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let j = Journal::open(dir.path()).expect("open");
+        let mut damaged = b"# residentd journal 9\na\tw\t0\t0\t0\n".to_vec();
+        damaged.extend_from_slice(b"\xff\xfe garbage\nb\tw\t12\nc\tw\t0\t0\t0\n");
+        std::fs::write(dir.path().join("instances.journal"), &damaged).expect("write");
+        let found = j.read();
+        let ids: Vec<&str> = found.entries.iter().map(|e| e.instance.as_str()).collect();
+        assert_eq!(ids, ["a", "c"]);
+        let lines: Vec<usize> = found.skipped.iter().map(|(n, _)| *n).collect();
+        assert_eq!(lines, [1, 3, 4], "{:?}", found.skipped);
+        assert!(found.skipped[0].1.contains("newer residentd (format 9"));
+        let aside = found.kept_aside.expect("kept aside");
+        assert_eq!(
+            std::fs::read(aside).expect("read"),
+            damaged,
+            "kept as found"
+        );
+    }
+
+    #[test]
     fn writes_and_reads_back_in_order() {
         let dir = std::env::temp_dir().join(format!("journal-test-{}", std::process::id()));
         let j = Journal::open(&dir).expect("open");
-        assert!(j.read().is_empty());
+        assert_eq!(j.read(), Found::default());
         let entries = vec![
             Entry {
                 instance: "b".into(),
@@ -201,7 +288,9 @@ mod tests {
             },
         ];
         j.write(&entries).expect("write");
-        assert_eq!(j.read(), entries);
+        let found = j.read();
+        assert_eq!(found.entries, entries);
+        assert!(found.skipped.is_empty() && found.kept_aside.is_none());
         assert_eq!(parse("a\tb\tnot-a-number\t0"), None);
         assert_eq!(parse("a\tb\t1\t2\t3\textra"), None);
         assert_eq!(parse("a\tb\t1\t2\t3\tadopted\t80\textra"), None);

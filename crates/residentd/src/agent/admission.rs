@@ -32,6 +32,8 @@ struct Request {
     id: InstanceId,
     wait_ready: bool,
     answer: Answer,
+    /// The journal change that records the admission.
+    admitted: u64,
 }
 
 impl Agent {
@@ -67,6 +69,16 @@ impl Agent {
             None => generated_id(&w, self.id_seq.fetch_add(1, Ordering::Relaxed) + 1),
         };
         let policy = policy.unwrap_or(config.node.on_full);
+        if answer == Answer::Durable && config.node.durable_answers {
+            // A journal that cannot be written (a full or read-only
+            // state_dir) refuses starts before anything is decided; the
+            // writer retries every second and starts resume once it can.
+            if let Some(why) = self.journal_failing() {
+                return Err(ApiError::Unavailable(format!(
+                    "the journal cannot be written ({why}); no start until it can, so that nothing runs that a crash would forget"
+                )));
+            }
+        }
         self.refresh_probes_with(&config);
         let admitted = loop {
             if self.closing.load(Ordering::Acquire) {
@@ -105,7 +117,7 @@ impl Agent {
         for (gone, record) in &admitted.forgotten {
             self.forgotten(gone, record);
         }
-        self.persist();
+        let admitted_change = self.persist();
         self.metrics.admitted(workload);
         let request = Request {
             config,
@@ -113,6 +125,7 @@ impl Agent {
             id,
             wait_ready,
             answer,
+            admitted: admitted_change,
         };
         let me = self.clone();
         tokio::spawn(async move { me.carry_out(request, admitted).await })
@@ -173,6 +186,17 @@ impl Agent {
                 "instance '{id}' was stopped before it was spawned"
             )));
         }
+        if r.answer == Answer::Durable && r.config.node.durable_answers {
+            // The journal holds the instance before its process exists: a
+            // crash from here on restores it, and a journal that cannot be
+            // written never has a process running that it does not list.
+            if let Err(e) = self.durable(r.admitted).await {
+                self.books.cancel(id);
+                self.books.release(id, generation);
+                self.publish_ended(id);
+                return Err(e);
+            }
+        }
         let spec = r.workload.launch(id, generation, &r.config.node, devices);
         match self.sup.start(spec).await {
             // Failed with no exit: the process never ran (spawn error). Its
@@ -191,6 +215,9 @@ impl Agent {
                 return Err(ApiError::Unavailable(e.to_string()));
             }
         }
+        // The journal records the process group too (for the leftovers a
+        // next agent clears); the answer does not wait for that write.
+        self.persist();
         if !self.books.wanted(id, generation) {
             // A Stop came while it was being spawned; the Stop waits for
             // this run's end, which this stop brings.
@@ -198,15 +225,6 @@ impl Agent {
             return Err(ApiError::Aborted(format!(
                 "instance '{id}' was stopped while it was being spawned"
             )));
-        }
-        if r.answer == Answer::Durable && r.config.node.durable_answers {
-            // The journal now holds the instance with its process group;
-            // no answer before it is on disk.
-            if let Err(e) = self.durable(self.persist()).await {
-                let cause = Some("stopped: its start could not be journaled".to_string());
-                let _ = self.stop_because(id, None, cause).await;
-                return Err(e);
-            }
         }
         if r.wait_ready {
             self.ready_or_failed(id, generation).await?;

@@ -120,6 +120,10 @@ pub(super) async fn tick(agent: Weak<Agent>) {
         let Some(agent) = agent.upgrade() else {
             return;
         };
+        if agent.journal_failing().is_some() {
+            // Try again: starts resume once the state_dir takes writes.
+            agent.persist();
+        }
         agent.refresh_probes();
         agent.expire_idle();
         agent.expire_leases();

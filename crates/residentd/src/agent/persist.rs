@@ -26,7 +26,7 @@ impl Agent {
     /// time) still runs. Instances that no longer fit, or whose workload
     /// left the roster, are reported and dropped.
     pub async fn restore(self: &Arc<Self>) {
-        let entries = self.journal.read();
+        let entries = self.journal.read().entries;
         if entries.is_empty() {
             return;
         }
@@ -106,6 +106,15 @@ impl Agent {
         change
     }
 
+    /// Why the last journal write failed, while it has not succeeded since.
+    pub(super) fn journal_failing(&self) -> Option<String> {
+        self.durable
+            .borrow()
+            .failed
+            .as_ref()
+            .map(|(_, why)| why.clone())
+    }
+
     /// Waits until the journal on disk holds change `change` (and every
     /// earlier one). Err when the write failed or the agent is shutting
     /// down before it could be made.
@@ -147,13 +156,22 @@ impl Agent {
         // Read before the books: every change numbered up to here was
         // made in the books before it took its number.
         let change = self.journal_changes.load(Ordering::SeqCst);
+        let was_failing = self.durable.borrow().failed.is_some();
         match self.journal.write(&self.journal_entries()) {
-            Ok(()) => self.durable.send_modify(|d| {
-                d.written = d.written.max(change);
-                d.failed = None;
-            }),
+            Ok(()) => {
+                if was_failing {
+                    tracing::info!("the journal is written again: starts resume");
+                }
+                self.durable.send_modify(|d| {
+                    d.written = d.written.max(change);
+                    d.failed = None;
+                });
+            }
             Err(e) => {
-                tracing::error!(error = %e, "cannot write the journal");
+                // Once per failure, not at every retry.
+                if !was_failing {
+                    tracing::error!(error = %e, "cannot write the journal: starts are refused until it can be written");
+                }
                 self.durable
                     .send_modify(|d| d.failed = Some((change, e.to_string())));
             }

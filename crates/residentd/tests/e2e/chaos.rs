@@ -440,6 +440,7 @@ async fn kill_9_during_a_start_storm_leaves_no_orphan_and_reserves_once() {
         std::fs::read_to_string(&journal)
             .map(|j| {
                 j.lines()
+                    .filter(|l| !l.starts_with('#'))
                     .map(|l| l.split('\t').next().unwrap_or("").to_string())
                     .collect()
             })

@@ -188,3 +188,112 @@ async fn an_answered_start_or_stop_survives_kill_9_of_the_agent_right_after() {
         );
     }
 }
+
+#[tokio::test]
+async fn a_damaged_journal_restores_what_it_can_and_is_kept_aside() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    write_config(dir.path(), &(ram() + &sleeper("nap", "ram", 1, "")));
+    let state = dir.path().join("state");
+    std::fs::create_dir_all(&state).expect("state dir");
+    // A readable line between a header of a newer format, binary garbage,
+    // a line cut short, and one of a workload the roster no longer has.
+    let mut damaged = b"# residentd journal 7\n".to_vec();
+    damaged.extend_from_slice(b"keep\tnap\t0\t0\t0\n\x00\x9f\xff\xfe\n");
+    damaged.extend_from_slice(b"cut\tna");
+    damaged.extend_from_slice(b"\ngone\tretired\t0\t0\t0\n");
+    std::fs::write(state.join("instances.journal"), &damaged).expect("journal");
+    let mut d = Daemon::start_in(dir).await;
+    let kept = d.wait_state("keep", pb::State::Ready).await;
+    assert_eq!(kept.workload, "nap");
+    assert_eq!(
+        d.ids().await,
+        ["keep"],
+        "only what could be read and placed"
+    );
+    let log = d.log();
+    assert!(
+        log.contains("the journal was damaged: restoring what could be read"),
+        "{log}"
+    );
+    assert!(log.contains("newer residentd (format 7"), "{log}");
+    assert!(
+        log.contains("line=3") && log.contains("line=4"),
+        "each skipped line: {log}"
+    );
+    let aside: Vec<_> = std::fs::read_dir(&state)
+        .expect("state")
+        .flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .starts_with("instances.journal.damaged-")
+        })
+        .collect();
+    assert_eq!(aside.len(), 1, "kept aside once");
+    assert_eq!(
+        std::fs::read(aside[0].path()).expect("read"),
+        damaged,
+        "as found"
+    );
+    // The journal is whole again.
+    let journal = std::fs::read_to_string(state.join("instances.journal")).expect("journal");
+    assert!(
+        journal.starts_with("# residentd journal 2\nkeep\tnap\t"),
+        "{journal}"
+    );
+}
+
+#[tokio::test]
+async fn a_journal_that_cannot_be_written_refuses_starts_until_it_can() {
+    let mut d = Daemon::start(&(ram() + &sleeper("nap", "ram", 1, ""))).await;
+    let a = d.started("nap", "a").await;
+    // The journal's next write fails, as on a full or read-only state_dir
+    // (a directory where the write's file must go fails even for root).
+    let blocker = d.dir.path().join("state/instances.journal.tmp");
+    // (A write in flight has its file there for a moment.)
+    let blocked = until(async || std::fs::create_dir(&blocker).ok()).await;
+    assert!(blocked.is_some(), "block the journal");
+    for id in ["b", "c"] {
+        let e = d
+            .client
+            .start(start_req("nap", id))
+            .await
+            .expect_err("the journal cannot be written");
+        assert_eq!(e.code(), tonic::Code::Unavailable, "{id}: {e:?}");
+        assert!(e.message().contains("journal"), "{}", e.message());
+    }
+    // Nothing ran for them, and what ran goes on.
+    let list = d.list().await;
+    let running: Vec<&str> = list
+        .iter()
+        .filter(|i| i.state == pb::State::Ready as i32)
+        .map(|i| i.instance_id.as_str())
+        .collect();
+    assert_eq!(running, ["a"]);
+    assert!(
+        list.iter().all(|i| i.instance_id == "a" || i.pid == 0),
+        "{list:?}"
+    );
+    assert!(alive(a.pid as i32));
+    assert_eq!(
+        d.log().matches("cannot write the journal").count(),
+        1,
+        "said once"
+    );
+    // Space is back: starts resume by themselves.
+    std::fs::remove_dir(&blocker).expect("unblock");
+    let started = until(async || d.client.start(start_req("nap", "d")).await.ok()).await;
+    assert!(
+        started.is_some(),
+        "starts resume once the journal can be written"
+    );
+    assert!(d.log().contains("the journal is written again"));
+    let journal =
+        std::fs::read_to_string(d.dir.path().join("state/instances.journal")).expect("journal");
+    let ids: Vec<&str> = journal
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.split('\t').next())
+        .collect();
+    assert_eq!(ids, ["a", "d"], "{journal}");
+}
