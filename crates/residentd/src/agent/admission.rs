@@ -1,8 +1,10 @@
 //! Carrying a Start and a Stop out: the books decide (one critical
 //! section), then victims are stopped side by side, evicted memory is
-//! awaited, the instance is spawned, and the answer waits for the journal
-//! on disk. Once admitted, a Start runs to its end in a task of its own,
-//! so a caller that hangs up cannot leave a reservation without a run.
+//! awaited, the journal that records the admission is awaited on disk,
+//! and only then is the instance spawned. A journal known to fail refuses
+//! a Start before anything is decided. Once admitted, a Start runs to its
+//! end in a task of its own, so a caller that hangs up cannot leave a
+//! reservation without a run.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
