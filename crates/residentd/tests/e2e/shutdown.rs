@@ -297,3 +297,119 @@ async fn a_journal_that_cannot_be_written_refuses_starts_until_it_can() {
         .collect();
     assert_eq!(ids, ["a", "d"], "{journal}");
 }
+
+/// A tmpfs of `size` mounted at `dir` for the life of the guard; `None`
+/// (said by the caller) where this machine does not let the test mount.
+struct Mounted(std::path::PathBuf);
+
+impl Mounted {
+    fn tmpfs(dir: &std::path::Path, size: &str) -> Option<Self> {
+        std::fs::create_dir_all(dir).ok()?;
+        let ok = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir)
+            .status()
+            .is_ok_and(|s| s.success());
+        ok.then(|| Self(dir.to_path_buf()))
+    }
+
+    fn remount(&self, options: &str) {
+        let status = std::process::Command::new("mount")
+            .args(["-o", &format!("remount,{options}")])
+            .arg(&self.0)
+            .status()
+            .expect("mount");
+        assert!(status.success(), "remount {options}");
+    }
+}
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.0)
+            .status();
+    }
+}
+
+#[tokio::test]
+async fn a_full_or_read_only_state_dir_refuses_starts_and_running_ones_go_on() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let Some(state) = Mounted::tmpfs(&dir.path().join("state"), "256k") else {
+        return skip("cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN)");
+    };
+    write_config(dir.path(), &(ram() + &sleeper("nap", "ram", 1, "")));
+    let mut d = Daemon::start_in(dir).await;
+    let a = d.started("nap", "a").await;
+    // Full: ENOSPC on the next write.
+    let filler = state.0.join("filler");
+    let _ = std::fs::write(&filler, vec![0u8; 512 * 1024]);
+    let e = d
+        .client
+        .start(start_req("nap", "b"))
+        .await
+        .expect_err("no space for the journal");
+    assert_eq!(e.code(), tonic::Code::Unavailable);
+    assert!(
+        e.message().contains("No space left on device"),
+        "{}",
+        e.message()
+    );
+    assert!(alive(a.pid as i32), "what runs goes on");
+    std::fs::remove_file(&filler).expect("space back");
+    let started = until(async || d.client.start(start_req("nap", "c")).await.ok()).await;
+    assert!(started.is_some(), "starts resume when space is back");
+    // Read-only: the same.
+    state.remount("ro");
+    let refused = until(async || match d.client.start(start_req("nap", "e")).await {
+        Err(e) if e.code() == tonic::Code::Unavailable => Some(e),
+        _ => None,
+    })
+    .await
+    .expect("refused on a read-only state_dir");
+    assert!(
+        refused.message().contains("Read-only file system"),
+        "{}",
+        refused.message()
+    );
+    state.remount("rw");
+    let started = until(async || d.client.start(start_req("nap", "f")).await.ok()).await;
+    assert!(started.is_some(), "starts resume when it is writable again");
+    let ids: Vec<String> = d.ids().await;
+    assert_eq!(
+        ids,
+        ["a", "b", "c", "e", "f"].map(String::from),
+        "b and e never ran"
+    );
+    let list = d.list().await;
+    for i in list
+        .iter()
+        .filter(|i| i.instance_id == "b" || i.instance_id == "e")
+    {
+        assert_eq!(i.state, pb::State::Exited as i32, "{i:?}");
+        assert_eq!(i.pid, 0);
+    }
+    // Nothing acknowledged was lost: the journal lists a, c and f.
+    let journal = std::fs::read_to_string(state.0.join("instances.journal")).expect("journal");
+    let journaled: Vec<&str> = journal
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.split('\t').next())
+        .collect();
+    assert_eq!(journaled, ["a", "c", "f"], "{journal}");
+    d.terminate().await;
+}
+
+#[tokio::test]
+async fn a_config_file_gone_at_sighup_keeps_the_running_config() {
+    let mut d = Daemon::start(&(ram() + &sleeper("nap", "ram", 1, ""))).await;
+    d.started("nap", "a").await;
+    std::fs::remove_file(d.dir.path().join("residentd.toml")).expect("remove the config");
+    d.signal(nix::sys::signal::Signal::SIGHUP);
+    let reported = eventually(async || d.log().contains("configuration reload refused")).await;
+    assert!(reported, "the failed reload is reported");
+    assert!(d.log().contains("cannot read"), "{}", d.log());
+    // The running config stays: the roster still serves starts.
+    d.started("nap", "b").await;
+    assert_eq!(d.ids().await, ["a", "b"]);
+}
