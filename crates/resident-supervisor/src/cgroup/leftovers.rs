@@ -1,6 +1,6 @@
 //! Clearing what dead agents left: the `residentd-PID-N` directories of a
 //! PID that is gone, their runs' processes killed and their cgroups
-//! removed, when a supervisor sets up its cgroups.
+//! removed, in the background from when a supervisor sets up its cgroups.
 
 use std::fs;
 use std::path::Path;
@@ -8,37 +8,66 @@ use std::time::Duration;
 
 use super::{BASE_PREFIX, RunCgroup};
 
-/// Kills and removes what agents that are gone left below `own`.
+/// Kills and removes what agents that are gone left below `own`, on a
+/// thread of its own: a new agent does not wait for it to serve. Every
+/// leftover run is killed first and only then waited for, so clearing 200
+/// runs costs about one wait, not 200 in a row.
 pub(super) fn clear_dead_agents(own: &Path) {
-    let Ok(entries) = fs::read_dir(own) else {
+    let dead = dead_agents(own);
+    if dead.is_empty() {
         return;
+    }
+    let spawned = std::thread::Builder::new()
+        .name("resident-leftovers".into())
+        .spawn(move || clear(&dead));
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "cannot clear a dead agent's cgroups");
+    }
+}
+
+/// The `residentd-PID-N` directories below `own` of a PID that is gone.
+fn dead_agents(own: &Path) -> Vec<std::path::PathBuf> {
+    let Ok(entries) = fs::read_dir(own) else {
+        return Vec::new();
     };
-    for entry in entries.flatten() {
-        let name = entry.file_name();
-        let Some(pid) = name
-            .to_str()
-            .and_then(|n| n.strip_prefix(BASE_PREFIX))
-            .and_then(|rest| rest.split('-').next()?.parse::<i32>().ok())
-        else {
-            continue;
-        };
-        if pid == std::process::id() as i32 || Path::new(&format!("/proc/{pid}")).exists() {
-            continue;
-        }
-        let base = entry.path();
-        let runs = fs::read_dir(&base).into_iter().flatten().flatten();
-        for run in runs.filter(|r| r.path().is_dir()) {
+    entries
+        .flatten()
+        .filter(|entry| {
+            let name = entry.file_name();
+            let pid = name
+                .to_str()
+                .and_then(|n| n.strip_prefix(BASE_PREFIX))
+                .and_then(|rest| rest.split('-').next()?.parse::<i32>().ok());
+            pid.is_some_and(|pid| {
+                pid != std::process::id() as i32 && !Path::new(&format!("/proc/{pid}")).exists()
+            })
+        })
+        .map(|entry| entry.path())
+        .collect()
+}
+
+fn clear(dead: &[std::path::PathBuf]) {
+    let runs: Vec<(std::path::PathBuf, RunCgroup, usize)> = dead
+        .iter()
+        .flat_map(|base| fs::read_dir(base).into_iter().flatten().flatten())
+        .filter(|r| r.path().is_dir())
+        .map(|run| {
             let left = RunCgroup::at(run.path());
             let killed = left.members().len();
             left.kill_all();
-            if !left.wait_empty(Duration::from_secs(2)) {
-                tracing::warn!(cgroup = %run.path().display(), "a dead agent's instance would not die");
-            }
-            left.remove();
-            if killed > 0 {
-                tracing::info!(cgroup = %run.path().display(), processes = killed, "killed what a dead agent left in an instance cgroup");
-            }
+            (run.path(), left, killed)
+        })
+        .collect();
+    for (path, left, killed) in runs {
+        if !left.wait_empty(Duration::from_secs(2)) {
+            tracing::warn!(cgroup = %path.display(), "a dead agent's instance would not die");
         }
-        let _ = fs::remove_dir(&base);
+        left.remove();
+        if killed > 0 {
+            tracing::info!(cgroup = %path.display(), processes = killed, "killed what a dead agent left in an instance cgroup");
+        }
+    }
+    for base in dead {
+        let _ = fs::remove_dir(base);
     }
 }

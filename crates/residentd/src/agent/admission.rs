@@ -27,8 +27,16 @@ pub(super) enum Answer {
     Prompt,
 }
 
+/// What the decision half of a Start came to.
+pub(super) enum Admission {
+    /// The instance exists: the answer.
+    Existing(Started),
+    /// Admitted: to be carried out.
+    New(Request, Admitted),
+}
+
 /// One Start, as decided on one config snapshot.
-struct Request {
+pub(super) struct Request {
     config: Arc<Config>,
     workload: Arc<Workload>,
     id: InstanceId,
@@ -64,6 +72,30 @@ impl Agent {
         lease_ms: u64,
         answer: Answer,
     ) -> Result<Started, ApiError> {
+        let admission = self
+            .admit_start(workload, id, policy, wait_ready, lease_ms, answer)
+            .await?;
+        let (request, admitted) = match admission {
+            Admission::Existing(started) => return Ok(started),
+            Admission::New(request, admitted) => (request, admitted),
+        };
+        let me = self.clone();
+        tokio::spawn(async move { me.carry_out(request, admitted).await })
+            .await
+            .map_err(|e| ApiError::Internal(format!("the start task failed: {e}")))?
+    }
+
+    /// The decision half of a Start: the books admit it (or it exists, or
+    /// it is refused); nothing is stopped or spawned yet.
+    pub(super) async fn admit_start(
+        self: &Arc<Self>,
+        workload: &str,
+        id: Option<InstanceId>,
+        policy: Option<Policy>,
+        wait_ready: bool,
+        lease_ms: u64,
+        answer: Answer,
+    ) -> Result<Admission, ApiError> {
         let config = self.config();
         let w = workload_of(&config, workload)?;
         let id = match id {
@@ -107,11 +139,11 @@ impl Agent {
                         self.ready_or_failed(id.as_str(), record.generation).await?;
                     }
                     let record = self.books.record(id.as_str()).unwrap_or(record);
-                    return Ok(Started {
+                    return Ok(Admission::Existing(Started {
                         instance: self.view(id.as_str(), &record),
                         created: false,
                         evicted: Vec::new(),
-                    });
+                    }));
                 }
                 Ok(Decision::Admitted(a)) => break a,
             }
@@ -129,14 +161,15 @@ impl Agent {
             answer,
             admitted: admitted_change,
         };
-        let me = self.clone();
-        tokio::spawn(async move { me.carry_out(request, admitted).await })
-            .await
-            .map_err(|e| ApiError::Internal(format!("the start task failed: {e}")))?
+        Ok(Admission::New(request, admitted))
     }
 
     /// The admitted Start: victims, memory, spawn, journal, readiness.
-    async fn carry_out(self: Arc<Self>, r: Request, a: Admitted) -> Result<Started, ApiError> {
+    pub(super) async fn carry_out(
+        self: Arc<Self>,
+        r: Request,
+        a: Admitted,
+    ) -> Result<Started, ApiError> {
         let evicted: Vec<String> = a.evictions.iter().map(|v| v.id.clone()).collect();
         if !evicted.is_empty() {
             tracing::info!(instance_id = %r.id, victims = ?evicted, "evicting to make room");

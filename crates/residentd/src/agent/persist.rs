@@ -20,29 +20,28 @@ use crate::journal;
 
 impl Agent {
     /// After a restart: kills what the previous run left behind (recorded
-    /// process groups, checked against pid reuse), then starts the
-    /// journaled instances again in their original order. Adopted ones are
-    /// never killed: adopted again when the same process (pid and start
-    /// time) still runs. Instances that no longer fit, or whose workload
-    /// left the roster, are reported and dropped.
+    /// process groups, checked against pid reuse), admits the journaled
+    /// instances again in their original order (PENDING, memory reserved)
+    /// and returns, so the agent serves at once; each is then spawned in a
+    /// task of its own. Adopted ones are never killed: adopted again when
+    /// the same process (pid and start time) still runs. Instances that no
+    /// longer fit, or whose workload left the roster, are reported and
+    /// dropped.
     pub async fn restore(self: &Arc<Self>) {
         let entries = self.journal.read().entries;
         if entries.is_empty() {
             return;
         }
         let killed: usize = entries.iter().map(journal::kill_leftovers).sum();
-        for e in entries.iter().filter(|e| e.pgid > 1 && e.adopted.is_none()) {
-            let gone = || resident_supervisor::procfs::group_members(e.pgid).is_empty();
-            let deadline = Instant::now() + Duration::from_secs(5);
-            while !gone() && Instant::now() < deadline {
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        }
         tracing::info!(
             instances = entries.len(),
             killed,
             "restoring journaled instances"
         );
+        // First every instance is admitted (PENDING, its memory reserved,
+        // so no new start can take it) and every adoption taken back; the
+        // agent then serves while the instances are spawned side by side.
+        let mut admitted = Vec::new();
         for e in entries {
             let Ok(id) = InstanceId::new(e.instance.as_str()) else {
                 continue;
@@ -56,12 +55,13 @@ impl Agent {
             // agent to renew it with.
             let answer = super::admission::Answer::Prompt;
             match self
-                .start_answering(workload, Some(id), policy, false, e.lease_ms, answer)
+                .admit_start(workload, Some(id), policy, false, e.lease_ms, answer)
                 .await
             {
-                Ok(_) => {
-                    tracing::info!(instance_id = %e.instance, workload = %e.workload, "restored")
+                Ok(super::admission::Admission::New(request, a)) => {
+                    admitted.push((e, request, a));
                 }
+                Ok(super::admission::Admission::Existing(_)) => {}
                 Err(err) => tracing::warn!(
                     instance_id = %e.instance, workload = %e.workload, error = %err,
                     "a journaled instance could not be restored"
@@ -69,7 +69,31 @@ impl Agent {
             }
         }
         self.persist();
+        for (e, request, a) in admitted {
+            let me = self.clone();
+            tokio::spawn(async move {
+                // What the previous run left of this instance's group is
+                // gone before the new run starts (bounded).
+                if e.pgid > 1 {
+                    let gone = || resident_supervisor::procfs::group_members(e.pgid).is_empty();
+                    let deadline = Instant::now() + Duration::from_secs(5);
+                    while !gone() && Instant::now() < deadline {
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                }
+                match me.carry_out(request, a).await {
+                    Ok(_) => {
+                        tracing::info!(instance_id = %e.instance, workload = %e.workload, "restored")
+                    }
+                    Err(err) => tracing::warn!(
+                        instance_id = %e.instance, workload = %e.workload, error = %err,
+                        "a journaled instance could not be restored"
+                    ),
+                }
+            });
+        }
     }
+
     /// Adopts a journaled adoption again if its process (the same pid and
     /// start time) still runs.
     async fn readopt(self: &Arc<Self>, e: &journal::Entry, id: InstanceId, a: journal::Adopted) {

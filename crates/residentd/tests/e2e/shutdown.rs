@@ -174,12 +174,19 @@ async fn an_answered_start_or_stop_survives_kill_9_of_the_agent_right_after() {
         // kill -9 as soon as the answer is in (restart drops the old
         // agent with SIGKILL), then a new agent on the same state.
         d = d.restart().await;
+        // Back in the books as soon as the agent answers (PENDING while
+        // its process is spawned again), then running.
         let restored = d.get(&id).await;
-        let live = [pb::State::Starting as i32, pb::State::Ready as i32];
+        let live = [
+            pb::State::Pending as i32,
+            pb::State::Starting as i32,
+            pb::State::Ready as i32,
+        ];
         assert!(
             live.contains(&restored.state),
             "round {round}: the answered start is back: {restored:?}"
         );
+        d.wait_state(&id, pb::State::Ready).await;
         d.stopped(&id).await;
         d = d.restart().await;
         assert!(
