@@ -26,6 +26,7 @@
 //! Run by `scripts/bench` (which builds the release binaries and the
 //! supervisord venv); `--quick` is a smoke run of a few iterations.
 
+mod comeback;
 mod fleet;
 mod floor;
 mod measure;
@@ -65,6 +66,9 @@ struct Plan {
     /// The two fleet sizes of the fleet part, and its fan-outs at each.
     fleet_sizes: (usize, usize),
     fleet_rounds: usize,
+    /// Instances running when the agent is killed, and rounds.
+    comeback_instances: usize,
+    comeback_rounds: usize,
 }
 
 const FULL: Plan = Plan {
@@ -84,6 +88,8 @@ const FULL: Plan = Plan {
     router_swaps: 5,
     fleet_sizes: (100, 1000),
     fleet_rounds: 50,
+    comeback_instances: 200,
+    comeback_rounds: 3,
 };
 
 const QUICK: Plan = Plan {
@@ -103,6 +109,8 @@ const QUICK: Plan = Plan {
     router_swaps: 1,
     fleet_sizes: (5, 20),
     fleet_rounds: 3,
+    comeback_instances: 10,
+    comeback_rounds: 1,
 };
 
 /// A process of ours that is killed when dropped.
@@ -261,8 +269,8 @@ fn main() -> anyhow::Result<()> {
         .position(|a| a == "--venv-python")
         .and_then(|i| args.get(i + 1))
         .map(PathBuf::from);
-    // `--only place|startstop|crash|idle|churn|readiness|router|fleet` runs one
-    // part, for working on it.
+    // `--only place|startstop|crash|idle|churn|readiness|router|fleet|comeback`
+    // runs one part, for working on it.
     let only = args
         .iter()
         .position(|a| a == "--only")
@@ -292,6 +300,9 @@ fn main() -> anyhow::Result<()> {
         }
         if runs("churn") {
             churn_row(&plan, &residentd, &mut table).await?;
+        }
+        if runs("comeback") {
+            comeback::rows(&plan, &residentd, &mut table).await?;
         }
         if runs("readiness") {
             readiness::rows(&plan, &residentd, &mut table).await?;

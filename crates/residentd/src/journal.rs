@@ -206,26 +206,34 @@ fn parse(line: &str) -> Option<Entry> {
     fields.next().is_none().then_some(entry)
 }
 
-/// Kills what is left of `entry`'s process group from a previous run.
-/// Returns how many processes were signalled. The group is ours when its
-/// leader still runs with the recorded start time, or when the leader is
-/// gone but members remain (a live group id cannot be reused as a pid).
-pub fn kill_leftovers(entry: &Entry) -> usize {
-    // An adopted process is not ours to kill: it is adopted again.
-    if entry.pgid <= 1 || entry.adopted.is_some() {
-        return 0;
+/// Kills what is left of each entry's process group from a previous run,
+/// after one scan of the process table. Returns how many processes were
+/// signalled. A group is ours when its leader still runs with the
+/// recorded start time, or when the leader is gone but members remain (a
+/// live group id cannot be reused as a pid). Adopted processes are never
+/// touched.
+pub fn kill_leftovers(entries: &[Entry]) -> usize {
+    let table = procfs::scan();
+    let mut killed = 0;
+    for entry in entries {
+        if entry.pgid <= 1 || entry.adopted.is_some() {
+            continue;
+        }
+        let leader = table.iter().find(|p| p.pid == entry.pgid);
+        if leader.is_some_and(|l| l.start_ticks != entry.start_ticks) {
+            continue;
+        }
+        let members = table
+            .iter()
+            .filter(|p| p.pgrp == entry.pgid && p.state != 'Z')
+            .count();
+        if members > 0 {
+            let pgid = nix::unistd::Pid::from_raw(entry.pgid);
+            let _ = nix::sys::signal::killpg(pgid, Signal::SIGKILL);
+            killed += members;
+        }
     }
-    if let Some(leader) = procfs::stat(entry.pgid)
-        && leader.start_ticks != entry.start_ticks
-    {
-        return 0;
-    }
-    let members = procfs::group_members(entry.pgid);
-    if !members.is_empty() {
-        let pgid = nix::unistd::Pid::from_raw(entry.pgid);
-        let _ = nix::sys::signal::killpg(pgid, Signal::SIGKILL);
-    }
-    members.len()
+    killed
 }
 
 #[cfg(test)]

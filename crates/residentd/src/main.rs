@@ -114,10 +114,13 @@ fn main() -> ExitCode {
     let result = runtime.block_on(async {
         let host = Arc::new(resident_probe::HostMemory::new());
         let state_dir = config.node.state_dir.clone();
+        // The sockets first: an agent already serving here stops this one
+        // before it touches that one's instances or journal.
+        let listeners = residentd::server::bind(&config).await?;
         let agent = Agent::new(config, host)
             .map_err(|e| anyhow::anyhow!("state_dir {}: {e}", state_dir.display()))?;
         agent.restore().await;
-        residentd::server::serve(agent).await
+        residentd::server::serve(agent, listeners).await
     });
     match result {
         Ok(()) => ExitCode::SUCCESS,

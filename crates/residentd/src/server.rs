@@ -31,6 +31,37 @@ const MAX_MESSAGE: usize = 4 << 20;
 /// Most concurrent streams (calls) on one client connection.
 const MAX_STREAMS: u32 = 256;
 
+/// A listener bound before the agent restores anything.
+#[derive(Debug)]
+pub enum Bound {
+    /// A Unix socket, and its path (removed at exit).
+    Unix(UnixListener, std::path::PathBuf),
+    /// A TCP address.
+    Tcp(tokio::net::TcpListener, SocketAddr),
+}
+
+/// Binds every address of `listen`. Done before the journal is restored,
+/// so a second agent started on a node that runs one stops here, before
+/// it touches the first one's instances or journal.
+pub async fn bind(config: &resident_config::Config) -> anyhow::Result<Vec<Bound>> {
+    let mut out = Vec::new();
+    for listen in &config.node.listen {
+        out.push(match listen {
+            Listen::Unix(path) => Bound::Unix(
+                bind_unix(path, config.node.socket_group.as_ref())?,
+                path.clone(),
+            ),
+            Listen::Tcp(addr) => Bound::Tcp(
+                tokio::net::TcpListener::bind(addr)
+                    .await
+                    .with_context(|| format!("cannot listen on {addr}"))?,
+                *addr,
+            ),
+        });
+    }
+    Ok(out)
+}
+
 /// Binds the Unix socket at `path`: creates the directory, removes a stale
 /// socket left by a dead agent, refuses to steal a live one, and sets the
 /// mode to 0660.
@@ -59,7 +90,7 @@ pub fn bind_unix(path: &Path, group: Option<&(String, u32)>) -> anyhow::Result<U
 
 /// Serves until SIGTERM or SIGINT, then drains: health NOT_SERVING, new
 /// starts refused, every child stopped, and returns.
-pub async fn serve(agent: Arc<Agent>) -> anyhow::Result<()> {
+pub async fn serve(agent: Arc<Agent>, listeners: Vec<Bound>) -> anyhow::Result<()> {
     let config = agent.config();
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<NodeAgentServer<Service>>().await;
@@ -137,17 +168,16 @@ pub async fn serve(agent: Arc<Agent>) -> anyhow::Result<()> {
     start_watchdog();
     let mut servers = tokio::task::JoinSet::new();
     let mut sockets = Vec::new();
-    for listen in &config.node.listen {
+    for bound in listeners {
         let router = router.clone();
         let mut stopping = stopping.clone();
         let shutdown = async move {
             let _ = stopping.wait_for(|s| *s).await;
         };
-        match listen {
-            Listen::Unix(path) => {
-                let listener = bind_unix(path, config.node.socket_group.as_ref())?;
+        match bound {
+            Bound::Unix(listener, path) => {
                 tracing::info!(socket = %path.display(), node = %config.node.name, "serving");
-                sockets.push(path.clone());
+                sockets.push(path);
                 // Stock gRPC clients send the socket path as :authority;
                 // each connection goes through the layer that makes it one
                 // h2 takes.
@@ -155,23 +185,18 @@ pub async fn serve(agent: Arc<Agent>) -> anyhow::Result<()> {
                     .map(|conn| conn.map(crate::authority::AuthorityFix::new));
                 servers.spawn(router.serve_with_incoming_shutdown(incoming, shutdown));
             }
-            Listen::Tcp(addr) => {
-                let listener = tokio::net::TcpListener::bind(addr)
-                    .await
-                    .with_context(|| format!("cannot listen on {addr}"))?;
-                match agent.tls() {
-                    Some(tls) => {
-                        tracing::info!(%addr, node = %config.node.name, "serving TCP with mutual TLS");
-                        let incoming = tls.incoming(listener);
-                        servers.spawn(router.serve_with_incoming_shutdown(incoming, shutdown));
-                    }
-                    None => {
-                        tracing::warn!(%addr, "serving plaintext TCP (insecure = true)");
-                        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
-                        servers.spawn(router.serve_with_incoming_shutdown(incoming, shutdown));
-                    }
+            Bound::Tcp(listener, addr) => match agent.tls() {
+                Some(tls) => {
+                    tracing::info!(%addr, node = %config.node.name, "serving TCP with mutual TLS");
+                    let incoming = tls.incoming(listener);
+                    servers.spawn(router.serve_with_incoming_shutdown(incoming, shutdown));
                 }
-            }
+                None => {
+                    tracing::warn!(%addr, "serving plaintext TCP (insecure = true)");
+                    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+                    servers.spawn(router.serve_with_incoming_shutdown(incoming, shutdown));
+                }
+            },
         }
     }
     let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);

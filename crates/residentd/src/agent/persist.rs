@@ -32,7 +32,7 @@ impl Agent {
         if entries.is_empty() {
             return;
         }
-        let killed: usize = entries.iter().map(journal::kill_leftovers).sum();
+        let killed = journal::kill_leftovers(&entries);
         tracing::info!(
             instances = entries.len(),
             killed,
@@ -69,29 +69,42 @@ impl Agent {
             }
         }
         self.persist();
-        for (e, request, a) in admitted {
-            let me = self.clone();
-            tokio::spawn(async move {
-                // What the previous run left of this instance's group is
-                // gone before the new run starts (bounded).
-                if e.pgid > 1 {
-                    let gone = || resident_supervisor::procfs::group_members(e.pgid).is_empty();
-                    let deadline = Instant::now() + Duration::from_secs(5);
-                    while !gone() && Instant::now() < deadline {
-                        tokio::time::sleep(Duration::from_millis(10)).await;
-                    }
+        let me = self.clone();
+        tokio::spawn(async move {
+            // What the previous run left of the journaled groups is gone
+            // (bounded) before their new runs start: one scan of the
+            // process table per round for all of them; a zombie holds no
+            // memory and does not count.
+            let groups: std::collections::HashSet<i32> = admitted
+                .iter()
+                .filter(|(e, _, _)| e.pgid > 1 && e.adopted.is_none())
+                .map(|(e, _, _)| e.pgid)
+                .collect();
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while !groups.is_empty() && Instant::now() < deadline {
+                let left = resident_supervisor::procfs::scan()
+                    .iter()
+                    .any(|p| p.state != 'Z' && groups.contains(&p.pgrp));
+                if !left {
+                    break;
                 }
-                match me.carry_out(request, a).await {
-                    Ok(_) => {
-                        tracing::info!(instance_id = %e.instance, workload = %e.workload, "restored")
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            for (e, request, a) in admitted {
+                let me = me.clone();
+                tokio::spawn(async move {
+                    match me.carry_out(request, a).await {
+                        Ok(_) => {
+                            tracing::info!(instance_id = %e.instance, workload = %e.workload, "restored")
+                        }
+                        Err(err) => tracing::warn!(
+                            instance_id = %e.instance, workload = %e.workload, error = %err,
+                            "a journaled instance could not be restored"
+                        ),
                     }
-                    Err(err) => tracing::warn!(
-                        instance_id = %e.instance, workload = %e.workload, error = %err,
-                        "a journaled instance could not be restored"
-                    ),
-                }
-            });
-        }
+                });
+            }
+        });
     }
 
     /// Adopts a journaled adoption again if its process (the same pid and

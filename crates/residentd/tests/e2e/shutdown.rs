@@ -102,8 +102,12 @@ async fn after_kill_9_the_next_start_clears_leftovers_and_restores_the_journal()
         ["first", "second"],
         "both journaled instances are back"
     );
-    let list = d.list().await;
-    assert!(list.iter().all(|i| i.pid != 0 && i.pid as i32 != pgid));
+    // Reserved at once (PENDING), running soon after.
+    assert_eq!(d.used().await, 5_000_000_000, "each reserved once");
+    for id in ["first", "second"] {
+        let i = d.wait_state(id, pb::State::Ready).await;
+        assert!(i.pid != 0 && i.pid as i32 != pgid, "{i:?}");
+    }
     assert_eq!(d.used().await, 5_000_000_000, "each reserved once");
 }
 
@@ -419,4 +423,31 @@ async fn a_config_file_gone_at_sighup_keeps_the_running_config() {
     // The running config stays: the roster still serves starts.
     d.started("nap", "b").await;
     assert_eq!(d.ids().await, ["a", "b"]);
+}
+
+#[tokio::test]
+async fn a_second_agent_on_a_running_node_stops_before_touching_anything() {
+    let mut d = Daemon::start(&(ram() + &sleeper("nap", "ram", 1, ""))).await;
+    let a = d.started("nap", "a").await;
+    let journal = d.dir.path().join("state/instances.journal");
+    // Once the journal also records the process group (written after the
+    // answer).
+    let recorded = eventually(async || {
+        std::fs::read_to_string(&journal).is_ok_and(|j| j.contains(&format!("a\tnap\t{}\t", a.pid)))
+    })
+    .await;
+    assert!(recorded);
+    let before = std::fs::read(&journal).expect("journal");
+    let out = std::process::Command::new(RESIDENTD)
+        .arg("--config")
+        .arg(d.dir.path().join("residentd.toml"))
+        .output()
+        .expect("run a second agent");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("is in use by a running agent"), "{err}");
+    // The running agent's instance and journal are as they were.
+    assert!(alive(a.pid as i32), "the second agent killed nothing");
+    assert_eq!(d.get("a").await.pid, a.pid);
+    assert_eq!(std::fs::read(&journal).expect("journal"), before);
 }

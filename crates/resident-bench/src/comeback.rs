@@ -1,0 +1,90 @@
+//! The comeback: an agent killed (kill -9) with N instances running, then
+//! started again on the same state. How long until it serves again (its
+//! first answer), and until every journaled instance is READY again;
+//! beside an agent started on an empty journal, side by side.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use resident_api::pb;
+
+use crate::report::{Row, Table};
+use crate::{Plan, connect, measure, spawn_agent, start};
+
+pub async fn rows(plan: &Plan, residentd: &Path, table: &mut Table) -> anyhow::Result<()> {
+    let n = plan.comeback_instances;
+    let (mut fresh, mut serving, mut ready) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..plan.comeback_rounds {
+        // The floor: an agent with nothing to restore, to its first answer.
+        let t = Instant::now();
+        let empty = spawn_agent(residentd)?;
+        connect(&empty.socket)
+            .await?
+            .node(pb::NodeRequest {})
+            .await?;
+        fresh.push(t.elapsed());
+        drop(empty);
+
+        let mut agent = spawn_agent(residentd)?;
+        let c = connect(&agent.socket).await?;
+        let mut starts = tokio::task::JoinSet::new();
+        for i in 0..n {
+            let mut c = c.clone();
+            starts.spawn(async move { c.start(start("trivial", &format!("c{i}"))).await });
+        }
+        while let Some(done) = starts.join_next().await {
+            done.context("a start task")??;
+        }
+        // kill -9, then the same binary on the same config and state.
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(agent.pid()),
+            nix::sys::signal::Signal::SIGKILL,
+        )?;
+        agent.child.wait()?;
+        let t = Instant::now();
+        agent.child = Command::new(residentd)
+            .arg("--config")
+            .arg(agent._dir.path().join("residentd.toml"))
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?;
+        let mut c = connect(&agent.socket).await?;
+        c.node(pb::NodeRequest {}).await?;
+        serving.push(t.elapsed());
+        loop {
+            let list = c.list(pb::ListRequest {}).await?.into_inner().instances;
+            let up = list
+                .iter()
+                .filter(|i| i.state == pb::State::Ready as i32)
+                .count();
+            if up == n {
+                break;
+            }
+            anyhow::ensure!(
+                t.elapsed() < Duration::from_secs(60),
+                "only {up} of {n} instances READY after a minute"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        ready.push(t.elapsed());
+    }
+    let fresh = measure::median(fresh);
+    table.push(Row::latency(
+        format!("comeback: serving after kill -9 with {n} journaled, vs an empty agent"),
+        measure::median(serving),
+        fresh,
+        None,
+        "<= 1 s",
+    ));
+    table.push(Row::latency(
+        format!("comeback: all {n} READY again after kill -9, vs an empty agent serving"),
+        measure::median(ready),
+        fresh,
+        None,
+        "<= 2 s",
+    ));
+    Ok(())
+}
