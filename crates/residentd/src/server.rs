@@ -31,6 +31,11 @@ const MAX_MESSAGE: usize = 4 << 20;
 /// Most concurrent streams (calls) on one client connection.
 const MAX_STREAMS: u32 = 256;
 
+/// How often an idle connection is pinged, and how long the ping's answer
+/// may take before the connection is closed.
+const KEEPALIVE: Duration = Duration::from_secs(30);
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
+
 /// A listener bound before the agent restores anything.
 #[derive(Debug)]
 pub enum Bound {
@@ -108,6 +113,10 @@ pub async fn serve(agent: Arc<Agent>, listeners: Vec<Bound>) -> anyhow::Result<(
         .max_encoding_message_size(MAX_MESSAGE);
     let builder = Server::builder()
         .max_concurrent_streams(MAX_STREAMS)
+        // A peer that stops answering (gone, or a connection that never
+        // reads) is found by HTTP/2 pings and dropped, with its streams.
+        .http2_keepalive_interval(Some(KEEPALIVE))
+        .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
         // The authority layer cuts the header blocks it re-encodes to
         // this size; it is h2's default, stated so it cannot drift.
         .max_frame_size(u32::try_from(crate::authority::MAX_FRAME).ok());

@@ -17,6 +17,7 @@ mod interop;
 mod leases;
 mod lifecycle;
 mod llama;
+mod load;
 mod metrics;
 mod oom;
 mod placement;

@@ -513,3 +513,33 @@ async fn a_socket_and_tls_together_residentctl_over_tcp_and_renewed_certificates
     let _ = agent.kill();
     let _ = agent.wait();
 }
+
+#[tokio::test]
+async fn a_handshake_that_never_finishes_is_cut_off() {
+    let a = tls_agent("[node.access]\nviewers = [\"cert-cn:x\"]");
+    // A client that connects and never says a word.
+    let mut stalled = until(async || std::net::TcpStream::connect(("127.0.0.1", a.port)).ok())
+        .await
+        .expect("the agent listens");
+    stalled
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .expect("timeout");
+    let started = std::time::Instant::now();
+    let mut buf = [0u8; 16];
+    let read = std::io::Read::read(&mut stalled, &mut buf);
+    // Closed by the agent (end of stream or a reset), not by our timeout.
+    let closed = match &read {
+        Ok(0) => true,
+        Err(e) => e.kind() == std::io::ErrorKind::ConnectionReset,
+        Ok(_) => false,
+    };
+    assert!(closed, "{read:?} after {:?}", started.elapsed());
+    assert!(started.elapsed() < Duration::from_secs(15));
+    let logged = until(async || {
+        let log = std::fs::read_to_string(&a.log).unwrap_or_default();
+        log.contains("TLS handshake refused").then_some(log)
+    })
+    .await
+    .expect("logged");
+    assert!(logged.contains("longer than 10 s"), "{logged}");
+}
