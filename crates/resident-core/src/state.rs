@@ -232,23 +232,12 @@ impl NodeState {
                         r.evicting = true;
                     }
                 }
-                self.next_seq += 1;
                 let spec = if spec.any_of.is_empty() {
                     spec
                 } else {
                     Arc::new(spec.concrete(&chosen))
                 };
-                let resident = Resident {
-                    id: id.clone(),
-                    spec,
-                    seq: self.next_seq,
-                    last_used: now,
-                    hold_until: 0,
-                    measured: BTreeMap::new(),
-                    evicting: false,
-                    evictable: true,
-                };
-                self.residents.insert(id.clone(), resident);
+                self.enter(id, spec, now, BTreeMap::new(), true);
                 Ok(Admission {
                     created: true,
                     evict,
@@ -280,18 +269,7 @@ impl NodeState {
                 existing: spec.workload.clone(),
             })),
             Plan::Admit { wait_for, .. } => {
-                self.next_seq += 1;
-                let resident = Resident {
-                    id: id.clone(),
-                    spec,
-                    seq: self.next_seq,
-                    last_used: now,
-                    hold_until: 0,
-                    measured: present.clone(),
-                    evicting: false,
-                    evictable,
-                };
-                self.residents.insert(id.clone(), resident);
+                self.enter(id, spec, now, present.clone(), evictable);
                 Ok(Admission {
                     created: true,
                     evict: Vec::new(),
@@ -300,6 +278,29 @@ impl NodeState {
                 })
             }
         }
+    }
+
+    /// Makes `id` a resident holding `spec`, used at `now`.
+    fn enter(
+        &mut self,
+        id: &InstanceId,
+        spec: Arc<Spec>,
+        now: u64,
+        measured: BTreeMap<PoolName, u64>,
+        evictable: bool,
+    ) {
+        self.next_seq += 1;
+        let resident = Resident {
+            id: id.clone(),
+            spec,
+            seq: self.next_seq,
+            last_used: now,
+            hold_until: 0,
+            measured,
+            evicting: false,
+            evictable,
+        };
+        self.residents.insert(id.clone(), resident);
     }
 
     /// Releases what `id` held. `None` when it held nothing.

@@ -88,6 +88,29 @@ struct Inner {
     cgroups: Option<Arc<Cgroups>>,
 }
 
+/// The log of `id`'s ended run, to continue; an error while it is live.
+fn ended_logs(
+    table: &HashMap<String, Entry>,
+    id: &str,
+) -> Result<Option<Arc<LogRing>>, SupervisorError> {
+    match table.get(id) {
+        Some(e) if !e.shared.status.borrow().state.is_terminal() => {
+            Err(SupervisorError::AlreadyRunning(id.to_string()))
+        }
+        Some(e) => Ok(Some(e.shared.logs.clone())),
+        None => Ok(None),
+    }
+}
+
+/// The first status after PENDING (or the last one, if the actor ended).
+async fn settled(rx: &mut watch::Receiver<Status>) -> Status {
+    let settled = rx
+        .wait_for(|s| s.state != State::Pending)
+        .await
+        .map(|s| s.clone());
+    settled.unwrap_or_else(|_| rx.borrow().clone())
+}
+
 /// Runs instances as child processes. Cheap to clone; all clones share one
 /// table. Every transition of every instance is sent, in order per
 /// instance, on the events channel given to `new`.
@@ -134,13 +157,7 @@ impl Supervisor {
         let id = spec.instance.clone();
         let mut status_rx = {
             let mut table = self.table();
-            let old_logs = match table.get(&id) {
-                Some(e) if !e.shared.status.borrow().state.is_terminal() => {
-                    return Err(SupervisorError::AlreadyRunning(id));
-                }
-                Some(e) => Some(e.shared.logs.clone()),
-                None => None,
-            };
+            let old_logs = ended_logs(&table, &id)?;
             let port = self
                 .inner
                 .ports
@@ -173,10 +190,7 @@ impl Supervisor {
             tokio::spawn(actor.run());
             status_rx
         };
-        let settled = status_rx.wait_for(|s| s.state != State::Pending).await;
-        Ok(settled
-            .map(|s| s.clone())
-            .unwrap_or_else(|_| status_rx.borrow().clone()))
+        Ok(settled(&mut status_rx).await)
     }
 
     /// Watches a process that someone else started, as instance
@@ -201,13 +215,7 @@ impl Supervisor {
         let id = spec.instance.clone();
         let mut status_rx = {
             let mut table = self.table();
-            let old_logs = match table.get(&id) {
-                Some(e) if !e.shared.status.borrow().state.is_terminal() => {
-                    return Err(SupervisorError::AlreadyRunning(id));
-                }
-                Some(e) => Some(e.shared.logs.clone()),
-                None => None,
-            };
+            let old_logs = ended_logs(&table, &id)?;
             let (shared, status_rx) = self.shared(&spec, adoption.port, old_logs);
             let (stops_tx, stops_rx) = mpsc::channel(4);
             let grace = spec.stop_grace;
@@ -230,10 +238,7 @@ impl Supervisor {
             tokio::spawn(actor.run());
             status_rx
         };
-        let settled = status_rx.wait_for(|s| s.state != State::Pending).await;
-        Ok(settled
-            .map(|s| s.clone())
-            .unwrap_or_else(|_| status_rx.borrow().clone()))
+        Ok(settled(&mut status_rx).await)
     }
 
     /// The shared half of a new instance entry, PENDING, published.

@@ -49,18 +49,11 @@ impl Service {
         id_of: impl Fn(&T) -> String,
     ) -> Result<T, Status> {
         let result = call.await;
-        let quiet = rpc == "Touch";
         match &result {
             Ok(answer) => {
                 let id = id_of(answer);
                 let id = if id.is_empty() { instance_id } else { &id };
-                if quiet {
-                    // Every use of a model touches it: at debug when it
-                    // succeeds, at info when it does not.
-                    tracing::debug!(target: "audit", rpc, caller = ?caller.to_string(), instance_id = id, outcome = "ok", reason = "", "audit");
-                } else {
-                    access::audit(rpc, caller, id, "ok", "");
-                }
+                access::audit(rpc, caller, id, "ok", "");
             }
             Err(status) => {
                 let excerpt = resident_core::Excerpt::of(status.message()).to_string();

@@ -61,159 +61,45 @@ fn show(plan: &Plan) -> String {
 fn binpack_and_spread_choose_as_they_say_and_names_break_ties() {
     const ALL: &[&str] = &["gpu0", "gpu1", "gpu2", "gpu3"];
     // (strategy, residents, target: candidates, count, GB, policy, plan)
-    #[rustfmt::skip]
-    type Row<'a> = (GpuChoice, &'a [(&'a str, &'a str, u64)], &'a [&'a str], usize, u64, Policy, &'a str);
+    type Row<'a> = (
+        GpuChoice,
+        &'a [(&'a str, &'a str, u64)],
+        &'a [&'a str],
+        usize,
+        u64,
+        Policy,
+        &'a str,
+    );
     use GpuChoice::{Binpack, Spread};
     use Policy::{Evict, Refuse};
+    #[rustfmt::skip]
     let rows: &[Row] = &[
         // An empty node: every pool alike, the first name wins.
         (Binpack, &[], ALL, 1, 8, Refuse, "admit [] on gpu0"),
         (Spread, &[], ALL, 1, 8, Refuse, "admit [] on gpu0"),
         // Binpack fills the fullest pool that still fits; spread the emptiest.
-        (
-            Binpack,
-            &[("a", "gpu0", 10), ("b", "gpu1", 4)],
-            ALL,
-            1,
-            8,
-            Refuse,
-            "admit [] on gpu0",
-        ),
-        (
-            Spread,
-            &[("a", "gpu0", 10), ("b", "gpu1", 4)],
-            ALL,
-            1,
-            8,
-            Refuse,
-            "admit [] on gpu2",
-        ),
+        (Binpack, &[("a", "gpu0", 10), ("b", "gpu1", 4)], ALL, 1, 8, Refuse, "admit [] on gpu0"),
+        (Spread, &[("a", "gpu0", 10), ("b", "gpu1", 4)], ALL, 1, 8, Refuse, "admit [] on gpu2"),
         // The fullest pool does not fit: binpack takes the next fullest.
-        (
-            Binpack,
-            &[("a", "gpu0", 20), ("b", "gpu1", 4)],
-            ALL,
-            1,
-            8,
-            Refuse,
-            "admit [] on gpu1",
-        ),
+        (Binpack, &[("a", "gpu0", 20), ("b", "gpu1", 4)], ALL, 1, 8, Refuse, "admit [] on gpu1"),
         // Only the candidates are considered.
-        (
-            Spread,
-            &[("a", "gpu2", 1)],
-            &["gpu2", "gpu3"],
-            1,
-            8,
-            Refuse,
-            "admit [] on gpu3",
-        ),
-        (
-            Binpack,
-            &[("a", "gpu2", 1)],
-            &["gpu2", "gpu3"],
-            1,
-            8,
-            Refuse,
-            "admit [] on gpu2",
-        ),
+        (Spread, &[("a", "gpu2", 1)], &["gpu2", "gpu3"], 1, 8, Refuse, "admit [] on gpu3"),
+        (Binpack, &[("a", "gpu2", 1)], &["gpu2", "gpu3"], 1, 8, Refuse, "admit [] on gpu2"),
         // N of the pools (tensor parallel): distinct pools, the pair with
         // the least room under binpack, the most under spread.
-        (
-            Binpack,
-            &[("a", "gpu1", 8), ("b", "gpu3", 8)],
-            ALL,
-            2,
-            12,
-            Refuse,
-            "admit [] on gpu1+gpu3",
-        ),
-        (
-            Spread,
-            &[("a", "gpu1", 8), ("b", "gpu3", 8)],
-            ALL,
-            2,
-            12,
-            Refuse,
-            "admit [] on gpu0+gpu2",
-        ),
-        (
-            Binpack,
-            &[("a", "gpu1", 20)],
-            ALL,
-            4,
-            5,
-            Refuse,
-            "refuse OVER_BUDGET@gpu1",
-        ),
-        (
-            Binpack,
-            &[("a", "gpu1", 20)],
-            ALL,
-            4,
-            4,
-            Refuse,
-            "admit [] on gpu0+gpu1+gpu2+gpu3",
-        ),
+        (Binpack, &[("a", "gpu1", 8), ("b", "gpu3", 8)], ALL, 2, 12, Refuse, "admit [] on gpu1+gpu3"),
+        (Spread, &[("a", "gpu1", 8), ("b", "gpu3", 8)], ALL, 2, 12, Refuse, "admit [] on gpu0+gpu2"),
+        (Binpack, &[("a", "gpu1", 20)], ALL, 4, 5, Refuse, "refuse OVER_BUDGET@gpu1"),
+        (Binpack, &[("a", "gpu1", 20)], ALL, 4, 4, Refuse, "admit [] on gpu0+gpu1+gpu2+gpu3"),
         // A choice that fits as things stand wins over one that evicts,
         // even where the evicting one is what binpack would like best.
-        (
-            Binpack,
-            &[("a", "gpu0", 20), ("b", "gpu1", 20), ("c", "gpu2", 20)],
-            ALL,
-            1,
-            8,
-            Evict,
-            "admit [] on gpu3",
-        ),
+        (Binpack, &[("a", "gpu0", 20), ("b", "gpu1", 20), ("c", "gpu2", 20)], ALL, 1, 8, Evict, "admit [] on gpu3"),
         // No choice fits without eviction: evict, on the best-ranked pool.
-        (
-            Binpack,
-            &[
-                ("a", "gpu0", 20),
-                ("b", "gpu1", 18),
-                ("c", "gpu2", 20),
-                ("d", "gpu3", 20),
-            ],
-            ALL,
-            1,
-            8,
-            Evict,
-            "admit [a] on gpu0",
-        ),
-        (
-            Spread,
-            &[
-                ("a", "gpu0", 20),
-                ("b", "gpu1", 18),
-                ("c", "gpu2", 20),
-                ("d", "gpu3", 20),
-            ],
-            ALL,
-            1,
-            8,
-            Evict,
-            "admit [b] on gpu1",
-        ),
+        (Binpack, &[("a", "gpu0", 20), ("b", "gpu1", 18), ("c", "gpu2", 20), ("d", "gpu3", 20)], ALL, 1, 8, Evict, "admit [a] on gpu0"),
+        (Spread, &[("a", "gpu0", 20), ("b", "gpu1", 18), ("c", "gpu2", 20), ("d", "gpu3", 20)], ALL, 1, 8, Evict, "admit [b] on gpu1"),
         // Fits nowhere: refused with every candidate's reason, nothing evicted.
-        (
-            Binpack,
-            &[("a", "gpu0", 20), ("b", "gpu1", 20)],
-            &["gpu0", "gpu1"],
-            1,
-            8,
-            Refuse,
-            "refuse OVER_BUDGET@gpu0,OVER_BUDGET@gpu1",
-        ),
-        (
-            Binpack,
-            &[("a", "gpu0", 20), ("b", "gpu1", 20)],
-            &["gpu0", "gpu1"],
-            1,
-            30,
-            Evict,
-            "refuse OVER_BUDGET@gpu0,OVER_BUDGET@gpu1",
-        ),
+        (Binpack, &[("a", "gpu0", 20), ("b", "gpu1", 20)], &["gpu0", "gpu1"], 1, 8, Refuse, "refuse OVER_BUDGET@gpu0,OVER_BUDGET@gpu1"),
+        (Binpack, &[("a", "gpu0", 20), ("b", "gpu1", 20)], &["gpu0", "gpu1"], 1, 30, Evict, "refuse OVER_BUDGET@gpu0,OVER_BUDGET@gpu1"),
     ];
     for (i, (choice, residents, candidates, count, gb, policy, want)) in rows.iter().enumerate() {
         let n = gpus(*choice, residents);

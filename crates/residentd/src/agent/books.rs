@@ -167,29 +167,12 @@ impl Books {
             // Subscribed under the lock: no release is missed.
             return Ok(Decision::Stopping(self.released.subscribe()));
         }
-        if let Some(r) = b.records.get(id.as_str())
-            && r.workload.spec.workload != w.spec.workload
-        {
-            let msg = format!(
-                "instance '{id}' already exists with workload '{}'",
-                r.workload.spec.workload
-            );
-            return Err(ApiError::AlreadyExists(msg));
-        }
+        taken(&b, id, w)?;
         let max = config.node.max_instances;
-        if b.ledger.resident(id.as_str()).is_none() && b.ledger.residents().count() >= max {
-            return Err(ApiError::LimitReached(format!(
-                "the node already holds max_instances = {max} instances; stop one first"
-            )));
-        }
+        room(&b, id, max)?;
         let a = match b.ledger.admit(id, w.spec.clone(), policy, now) {
             Err(AdmitError::Refused(refusal)) => {
-                let plan = Plan::Refuse(refusal.clone());
-                let placement = placement(&b.ledger, &plan, &w.spec);
-                return Err(ApiError::Refused {
-                    refusal,
-                    placement: Box::new(placement),
-                });
+                return Err(refused(&b.ledger, refusal, &w.spec));
             }
             Err(AdmitError::Invalid(e)) => return Err(plan_error(e)),
             Ok(a) if !a.created => {
@@ -267,14 +250,7 @@ impl Books {
                 "instance '{id}' already holds memory; adopt under another id"
             )));
         }
-        if let Some(r) = b.records.get(id.as_str())
-            && r.workload.spec.workload != w.spec.workload
-        {
-            return Err(ApiError::AlreadyExists(format!(
-                "instance '{id}' already exists with workload '{}'",
-                r.workload.spec.workload
-            )));
-        }
+        taken(&b, id, w)?;
         let twice = b.records.iter().find(|(other, r)| {
             r.adopted.is_some_and(|a| a.pid == adoption.pid) && b.ledger.resident(other).is_some()
         });
@@ -285,23 +261,14 @@ impl Books {
             )));
         }
         let max = config.node.max_instances;
-        if b.ledger.residents().count() >= max {
-            return Err(ApiError::LimitReached(format!(
-                "the node already holds max_instances = {max} instances; stop one first"
-            )));
-        }
+        room(&b, id, max)?;
         match b
             .ledger
             .adopt(id, w.spec.clone(), now, present, adoption.manage)
         {
             Ok(_) => {}
             Err(AdmitError::Refused(refusal)) => {
-                let plan = Plan::Refuse(refusal.clone());
-                let placement = placement(&b.ledger, &plan, &w.spec);
-                return Err(ApiError::Refused {
-                    refusal,
-                    placement: Box::new(placement),
-                });
+                return Err(refused(&b.ledger, refusal, &w.spec));
             }
             Err(AdmitError::Invalid(e)) => return Err(plan_error(e)),
         }
@@ -634,6 +601,41 @@ fn pool_statuses(ledger: &NodeState) -> Vec<pb::PoolStatus> {
         .iter()
         .map(|p| resident_api::pool_status(p, ledger.available(p.name.as_str())))
         .collect()
+}
+
+/// `id` is an instance of another workload.
+fn taken(b: &Inner, id: &InstanceId, w: &Workload) -> Result<(), ApiError> {
+    match b.records.get(id.as_str()) {
+        Some(r) if r.workload.spec.workload != w.spec.workload => {
+            Err(ApiError::AlreadyExists(format!(
+                "instance '{id}' already exists with workload '{}'",
+                r.workload.spec.workload
+            )))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Whether one more resident (`id`, unless it is one already) stays within
+/// `max_instances`.
+fn room(b: &Inner, id: &InstanceId, max: usize) -> Result<(), ApiError> {
+    if b.ledger.resident(id.as_str()).is_none() && b.ledger.residents().count() >= max {
+        return Err(ApiError::LimitReached(format!(
+            "the node already holds max_instances = {max} instances; stop one first"
+        )));
+    }
+    Ok(())
+}
+
+/// A refused admission as the caller hears it: the refusal, and the
+/// Placement it was decided on (the same critical section).
+fn refused(ledger: &NodeState, refusal: resident_core::Refusal, spec: &Spec) -> ApiError {
+    let plan = Plan::Refuse(refusal.clone());
+    let placement = placement(ledger, &plan, spec);
+    ApiError::Refused {
+        refusal,
+        placement: Box::new(placement),
+    }
 }
 
 pub(super) fn plan_error(e: PlanError) -> ApiError {

@@ -543,3 +543,139 @@ async fn a_handshake_that_never_finishes_is_cut_off() {
     .expect("logged");
     assert!(logged.contains("longer than 10 s"), "{logged}");
 }
+
+/// Every RPC of the contract, as `c` calls it with instance id `id`:
+/// (name, whether it changes something, the answer's code; OK when it
+/// succeeded).
+async fn every_rpc(c: &mut NodeAgentClient<Channel>, id: &str) -> Vec<(&'static str, tonic::Code)> {
+    let code = |r: Result<(), tonic::Status>| r.map_or_else(|e| e.code(), |()| tonic::Code::Ok);
+    let mut out = Vec::new();
+    let start = pb::StartRequest {
+        workload: "nap".into(),
+        instance_id: id.into(),
+        ..Default::default()
+    };
+    out.push(("Start", code(c.start(start).await.map(drop))));
+    let touch = pb::TouchRequest {
+        instance_id: id.into(),
+        ..Default::default()
+    };
+    out.push(("Touch", code(c.touch(touch).await.map(drop))));
+    let get = pb::GetRequest {
+        instance_id: id.into(),
+    };
+    out.push(("Get", code(c.get(get).await.map(drop))));
+    out.push(("List", code(c.list(pb::ListRequest {}).await.map(drop))));
+    let place = pb::PlaceRequest {
+        workload: "nap".into(),
+        on_full: 0,
+    };
+    out.push(("Place", code(c.place(place).await.map(drop))));
+    out.push(("Node", code(c.node(pb::NodeRequest {}).await.map(drop))));
+    out.push((
+        "Workloads",
+        code(c.workloads(pb::WorkloadsRequest {}).await.map(drop)),
+    ));
+    let watch = pb::WatchRequest { since_revision: 0 };
+    out.push(("Watch", code(c.watch(watch).await.map(drop))));
+    let logs = pb::LogsRequest {
+        instance_id: id.into(),
+        tail: 1,
+        follow: false,
+    };
+    out.push(("Logs", code(c.logs(logs).await.map(drop))));
+    let adopt = pb::AdoptRequest {
+        pid: 999_999,
+        workload: "nap".into(),
+        instance_id: format!("{id}-adopted"),
+        ..Default::default()
+    };
+    out.push(("Adopt", code(c.adopt(adopt).await.map(drop))));
+    out.push((
+        "Reload",
+        code(c.reload(pb::ReloadRequest {}).await.map(drop)),
+    ));
+    let stop = pb::StopRequest {
+        instance_id: id.into(),
+        grace_ms: 0,
+    };
+    out.push(("Stop", code(c.stop(stop).await.map(drop))));
+    out
+}
+
+#[tokio::test]
+async fn each_rpc_is_allowed_or_denied_as_the_role_table_says() {
+    let a = tls_agent(
+        "[node.access]\nviewers = [\"cert-dns:v.example\"]\noperators = [\"cert-dns:o.example\"]\nadmins = [\"cert-dns:a.example\"]",
+    );
+    let need = |rpc: &str| match rpc {
+        "Start" | "Stop" | "Touch" | "Adopt" => 1,
+        "Reload" => 2,
+        _ => 0,
+    };
+    // (client name, its role: none -1, viewer 0, operator 1, admin 2)
+    let clients = [
+        ("stranger.example", -1),
+        ("v.example", 0),
+        ("o.example", 1),
+        ("a.example", 2),
+    ];
+    for (name, role) in clients {
+        let (cert, key) = leaf(&a.client_ca, &[name]);
+        let mut c = channel(&a, &cert, &key).await;
+        // Wait (bounded) for the listener with a call every role may make
+        // or be refused: any answer from the agent will do.
+        let up = until(async || {
+            c.node(pb::NodeRequest {})
+                .await
+                .err()
+                .map_or(Some(()), |e| {
+                    (e.code() == tonic::Code::PermissionDenied).then_some(())
+                })
+        })
+        .await;
+        assert!(up.is_some(), "{name} reaches the agent");
+        let id = format!("i-{}", name.split('.').next().unwrap_or(name));
+        for (rpc, code) in every_rpc(&mut c, &id).await {
+            let allowed = role >= need(rpc);
+            assert_eq!(
+                code == tonic::Code::PermissionDenied,
+                !allowed,
+                "{name} (role {role}) calling {rpc}: {code:?}"
+            );
+        }
+    }
+    // Only the operator's and the admin's starts happened (and were
+    // stopped by them); a denied call changed nothing.
+    let (cert, key) = leaf(&a.client_ca, &["a.example"]);
+    let mut admin = channel(&a, &cert, &key).await;
+    let ids: Vec<String> = admin
+        .list(pb::ListRequest {})
+        .await
+        .expect("list")
+        .into_inner()
+        .instances
+        .into_iter()
+        .map(|i| i.instance_id)
+        .collect();
+    assert_eq!(ids, ["i-a", "i-o"]);
+    // An audit line for each call that changes something, allowed or not,
+    // naming its caller.
+    let log = std::fs::read_to_string(&a.log).expect("log");
+    for (name, role) in clients {
+        for rpc in ["Start", "Stop", "Touch", "Adopt", "Reload"] {
+            let outcome = if role >= need(rpc) {
+                ""
+            } else {
+                "outcome=\"denied\""
+            };
+            let found = log.lines().any(|l| {
+                l.contains(" audit: ")
+                    && l.contains(&format!("rpc=\"{rpc}\""))
+                    && l.contains(&format!("cert-dns:{name}"))
+                    && l.contains(outcome)
+            });
+            assert!(found, "no audit line of {name}'s {rpc}");
+        }
+    }
+}
