@@ -1,7 +1,8 @@
 //! Load at the edges: a thousand Watch streams at once, each served every
 //! event, and the agent's memory with them, round after round: once the
 //! allocator has warmed up, another thousand do not grow it further
-//! (nothing is kept per stream after its end).
+//! (nothing is kept per stream after its end). And 10,000 instances
+//! listed again and again without the memory growing per call.
 
 use crate::support::*;
 use resident_api::pb;
@@ -109,4 +110,59 @@ async fn a_thousand_watchers_are_served_and_leave_nothing_behind() {
         "memory grew round over round: {second} then {third}"
     );
     assert_eq!(d.ids().await, ["base", "one", "three", "two"]);
+}
+
+/// Instances in the List load: with `max_instances` raised to hold them.
+const LISTED: usize = 10_000;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_thousand_instances_are_listed_without_the_memory_growing_per_call() {
+    // Each run exits at once and stays listed as EXITED (up to
+    // max_instances ended records are kept).
+    let config = format!(
+        "max_instances = {LISTED}\n{}[[workload]]\nname = \"blink\"\ncommand = [\"/bin/true\"]\n[workload.restart]\npolicy = \"never\"\n[workload.memory.ram]\nweights = \"1MB\"\n",
+        pool("ram", "100GB")
+    );
+    let mut d = Daemon::start(&config).await;
+    let mut clients = Vec::new();
+    for _ in 0..8 {
+        clients.push(connect(&d.socket).await);
+    }
+    let mut tasks = tokio::task::JoinSet::new();
+    for (k, mut c) in clients.into_iter().enumerate() {
+        tasks.spawn(async move {
+            for n in (k..LISTED).step_by(8) {
+                c.start(start_req("blink", &format!("b{n}")))
+                    .await
+                    .expect("start");
+            }
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        done.expect("a client");
+    }
+    let listed = until(async || {
+        let list = d.list().await;
+        let ended = list
+            .iter()
+            .filter(|i| i.state == pb::State::Exited as i32)
+            .count();
+        (ended == LISTED).then_some(list.len())
+    })
+    .await;
+    assert_eq!(listed, Some(LISTED), "every instance listed, ended");
+    let before = rss(d.pid());
+    for _ in 0..20 {
+        assert_eq!(d.list().await.len(), LISTED);
+    }
+    let after = rss(d.pid());
+    println!(
+        "agent RSS with {LISTED} instances: {} MB, after 20 Lists {} MB",
+        before >> 20,
+        after >> 20
+    );
+    assert!(
+        after <= before + before / 10 + (8 << 20),
+        "List kept memory: {before} then {after}"
+    );
 }
