@@ -11,7 +11,7 @@ mod error;
 pub use client::{channel_unix, connect_unix, endpoint_unix, endpoint_unix_lazy};
 
 pub use convert::{any_of, demand, instance, placement, pool_status, refusal};
-pub use error::ApiError;
+pub use error::{ApiError, code_name};
 
 /// Generated types and service traits of `resident.v1`.
 #[allow(missing_docs, clippy::all, missing_debug_implementations)]

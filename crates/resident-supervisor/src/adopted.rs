@@ -135,7 +135,6 @@ impl AdoptActor {
         self.shared
             .transition(State::Starting, format!("adopted pid {pid}"), |s| {
                 s.pid = Some(pid);
-                s.port = self.adoption.port;
                 s.started_at = Some(std::time::SystemTime::now());
             });
         let deadline = Instant::now() + self.spec.readiness_timeout;

@@ -90,10 +90,18 @@ where
     }
 
     fn call(&mut self, mut req: http::Request<B>) -> Self::Future {
-        let caller = Caller::from_extensions(req.extensions());
+        let config = self.agent.config();
+        // Supplementary groups cost a read of /proc per call: only where a
+        // `gid:` or `group:` principal can match them.
+        let groups = config.node.access.as_ref().is_some_and(|a| {
+            [&a.viewers, &a.operators, &a.admins]
+                .iter()
+                .any(|list| list.iter().any(|p| matches!(p, Principal::Gid(_))))
+        });
+        let caller = Caller::from_extensions(req.extensions(), groups);
         let path = req.uri().path().to_string();
         let need = required(&path);
-        let has = caller.role(&self.agent.config());
+        let has = caller.role(&config);
         match (need, has) {
             (Some(need), Some(role)) if role >= need => {
                 req.extensions_mut().insert(Authorized { caller, role });
@@ -122,7 +130,8 @@ pub enum Caller {
         gid: u32,
         /// Its pid, when the kernel says.
         pid: Option<i32>,
-        /// Its supplementary groups, read from `/proc/PID/status`.
+        /// Its supplementary groups, read from `/proc/PID/status` (only
+        /// when `[node.access]` grants a role to a group).
         groups: Vec<u32>,
     },
     /// Over TCP with a client certificate.
@@ -148,20 +157,24 @@ impl Caller {
     pub fn of<T>(req: &Request<T>) -> Self {
         match req.extensions().get::<Authorized>() {
             Some(a) => a.caller.clone(),
-            None => Self::from_extensions(req.extensions()),
+            None => Self::from_extensions(req.extensions(), false),
         }
     }
 
     /// The caller a request's connection says (the extensions tonic gives
-    /// every request).
-    pub fn from_extensions(ext: &http::Extensions) -> Self {
+    /// every request); a Unix caller's supplementary groups only when
+    /// `groups` asks for them.
+    pub fn from_extensions(ext: &http::Extensions, groups: bool) -> Self {
         if let Some(cred) = ext.get::<UdsConnectInfo>().and_then(|i| i.peer_cred) {
             let pid = cred.pid();
             return Self::Unix {
                 uid: cred.uid(),
                 gid: cred.gid(),
                 pid,
-                groups: pid.map(supplementary_groups).unwrap_or_default(),
+                groups: pid
+                    .filter(|_| groups)
+                    .map(supplementary_groups)
+                    .unwrap_or_default(),
             };
         }
         if let Some(tls) = ext.get::<TlsConnectInfo<TcpConnectInfo>>() {

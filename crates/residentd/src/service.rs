@@ -57,34 +57,16 @@ impl Service {
             }
             Err(status) => {
                 let excerpt = resident_core::Excerpt::of(status.message()).to_string();
-                access::audit(rpc, caller, instance_id, code_name(status.code()), &excerpt);
+                access::audit(
+                    rpc,
+                    caller,
+                    instance_id,
+                    resident_api::code_name(status.code()),
+                    &excerpt,
+                );
             }
         }
         result
-    }
-}
-
-/// A gRPC code as its proto name (`PERMISSION_DENIED`).
-fn code_name(code: tonic::Code) -> &'static str {
-    use tonic::Code::*;
-    match code {
-        Ok => "OK",
-        Cancelled => "CANCELLED",
-        Unknown => "UNKNOWN",
-        InvalidArgument => "INVALID_ARGUMENT",
-        DeadlineExceeded => "DEADLINE_EXCEEDED",
-        NotFound => "NOT_FOUND",
-        AlreadyExists => "ALREADY_EXISTS",
-        PermissionDenied => "PERMISSION_DENIED",
-        ResourceExhausted => "RESOURCE_EXHAUSTED",
-        FailedPrecondition => "FAILED_PRECONDITION",
-        Aborted => "ABORTED",
-        OutOfRange => "OUT_OF_RANGE",
-        Unimplemented => "UNIMPLEMENTED",
-        Internal => "INTERNAL",
-        Unavailable => "UNAVAILABLE",
-        DataLoss => "DATA_LOSS",
-        Unauthenticated => "UNAUTHENTICATED",
     }
 }
 

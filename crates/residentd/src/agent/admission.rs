@@ -58,20 +58,7 @@ impl Agent {
         wait_ready: bool,
         lease_ms: u64,
     ) -> Result<Started, ApiError> {
-        self.start_answering(workload, id, policy, wait_ready, lease_ms, Answer::Durable)
-            .await
-    }
-
-    /// [`Agent::start`], answering as `answer` says.
-    pub(super) async fn start_answering(
-        self: &Arc<Self>,
-        workload: &str,
-        id: Option<InstanceId>,
-        policy: Option<Policy>,
-        wait_ready: bool,
-        lease_ms: u64,
-        answer: Answer,
-    ) -> Result<Started, ApiError> {
+        let answer = Answer::Durable;
         let admission = self
             .admit_start(workload, id, policy, wait_ready, lease_ms, answer)
             .await?;

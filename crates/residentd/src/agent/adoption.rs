@@ -69,20 +69,18 @@ impl Agent {
             s.pid
                 .is_some_and(|p| p == pid || p as i32 == stat.pgrp || p as i32 == stat.ppid)
         });
-        if let Some(s) = ours {
-            let adopted = self.books.record(&s.instance).and_then(|r| r.adopted);
-            if adopted.is_some_and(|a| a.pid == pid) && !s.state.is_terminal() {
-                return Err(ApiError::AlreadyExists(format!(
-                    "pid {pid} is already adopted as instance '{}'",
-                    s.instance
-                )));
-            }
-            if adopted.is_none() && !s.state.is_terminal() {
-                return Err(ApiError::FailedPrecondition(format!(
-                    "pid {pid} belongs to instance '{}', which this agent runs",
-                    s.instance
-                )));
-            }
+        // A process of one of our own runs (not an adoption: adopting the
+        // same pid twice is the books' to refuse).
+        if let Some(s) = ours
+            && self
+                .books
+                .record(&s.instance)
+                .is_none_or(|r| r.adopted.is_none())
+        {
+            return Err(ApiError::FailedPrecondition(format!(
+                "pid {pid} belongs to instance '{}', which this agent runs",
+                s.instance
+            )));
         }
         let port = match call.port {
             0 => discovered_port(pid, &w.readiness)?,

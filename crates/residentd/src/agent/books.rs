@@ -51,6 +51,23 @@ pub(super) struct Record {
     pub(super) note: Option<String>,
 }
 
+impl Record {
+    /// Run `generation` of `w` holding `spec`: not cancelled, no lease, no
+    /// devices, not adopted, no note.
+    fn run(w: &Arc<Workload>, spec: Arc<Spec>, generation: u64) -> Self {
+        Self {
+            workload: w.clone(),
+            spec,
+            devices: Vec::new(),
+            generation,
+            cancelled: false,
+            lease: None,
+            adopted: None,
+            note: None,
+        }
+    }
+}
+
 /// An owner's lease on an instance: it runs out at `until` (the agent's
 /// monotonic milliseconds) unless a Touch renews it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -181,16 +198,7 @@ impl Books {
                     r.lease = Lease::new(lease_ms, now);
                 }
                 let record = b.records.get(id.as_str()).cloned();
-                let record = record.unwrap_or_else(|| Record {
-                    workload: w.clone(),
-                    spec: w.spec.clone(),
-                    devices: Vec::new(),
-                    generation: 0,
-                    cancelled: false,
-                    lease: None,
-                    adopted: None,
-                    note: None,
-                });
+                let record = record.unwrap_or_else(|| Record::run(w, w.spec.clone(), 0));
                 return Ok(Decision::Existing(record));
             }
             Ok(a) => a,
@@ -210,14 +218,9 @@ impl Books {
             }
         }
         let record = Record {
-            workload: w.clone(),
-            spec,
             devices: devices.clone(),
-            generation,
-            cancelled: false,
             lease: Lease::new(lease_ms, now),
-            adopted: None,
-            note: None,
+            ..Record::run(w, spec, generation)
         };
         b.records.insert(id.to_string(), record);
         let forgotten = prune_ended(&mut b, max);
@@ -275,14 +278,8 @@ impl Books {
         b.generation += 1;
         let generation = b.generation;
         let record = Record {
-            workload: w.clone(),
-            spec: w.spec.clone(),
-            devices: Vec::new(),
-            generation,
-            cancelled: false,
-            lease: None,
             adopted: Some(adoption),
-            note: None,
+            ..Record::run(w, w.spec.clone(), generation)
         };
         b.records.insert(id.to_string(), record);
         let forgotten = prune_ended(&mut b, max);

@@ -77,7 +77,7 @@ impl Agent {
             // memory and does not count.
             let groups: std::collections::HashSet<i32> = admitted
                 .iter()
-                .filter(|(e, _, _)| e.pgid > 1 && e.adopted.is_none())
+                .filter(|(e, _, _)| e.pgid > 1)
                 .map(|(e, _, _)| e.pgid)
                 .collect();
             let deadline = Instant::now() + Duration::from_secs(5);

@@ -87,27 +87,10 @@ fn write(dir: &Path, name: &str, text: &str) -> String {
 
 #[tokio::test]
 async fn tcp_needs_a_client_certificate_from_the_configured_ca() {
-    let (server_ca, client_ca, other_ca) = (ca(), ca(), ca());
-    let (server_cert, server_key) = leaf(&server_ca, &["localhost"]);
-    let (good_cert, good_key) = leaf(&client_ca, &["client"]);
-    let (bad_cert, bad_key) = leaf(&other_ca, &["intruder"]);
-    let dir = tempfile::tempdir().expect("tempdir");
-    let port = free_port();
-    let config = format!(
-        "[node]\nname = \"tls-node\"\nlisten = \"tcp://127.0.0.1:{port}\"\nstate_dir = \"{}/state\"\n[node.access]\nviewers = [\"cert-dns:client\"]\n[node.tls]\ncert = \"{}\"\nkey = \"{}\"\nclient_ca = \"{}\"\n\n[[pool]]\nname = \"ram\"\nbudget = \"1GB\"\n",
-        dir.path().display(),
-        write(dir.path(), "server.pem", &server_cert),
-        write(dir.path(), "server.key", &server_key),
-        write(dir.path(), "client-ca.pem", &client_ca.cert.pem()),
-    );
-    let config_path = write(dir.path(), "residentd.toml", &config);
-    let mut agent = Command::new(RESIDENTD)
-        .args(["--config", &config_path])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start residentd");
-    let ca_pem = server_ca.cert.pem();
+    let a = tls_agent("[node.access]\nviewers = [\"cert-dns:client\"]");
+    let (port, ca_pem) = (a.port, a.server_ca.clone());
+    let (good_cert, good_key) = leaf(&a.client_ca, &["client"]);
+    let (bad_cert, bad_key) = leaf(&ca(), &["intruder"]);
     // The right client: wait (bounded) for the agent to listen.
     let mut last = String::new();
     let good = until(async || {
@@ -145,8 +128,6 @@ async fn tcp_needs_a_client_certificate_from_the_configured_ca() {
         )
     };
     assert!(plain.await.is_err(), "a plaintext client got an answer");
-    let _ = agent.kill();
-    let _ = agent.wait();
 }
 
 /// A TLS agent on a free port with `access` as its `[node.access]` table
