@@ -1,5 +1,6 @@
 //! Who may do what. Every call names its caller: over the Unix socket its
-//! uid, gid, supplementary groups (read for its pid) and pid; over TCP
+//! uid, gid, pid and, where `[node.access]` grants a role to a group, its
+//! supplementary groups (read for its pid); over TCP
 //! with mutual TLS its certificate's SAN DNS names, SAN URIs and subject
 //! CN. The caller's role (viewer, operator, admin; each includes the ones
 //! before it) comes from `[node.access]`, or from the defaults:
