@@ -9,6 +9,7 @@ mod support;
 
 mod adopt;
 mod chaos;
+mod clock;
 mod device;
 mod fleet;
 mod gpu_choice;
