@@ -69,6 +69,16 @@ pub struct NodeConfig {
     pub allow: Allowlist,
     /// The most instances that may hold memory at once.
     pub max_instances: usize,
+    /// The most client connections open at once, every listener
+    /// together.
+    pub max_connections: usize,
+    /// The most one peer (a TCP client's address, a Unix caller's uid)
+    /// may hold open.
+    pub max_connections_per_peer: usize,
+    /// How often a connection is pinged (HTTP/2 keepalive).
+    pub keepalive_interval: Duration,
+    /// How long a ping's answer may take before the connection is closed.
+    pub keepalive_timeout: Duration,
     /// Start and Stop answer only once the journal on disk says what they
     /// did (`durable_answers`, default true).
     pub durable_answers: bool,

@@ -111,6 +111,10 @@ pub struct Node {
     #[serde(default)]
     pub allow_gids: Vec<u32>,
     pub max_instances: Option<Spanned<u32>>,
+    pub max_connections: Option<Spanned<u32>>,
+    pub max_connections_per_peer: Option<Spanned<u32>>,
+    pub keepalive_interval: Option<Spanned<String>>,
+    pub keepalive_timeout: Option<Spanned<String>>,
     pub durable_answers: Option<bool>,
     pub tls: Option<Spanned<Tls>>,
     pub gpu_choice: Option<Spanned<String>>,

@@ -19,6 +19,15 @@ fn the_brief_example_parses() {
         [Listen::Unix("/run/residentd/residentd.sock".into())]
     );
     assert_eq!(c.node.on_full, Policy::Refuse);
+    // The connection defaults docs/config.md states.
+    assert_eq!(
+        (c.node.max_connections, c.node.max_connections_per_peer),
+        (512, 64)
+    );
+    assert_eq!(
+        (c.node.keepalive_interval, c.node.keepalive_timeout),
+        (Duration::from_secs(30), Duration::from_secs(20))
+    );
     assert_eq!(c.pools.len(), 1);
     assert_eq!(c.pools[0].pool.budget, Some(96 * GB));
     assert_eq!(c.pools[0].pool.reserve, 2 * GB);
@@ -96,6 +105,26 @@ fn bad_input_names_file_line_and_key() {
         "on_full = \"refuse\"",
         "cgroups = \"v3\"",
         "node.cgroups: \"v3\" is not a cgroup mode",
+    );
+    check(
+        "on_full = \"refuse\"",
+        "max_connections = 0",
+        "node.max_connections: must be at least 1",
+    );
+    check(
+        "on_full = \"refuse\"",
+        "max_connections_per_peer = 0",
+        "node.max_connections_per_peer: must be at least 1",
+    );
+    check(
+        "on_full = \"refuse\"",
+        "keepalive_timeout = \"10ms\"",
+        "node.keepalive_timeout: must be at least 100ms",
+    );
+    check(
+        "on_full = \"refuse\"",
+        "keepalive_interval = \"soon\"",
+        "node.keepalive_interval",
     );
     check(
         "on_full = \"refuse\"",

@@ -8,6 +8,7 @@
 pub mod access;
 pub mod agent;
 pub mod authority;
+pub mod connections;
 pub mod events;
 pub mod journal;
 pub mod metrics;

@@ -58,6 +58,18 @@ struct RoleLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TransportLabels {
+    /// "unix" or "tcp".
+    transport: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct LimitLabels {
+    /// "total" or "peer".
+    limit: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RpcLabels {
     rpc: String,
 }
@@ -85,6 +97,8 @@ pub struct Metrics {
     pool_live: Family<PoolLabels, Gauge>,
     probe_failures: Family<PoolLabels, Counter>,
     refusals: Family<ReasonLabels, Counter>,
+    connections: Family<TransportLabels, Gauge>,
+    connections_refused: Family<LimitLabels, Counter>,
     rpc: Family<RpcLabels, Histogram, fn() -> Histogram>,
 }
 
@@ -117,6 +131,8 @@ impl Metrics {
             pool_live: Family::default(),
             probe_failures: Family::default(),
             refusals: Family::default(),
+            connections: Family::default(),
+            connections_refused: Family::default(),
             rpc: Family::new_with_constructor(rpc_histogram),
         };
         let r = &mut m.registry;
@@ -183,6 +199,16 @@ impl Metrics {
             m.refusals.clone(),
         );
         r.register(
+            "connections_open",
+            "Client connections open, by transport",
+            m.connections.clone(),
+        );
+        r.register(
+            "connections_refused",
+            "Client connections closed at accept, by the limit they met",
+            m.connections_refused.clone(),
+        );
+        r.register(
             "rpc_duration_seconds",
             "Time to answer an RPC",
             m.rpc.clone(),
@@ -242,6 +268,30 @@ impl Metrics {
                 role: role.to_string(),
             })
             .inc();
+    }
+
+    /// Counts a connection opened on `transport`.
+    pub fn connection_opened(&self, transport: &str) {
+        let labels = TransportLabels {
+            transport: transport.to_string(),
+        };
+        self.connections.get_or_create(&labels).inc();
+    }
+
+    /// Counts a connection on `transport` closed.
+    pub fn connection_closed(&self, transport: &str) {
+        let labels = TransportLabels {
+            transport: transport.to_string(),
+        };
+        self.connections.get_or_create(&labels).dec();
+    }
+
+    /// Counts a connection refused at accept for `limit`.
+    pub fn connection_refused(&self, limit: &str) {
+        let labels = LimitLabels {
+            limit: limit.to_string(),
+        };
+        self.connections_refused.get_or_create(&labels).inc();
     }
 
     /// Counts a restart.

@@ -1,7 +1,8 @@
 //! Serving the API: on every address of `listen` (Unix sockets, TCP with
 //! mutual TLS through `tls.rs`, or plain TCP), grpc.health.v1, server
-//! reflection, every service behind the access layer (`access.rs`), and
-//! the orderly shutdown on SIGTERM/SIGINT.
+//! reflection, every service behind the access layer (`access.rs`), every
+//! connection within the limits of `connections.rs` and pinged by HTTP/2
+//! keepalive, and the orderly shutdown on SIGTERM/SIGINT.
 
 use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt as _;
@@ -20,6 +21,8 @@ use tonic::transport::Server;
 use tonic_health::ServingStatus;
 
 use crate::agent::Agent;
+use crate::authority::AuthorityFix;
+use crate::connections::{Connections, Counted, Peer};
 use crate::service::Service;
 
 /// How long open connections may take to close once every child is gone.
@@ -30,11 +33,6 @@ const MAX_MESSAGE: usize = 4 << 20;
 
 /// Most concurrent streams (calls) on one client connection.
 const MAX_STREAMS: u32 = 256;
-
-/// How often an idle connection is pinged, and how long the ping's answer
-/// may take before the connection is closed.
-const KEEPALIVE: Duration = Duration::from_secs(30);
-const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// A listener bound before the agent restores anything.
 #[derive(Debug)]
@@ -115,8 +113,8 @@ pub async fn serve(agent: Arc<Agent>, listeners: Vec<Bound>) -> anyhow::Result<(
         .max_concurrent_streams(MAX_STREAMS)
         // A peer that stops answering (gone, or a connection that never
         // reads) is found by HTTP/2 pings and dropped, with its streams.
-        .http2_keepalive_interval(Some(KEEPALIVE))
-        .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
+        .http2_keepalive_interval(Some(config.node.keepalive_interval))
+        .http2_keepalive_timeout(Some(config.node.keepalive_timeout))
         // The authority layer cuts the header blocks it re-encodes to
         // this size; it is h2's default, stated so it cannot drift.
         .max_frame_size(u32::try_from(crate::authority::MAX_FRAME).ok());
@@ -177,6 +175,8 @@ pub async fn serve(agent: Arc<Agent>, listeners: Vec<Bound>) -> anyhow::Result<(
     start_watchdog();
     let mut servers = tokio::task::JoinSet::new();
     let mut sockets = Vec::new();
+    // Every listener's connections count against the same limits.
+    let connections = Connections::new(agent.clone());
     for bound in listeners {
         let router = router.clone();
         let mut stopping = stopping.clone();
@@ -190,19 +190,33 @@ pub async fn serve(agent: Arc<Agent>, listeners: Vec<Bound>) -> anyhow::Result<(
                 // Stock gRPC clients send the socket path as :authority;
                 // each connection goes through the layer that makes it one
                 // h2 takes.
-                let incoming = UnixListenerStream::new(listener)
-                    .map(|conn| conn.map(crate::authority::AuthorityFix::new));
+                let connections = connections.clone();
+                let incoming = UnixListenerStream::new(listener).filter_map(move |conn| {
+                    let conn = match conn {
+                        Ok(conn) => conn,
+                        Err(e) => return Some(Err(e)),
+                    };
+                    // A caller whose credentials cannot be read counts as
+                    // nobody (uid u32::MAX), and is held to one peer's share.
+                    let uid = conn.peer_cred().map_or(u32::MAX, |c| c.uid());
+                    let slot = connections.admit(Peer::Uid(uid))?;
+                    Some(Ok(Counted::new(AuthorityFix::new(conn), slot)))
+                });
                 servers.spawn(router.serve_with_incoming_shutdown(incoming, shutdown));
             }
             Bound::Tcp(listener, addr) => match agent.tls() {
                 Some(tls) => {
                     tracing::info!(%addr, node = %config.node.name, "serving TCP with mutual TLS");
-                    let incoming = tls.incoming(listener);
+                    let incoming = tls.incoming(listener, connections.clone());
                     servers.spawn(router.serve_with_incoming_shutdown(incoming, shutdown));
                 }
                 None => {
                     tracing::warn!(%addr, "serving plaintext TCP (insecure = true)");
-                    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+                    let incoming = connections.clone().tcp(
+                        listener,
+                        "plaintext connection refused",
+                        crate::connections::preface,
+                    );
                     servers.spawn(router.serve_with_incoming_shutdown(incoming, shutdown));
                 }
             },

@@ -3,12 +3,10 @@
 //! gives new connections the new certificate and CA, and so that a
 //! refused handshake (no client certificate, one from another CA, not TLS
 //! at all) is logged with the peer's address and the reason. Handshakes
-//! run side by side, each bounded, so a client that stalls one delays
-//! nobody else.
+//! run side by side, each bounded, within the connection limits of
+//! `connections.rs`, so a client that stalls one delays nobody else.
 
-use std::net::SocketAddr;
 use std::sync::{Arc, RwLock};
-use std::time::Duration;
 
 use resident_config::TlsFiles;
 use rustls::ServerConfig;
@@ -20,8 +18,7 @@ use tokio_rustls::TlsAcceptor;
 use tokio_rustls::server::TlsStream;
 use tokio_stream::wrappers::ReceiverStream;
 
-/// How long a client may take to finish its handshake.
-const HANDSHAKE: Duration = Duration::from_secs(10);
+use crate::connections::{Connections, Counted};
 
 /// The server side of TLS: the current configuration, replaced whole by a
 /// reload.
@@ -51,46 +48,18 @@ impl TlsServer {
         TlsAcceptor::from(config.clone())
     }
 
-    /// The TLS connections accepted on `listener`, each after its own
-    /// handshake; a refused handshake is logged and skipped.
+    /// The TLS connections accepted on `listener` (within the limits of
+    /// `connections`), each after its own handshake; a refused handshake
+    /// is logged and the connection closed.
     pub fn incoming(
         self: Arc<Self>,
         listener: TcpListener,
-    ) -> ReceiverStream<std::io::Result<TlsStream<TcpStream>>> {
-        let (tx, rx) = tokio::sync::mpsc::channel(64);
-        tokio::spawn(async move {
-            loop {
-                let (tcp, peer) = match listener.accept().await {
-                    Ok(accepted) => accepted,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "accept failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                };
-                if tx.is_closed() {
-                    return;
-                }
-                let _ = tcp.set_nodelay(true);
-                let acceptor = self.acceptor();
-                let tx = tx.clone();
-                tokio::spawn(async move {
-                    match tokio::time::timeout(HANDSHAKE, acceptor.accept(tcp)).await {
-                        Ok(Ok(tls)) => {
-                            let _ = tx.send(Ok(tls)).await;
-                        }
-                        Ok(Err(e)) => refused(peer, &e.to_string()),
-                        Err(_) => refused(peer, "the handshake took longer than 10 s"),
-                    }
-                });
-            }
-        });
-        ReceiverStream::new(rx)
+        connections: Arc<Connections>,
+    ) -> ReceiverStream<std::io::Result<Counted<TlsStream<TcpStream>>>> {
+        connections.tcp(listener, "TLS handshake refused", move |tcp| {
+            self.acceptor().accept(tcp)
+        })
     }
-}
-
-fn refused(peer: SocketAddr, reason: &str) {
-    tracing::warn!(target: "audit", %peer, reason, "TLS handshake refused");
 }
 
 /// A rustls server configuration: the certificate chain and key, client

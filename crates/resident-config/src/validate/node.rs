@@ -52,7 +52,27 @@ pub(super) fn node(src: &Source<'_>, n: &Spanned<raw::Node>, host: Lookups) -> R
         .as_ref()
         .map(|g| socket_group(src, g, host))
         .transpose()?;
-    let max_instances = max_instances(src, n.max_instances.as_ref())?;
+    let max_instances = at_least_one(src, n.max_instances.as_ref(), "node.max_instances", 256)?;
+    let max_connections =
+        at_least_one(src, n.max_connections.as_ref(), "node.max_connections", 512)?;
+    let max_connections_per_peer = at_least_one(
+        src,
+        n.max_connections_per_peer.as_ref(),
+        "node.max_connections_per_peer",
+        64,
+    )?;
+    let keepalive_interval = keepalive(
+        src,
+        n.keepalive_interval.as_ref(),
+        "node.keepalive_interval",
+        30,
+    )?;
+    let keepalive_timeout = keepalive(
+        src,
+        n.keepalive_timeout.as_ref(),
+        "node.keepalive_timeout",
+        20,
+    )?;
     let gpu_choice = gpu_choice(src, n.gpu_choice.as_ref())?;
     let access = match &n.access {
         Some(a) if !n.allow_uids.is_empty() || !n.allow_gids.is_empty() => {
@@ -89,6 +109,10 @@ pub(super) fn node(src: &Source<'_>, n: &Spanned<raw::Node>, host: Lookups) -> R
             gids: n.allow_gids.clone(),
         },
         max_instances,
+        max_connections,
+        max_connections_per_peer,
+        keepalive_interval,
+        keepalive_timeout,
         durable_answers: n.durable_answers.unwrap_or(true),
         gpu_choice,
         access,
@@ -156,12 +180,33 @@ fn socket_group(src: &Source<'_>, g: &Spanned<String>, host: Lookups) -> Result<
     Ok((g.get_ref().clone(), gid))
 }
 
-fn max_instances(src: &Source<'_>, m: Option<&Spanned<u32>>) -> Result<usize> {
+/// A count that must be at least 1; `default` when not given.
+fn at_least_one(
+    src: &Source<'_>,
+    m: Option<&Spanned<u32>>,
+    key: &str,
+    default: usize,
+) -> Result<usize> {
     match m {
-        None => Ok(256),
-        Some(m) if *m.get_ref() == 0 => {
-            Err(src.err(m.span(), "node.max_instances", "must be at least 1"))
-        }
+        None => Ok(default),
+        Some(m) if *m.get_ref() == 0 => Err(src.err(m.span(), key, "must be at least 1")),
         Some(m) => Ok(*m.get_ref() as usize),
     }
+}
+
+/// A keepalive duration: at least 100 ms; `default_s` seconds when not given.
+fn keepalive(
+    src: &Source<'_>,
+    d: Option<&Spanned<String>>,
+    key: &str,
+    default_s: u64,
+) -> Result<Duration> {
+    let Some(d) = d else {
+        return Ok(Duration::from_secs(default_s));
+    };
+    let value = duration(src, d, key)?;
+    if value < Duration::from_millis(100) {
+        return Err(src.err(d.span(), key, "must be at least 100ms"));
+    }
+    Ok(value)
 }

@@ -142,6 +142,14 @@ fn restart_needed(old: &resident_config::Config, new: &resident_config::Config) 
         ("socket_group", o.socket_group != n.socket_group),
         ("cgroups", o.cgroups != n.cgroups),
         ("sample_every", o.sample_every != n.sample_every),
+        (
+            "keepalive_interval",
+            o.keepalive_interval != n.keepalive_interval,
+        ),
+        (
+            "keepalive_timeout",
+            o.keepalive_timeout != n.keepalive_timeout,
+        ),
         // Certificates are reloaded; adding or removing TLS is not.
         ("tls", o.tls.is_some() != n.tls.is_some()),
         ("insecure", o.insecure != n.insecure),

@@ -35,10 +35,10 @@ async fn python_grpcio_finds_the_service_checks_health_and_decodes_refusals() {
     assert!(stdout.trim_end().ends_with("interop ok"));
 }
 
-/// A bare HTTP/2 client over the agent's Unix socket: it writes the
+/// A bare HTTP/2 client over the agent's Unix socket or TCP: it writes the
 /// frames itself, so it can send any `:authority`, or none, as grpc-core
-/// and grpc-java do.
-mod raw {
+/// and grpc-java do, and can stop reading (`connections.rs`).
+pub mod raw {
     use loona_hpack::Decoder;
     use loona_hpack::encoder::encode_integer_into;
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
@@ -98,7 +98,8 @@ mod raw {
             Self::open(Box::new(sock.expect("connect"))).await
         }
 
-        async fn open(mut sock: Box<dyn Io>) -> Self {
+        /// Over `sock`, after sending the preface and SETTINGS.
+        pub async fn open(mut sock: Box<dyn Io>) -> Self {
             let mut hello = PREFACE.to_vec();
             hello.extend(frame(SETTINGS, 0, 0, &[]));
             sock.write_all(&hello).await.expect("preface");
@@ -112,6 +113,16 @@ mod raw {
         /// Calls grpc.health.v1.Health/Check with these header fields
         /// (pseudo-headers included) and returns how it ended.
         pub async fn health_check(&mut self, fields: &[(&str, &str)]) -> Answer {
+            // An empty HealthCheckRequest.
+            let stream = self.send(fields, &[]).await;
+            tokio::time::timeout(PATIENCE, self.answer(stream))
+                .await
+                .expect("an answer in time")
+        }
+
+        /// Sends one gRPC request (header fields, then `message`
+        /// uncompressed) without waiting for anything; returns its stream.
+        pub async fn send(&mut self, fields: &[(&str, &str)], message: &[u8]) -> u32 {
             let stream = self.next;
             self.next += 2;
             let mut block = Vec::new();
@@ -123,12 +134,25 @@ mod raw {
                 }
             }
             let mut out = frame(HEADERS, END_HEADERS, stream, &block);
-            // An empty HealthCheckRequest: uncompressed, zero length.
-            out.extend(frame(DATA, END_STREAM, stream, &[0, 0, 0, 0, 0]));
+            let mut data = vec![0];
+            data.extend(u32::try_from(message.len()).expect("small").to_be_bytes());
+            data.extend_from_slice(message);
+            out.extend(frame(DATA, END_STREAM, stream, &data));
             self.sock.write_all(&out).await.expect("request");
-            tokio::time::timeout(PATIENCE, self.answer(stream))
-                .await
-                .expect("an answer in time")
+            stream
+        }
+
+        /// Reads until the server closes the connection (EOF or a reset);
+        /// the bytes read.
+        pub async fn drain(&mut self) -> usize {
+            let mut total = 0;
+            let mut buf = vec![0u8; 64 << 10];
+            loop {
+                match self.sock.read(&mut buf).await {
+                    Ok(0) | Err(_) => return total,
+                    Ok(n) => total += n,
+                }
+            }
         }
 
         async fn answer(&mut self, stream: u32) -> Answer {
@@ -170,7 +194,7 @@ mod raw {
 }
 
 /// A request of grpc.health.v1.Health/Check, with `authority` if any.
-fn health_request(authority: Option<&str>) -> Vec<(&str, &str)> {
+pub fn health_request(authority: Option<&str>) -> Vec<(&str, &str)> {
     let mut f = vec![
         (":method", "POST"),
         (":scheme", "http"),

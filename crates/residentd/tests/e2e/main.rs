@@ -10,6 +10,7 @@ mod support;
 mod adopt;
 mod chaos;
 mod clock;
+mod connections;
 mod device;
 mod fleet;
 mod gpu_choice;

@@ -8,6 +8,7 @@ use std::process::{Command, Stdio};
 use crate::support::*;
 use resident_api::pb;
 use serde_json::Value;
+use tokio::io::AsyncReadExt as _;
 
 pub fn scrape(port: u16) -> String {
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
@@ -154,10 +155,12 @@ async fn every_metric_served_is_documented_and_every_documented_one_served() {
     let port = free_port();
     // A run that makes every family show a series: an admission, an
     // eviction, a refusal, a restart, an exposed server, RPCs, a probe
-    // that gives no reading.
+    // that gives no reading, a connection over its peer's share.
     let reading = tempfile::NamedTempFile::new().expect("a reading file");
     std::fs::write(reading.path(), "not a number\n").expect("write");
-    let mut config = format!("metrics_listen = \"127.0.0.1:{port}\"\n") + &pool("ram", "10GB");
+    let mut config =
+        format!("metrics_listen = \"127.0.0.1:{port}\"\nmax_connections_per_peer = 1\n")
+            + &pool("ram", "10GB");
     config += &format!(
         "[[pool]]\nname = \"gpu0\"\nbudget = \"8GB\"\ndevice = \"file:{}\"\n\n",
         reading.path().display()
@@ -170,6 +173,13 @@ async fn every_metric_served_is_documented_and_every_documented_one_served() {
         "policy = \"on-failure\"\nmax_restarts = 1\nbackoff = \"50ms\"",
     );
     let mut d = Daemon::start(&config).await;
+    // The client holds this uid's one connection; a second is closed.
+    let mut second = tokio::net::UnixStream::connect(&d.socket)
+        .await
+        .expect("connect");
+    let mut byte = [0u8; 1];
+    let read = tokio::time::timeout(PATIENCE, second.read(&mut byte)).await;
+    assert!(matches!(read, Ok(Ok(0) | Err(_))), "{read:?}");
     d.started("open", "o").await;
     d.wait_state("o", pb::State::Exited).await;
     d.started("crasher", "c").await;
