@@ -11,7 +11,23 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // SAFETY: build scripts are single-threaded; nothing reads the
     // environment concurrently.
     unsafe { std::env::set_var("PROTOC", protoc) };
-    tonic_prost_build::configure()
+    let mut config = tonic_prost_build::configure();
+    // A refusal's reason messages are the one mapping of a reason's fields
+    // (`convert::refusal`); the error details' metadata is read back from
+    // them through serde, so it cannot name a field differently.
+    for message in [
+        "OverBudget",
+        "Excluded",
+        "GroupConflict",
+        "HostMemory",
+        "Holder",
+    ] {
+        config = config.type_attribute(
+            format!("resident.v1.{message}"),
+            "#[derive(serde::Serialize)]",
+        );
+    }
+    config
         .file_descriptor_set_path(out.join("resident_v1_descriptor.bin"))
         .compile_protos(&[proto.as_path()], &[root.as_path()])?;
     println!("cargo:rerun-if-changed={}", proto.display());

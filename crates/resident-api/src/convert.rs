@@ -16,7 +16,9 @@ fn holders(hs: &[Holder]) -> Vec<pb::Holder> {
 }
 
 /// One refusal reason, with its operator text (`temporary` is the whole
-/// refusal's, set where the refusal is known).
+/// refusal's, set where the refusal is known). The one mapping of a
+/// reason's fields to names: the error details' metadata is read back
+/// from the message made here (`error.rs`).
 pub fn refusal(reason: &Reason) -> pb::Refusal {
     use pb::refusal::Reason as R;
     let detail = match reason {

@@ -57,6 +57,32 @@ impl ApiError {
     }
 }
 
+/// A reason's scalar fields as (name, value), read from its message in the
+/// `Refusal` (`need_bytes`, `declared_by`, ...): the error details say
+/// what the Placement says, under the same names. Holders (a list) are
+/// left out.
+fn facts(refusal: &pb::Refusal) -> HashMap<String, String> {
+    use pb::refusal::Reason as R;
+    let fields = match &refusal.reason {
+        Some(R::OverBudget(m)) => serde_json::to_value(m),
+        Some(R::Excluded(m)) => serde_json::to_value(m),
+        Some(R::GroupConflict(m)) => serde_json::to_value(m),
+        Some(R::HostMemory(m)) => serde_json::to_value(m),
+        None => return HashMap::new(),
+    };
+    let Ok(serde_json::Value::Object(fields)) = fields else {
+        return HashMap::new();
+    };
+    fields
+        .into_iter()
+        .filter_map(|(name, value)| match value {
+            serde_json::Value::String(s) => Some((name, s)),
+            serde_json::Value::Number(n) => Some((name, n.to_string())),
+            _ => None,
+        })
+        .collect()
+}
+
 fn any(type_name: &str, bytes: Vec<u8>) -> prost_types::Any {
     prost_types::Any {
         type_url: format!("type.googleapis.com/{type_name}"),
@@ -74,11 +100,7 @@ fn refused(refusal: &Refusal, placement: &pb::Placement) -> Status {
     } else {
         Code::FailedPrecondition
     };
-    let mut metadata: HashMap<String, String> = first
-        .facts()
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v))
-        .collect();
+    let mut metadata = facts(&crate::convert::refusal(first));
     if refusal.temporary() {
         metadata.insert("temporary".into(), "true".into());
     }
@@ -177,6 +199,95 @@ mod tests {
         for (n, want) in grpc.into_iter().enumerate() {
             let code = tonic::Code::from_i32(n as i32);
             assert_eq!(code_name(code), want, "code {n}");
+        }
+    }
+
+    #[test]
+    fn error_metadata_names_each_reason_field_as_the_refusal_does() {
+        use resident_core::{GroupName, GroupRule, Holder, InstanceId, PoolName, Reason, Role};
+        let role = |s: &str| Role::new(s).expect("a role");
+        let id = |s: &str| InstanceId::new(s).expect("an id");
+        let pool = PoolName::new("unified").expect("a pool");
+        let holders = vec![Holder {
+            instance_id: id("p-1"),
+            role: role("planner"),
+            bytes: 9,
+        }];
+        let cases = [
+            (
+                Reason::OverBudget {
+                    role: role("coder"),
+                    pool: pool.clone(),
+                    need: 55,
+                    free: 32,
+                    budget: 96,
+                    holders: holders.clone(),
+                },
+                vec![
+                    ("role", "coder"),
+                    ("pool", "unified"),
+                    ("need_bytes", "55"),
+                    ("free_bytes", "32"),
+                    ("budget_bytes", "96"),
+                ],
+            ),
+            (
+                Reason::Excluded {
+                    role: role("coder"),
+                    with: role("planner"),
+                    with_instance: id("p-1"),
+                    declared_by: role("planner"),
+                },
+                vec![
+                    ("role", "coder"),
+                    ("with", "planner"),
+                    ("with_instance_id", "p-1"),
+                    ("declared_by", "planner"),
+                ],
+            ),
+            (
+                Reason::GroupConflict {
+                    role: role("coder"),
+                    with: role("planner"),
+                    with_instance: id("p-1"),
+                    group: GroupName::new("daytime").expect("a group"),
+                    rule: GroupRule::Swap,
+                },
+                vec![
+                    ("role", "coder"),
+                    ("with", "planner"),
+                    ("with_instance_id", "p-1"),
+                    ("group", "daytime"),
+                    ("rule", "swap"),
+                ],
+            ),
+            (
+                Reason::HostMemory {
+                    role: role("coder"),
+                    pool,
+                    need: 55,
+                    available: 20,
+                    reserve: 2,
+                    pending: 4,
+                    holders,
+                },
+                vec![
+                    ("role", "coder"),
+                    ("pool", "unified"),
+                    ("need_bytes", "55"),
+                    ("available_bytes", "20"),
+                    ("reserve_bytes", "2"),
+                    ("pending_bytes", "4"),
+                ],
+            ),
+        ];
+        for (reason, want) in cases {
+            let want: HashMap<String, String> = want
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            let got = facts(&crate::convert::refusal(&reason));
+            assert_eq!(got, want, "{}", reason.code());
         }
     }
 }

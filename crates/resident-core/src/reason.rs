@@ -125,69 +125,6 @@ impl Reason {
             Self::Excluded { .. } | Self::GroupConflict { .. } => None,
         }
     }
-
-    /// The reason's scalar fields as (name, value), named as the
-    /// `resident.v1` messages name them (`need_bytes`, `declared_by`, ...):
-    /// the one mapping of a reason's fields that the error details'
-    /// metadata is made from. Holders are not scalars and are left out.
-    pub fn facts(&self) -> Vec<(&'static str, String)> {
-        match self {
-            Self::OverBudget {
-                role,
-                pool,
-                need,
-                free,
-                budget,
-                ..
-            } => vec![
-                ("role", role.to_string()),
-                ("pool", pool.to_string()),
-                ("need_bytes", need.to_string()),
-                ("free_bytes", free.to_string()),
-                ("budget_bytes", budget.to_string()),
-            ],
-            Self::Excluded {
-                role,
-                with,
-                with_instance,
-                declared_by,
-            } => vec![
-                ("role", role.to_string()),
-                ("with", with.to_string()),
-                ("with_instance_id", with_instance.to_string()),
-                ("declared_by", declared_by.to_string()),
-            ],
-            Self::GroupConflict {
-                role,
-                with,
-                with_instance,
-                group,
-                rule,
-            } => vec![
-                ("role", role.to_string()),
-                ("with", with.to_string()),
-                ("with_instance_id", with_instance.to_string()),
-                ("group", group.to_string()),
-                ("rule", rule.as_str().to_string()),
-            ],
-            Self::HostMemory {
-                role,
-                pool,
-                need,
-                available,
-                reserve,
-                pending,
-                ..
-            } => vec![
-                ("role", role.to_string()),
-                ("pool", pool.to_string()),
-                ("need_bytes", need.to_string()),
-                ("available_bytes", available.to_string()),
-                ("reserve_bytes", reserve.to_string()),
-                ("pending_bytes", pending.to_string()),
-            ],
-        }
-    }
 }
 
 impl fmt::Display for Reason {
