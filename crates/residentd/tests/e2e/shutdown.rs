@@ -352,6 +352,16 @@ async fn a_full_or_read_only_state_dir_refuses_starts_and_running_ones_go_on() {
     write_config(dir.path(), &(ram() + &sleeper("nap", "ram", 1, "")));
     let mut d = Daemon::start_in(dir).await;
     let a = d.started("nap", "a").await;
+    // The journal's second write for a (its process group) comes after the
+    // answer; wait for it, so the disk fills before the next write of b.
+    let journal = state.0.join("instances.journal");
+    let pgid = a.pid.to_string();
+    let written = eventually(async || {
+        let text = std::fs::read_to_string(&journal).unwrap_or_default();
+        text.lines()
+            .any(|l| l.split('\t').take(3).eq(["a", "nap", pgid.as_str()]))
+    });
+    assert!(written.await, "a's process group is journaled");
     // Full: ENOSPC on the next write.
     let filler = state.0.join("filler");
     let _ = std::fs::write(&filler, vec![0u8; 512 * 1024]);
