@@ -112,12 +112,12 @@ impl Agent {
                     return Err(ApiError::Refused { refusal, placement });
                 }
                 Err(e) => return Err(e),
-                Ok(Decision::Stopping(mut released)) => {
+                Ok(Decision::Stopping(released)) => {
                     // The same instance is stopping: answering with its
                     // run would promise a dying one. Admit it anew once
                     // that run has released its memory.
                     tracing::debug!(instance_id = %id, "waiting for the stopping run to end");
-                    let _ = released.changed().await;
+                    let _ = released.await;
                 }
                 Ok(Decision::Existing(record)) => {
                     if wait_ready {

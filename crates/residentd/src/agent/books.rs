@@ -11,14 +11,14 @@
 //! Nothing under the lock makes a system call, writes the journal or calls
 //! into the supervisor.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use resident_api::{ApiError, pb};
 use resident_config::{Config, Workload};
 use resident_core::{AdmitError, InstanceId, NodeState, Plan, PlanError, Policy, PoolName, Spec};
 use resident_supervisor::Adoption;
-use tokio::sync::watch;
+use tokio::sync::oneshot;
 
 /// What a Touch does to an instance's hold against eviction.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -119,8 +119,9 @@ pub(super) enum Decision {
     /// The same instance of the same workload is resident: an idempotent
     /// repeat, answered with its current run.
     Existing(Record),
-    /// The same instance is stopping; admit again once this fires.
-    Stopping(watch::Receiver<u64>),
+    /// The same instance is stopping; admit again once this fires (or
+    /// its sender is dropped).
+    Stopping(oneshot::Receiver<()>),
 }
 
 /// A Stop's mark on the books.
@@ -138,14 +139,29 @@ struct Inner {
     ledger: NodeState,
     records: BTreeMap<String, Record>,
     generation: u64,
+    /// Who waits for each instance's release (Stops, Starts of a stopping
+    /// instance, shutdown): told by `release`, each for its own instance
+    /// only, so a storm of n stops wakes n waiters, not n squared.
+    waiters: HashMap<String, Vec<oneshot::Sender<()>>>,
+}
+
+impl Inner {
+    /// A receiver that fires at the next release of `id`; registered
+    /// under the lock, so no release is missed.
+    fn waiter(&mut self, id: &str) -> oneshot::Receiver<()> {
+        let (tx, rx) = oneshot::channel();
+        let waiting = self.waiters.entry(id.to_string()).or_default();
+        // Waiters that gave up (a cancelled call) go now.
+        waiting.retain(|w| !w.is_closed());
+        waiting.push(tx);
+        rx
+    }
 }
 
 /// The books of one agent.
 #[derive(Debug)]
 pub(super) struct Books {
     inner: Mutex<Inner>,
-    /// Counts releases; waiters for a release subscribe under the lock.
-    released: watch::Sender<u64>,
 }
 
 impl Books {
@@ -157,8 +173,8 @@ impl Books {
                 ledger,
                 records: BTreeMap::new(),
                 generation: 0,
+                waiters: HashMap::new(),
             }),
-            released: watch::Sender::new(0),
         }
     }
 
@@ -181,8 +197,7 @@ impl Books {
         if let Some(r) = b.ledger.resident(id.as_str())
             && (cancelled || r.evicting)
         {
-            // Subscribed under the lock: no release is missed.
-            return Ok(Decision::Stopping(self.released.subscribe()));
+            return Ok(Decision::Stopping(b.waiter(id.as_str())));
         }
         taken(&b, id, w)?;
         let max = config.node.max_instances;
@@ -322,7 +337,9 @@ impl Books {
             .get(id)
             .is_some_and(|r| r.generation == generation);
         if current && b.ledger.release(id).is_some() {
-            self.released.send_modify(|n| *n += 1);
+            for waiter in b.waiters.remove(id).unwrap_or_default() {
+                let _ = waiter.send(());
+            }
             return true;
         }
         false
@@ -331,8 +348,8 @@ impl Books {
     /// Waits until `id`'s run `generation` holds no reservation.
     pub(super) async fn released(&self, id: &str, generation: u64) {
         loop {
-            let mut rx = {
-                let b = self.lock();
+            let rx = {
+                let mut b = self.lock();
                 let holds = b
                     .records
                     .get(id)
@@ -341,9 +358,9 @@ impl Books {
                 if !holds {
                     return;
                 }
-                self.released.subscribe()
+                b.waiter(id)
             };
-            let _ = rx.changed().await;
+            let _ = rx.await;
         }
     }
 
