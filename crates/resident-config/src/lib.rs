@@ -72,8 +72,8 @@ pub struct NodeConfig {
     /// The most client connections open at once, every listener
     /// together.
     pub max_connections: usize,
-    /// The most one peer (a TCP client's address, a Unix caller's uid)
-    /// may hold open.
+    /// The most one TCP peer (a client's IP address) may hold open; Unix
+    /// callers count against `max_connections` only.
     pub max_connections_per_peer: usize,
     /// How often a connection is pinged (HTTP/2 keepalive).
     pub keepalive_interval: Duration,

@@ -2,10 +2,12 @@
 //! stalled or hostile, holds the agent's sockets and memory for ever:
 //!
 //! - all listeners together keep at most `node.max_connections` open, and
-//!   one peer (a TCP client's IP address, a Unix caller's uid) at most
-//!   `node.max_connections_per_peer`; a connection over either limit is
-//!   closed as soon as it is accepted, logged (once until that peer's count
-//!   drops again) and counted in `residentd_connections_refused_total`;
+//!   one TCP peer (a client's IP address) at most
+//!   `node.max_connections_per_peer`; Unix callers, local users the socket's
+//!   mode already let in, count against the total only (a service's many
+//!   clients share its uid); a connection over either limit is
+//!   closed as soon as it is accepted, logged (once until a connection
+//!   closes) and counted in `residentd_connections_refused_total`;
 //! - a TCP connection must finish its TLS handshake, or send HTTP/2's
 //!   preface when plaintext, within 10 s of being accepted, each on its own
 //!   task so that a stalled one delays nobody;
@@ -67,8 +69,12 @@ impl Peer {
 struct Open {
     total: usize,
     by_peer: HashMap<Peer, usize>,
-    /// Peers refused since their count last dropped (logged once).
+    /// Peers refused at their own limit since their count last dropped
+    /// (logged once); only peers that hold connections, so it is bounded.
     refused: HashSet<Peer>,
+    /// Whether a refusal at the node's limit was logged since a
+    /// connection last closed.
+    refused_total: bool,
 }
 
 /// The open connections of every listener.
@@ -101,18 +107,19 @@ impl Connections {
         let mut open = self.lock();
         let held = open.by_peer.get(&peer).copied().unwrap_or(0);
         let over = if open.total >= max {
-            Some(("total", format!("{max} connections are open")))
-        } else if held >= per_peer {
-            Some(("peer", format!("{peer} has {held} open")))
+            let first = !std::mem::replace(&mut open.refused_total, true);
+            Some(("total", format!("{max} connections are open"), first))
+        } else if matches!(peer, Peer::Ip(_)) && held >= per_peer {
+            let first = open.refused.insert(peer);
+            Some(("peer", format!("{peer} has {held} open"), first))
         } else {
             None
         };
-        if let Some((limit, why)) = over {
-            let first = open.refused.insert(peer);
+        if let Some((limit, why, first)) = over {
             drop(open);
             self.agent.metrics().connection_refused(limit);
             if first {
-                tracing::warn!(target: "audit", %peer, limit, "connection refused: {why}; further refusals of this peer are counted, not logged, until one of its connections closes");
+                tracing::warn!(target: "audit", %peer, limit, "connection refused: {why}; further refusals like it are counted, not logged, until a connection closes");
             }
             return None;
         }
@@ -217,6 +224,7 @@ impl Drop for Slot {
             }
         }
         open.refused.remove(&self.peer);
+        open.refused_total = false;
         drop(open);
         let metrics = self.connections.agent.metrics();
         metrics.connection_closed(self.peer.transport());

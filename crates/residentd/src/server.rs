@@ -196,8 +196,8 @@ pub async fn serve(agent: Arc<Agent>, listeners: Vec<Bound>) -> anyhow::Result<(
                         Ok(conn) => conn,
                         Err(e) => return Some(Err(e)),
                     };
-                    // A caller whose credentials cannot be read counts as
-                    // nobody (uid u32::MAX), and is held to one peer's share.
+                    // For the log and the count: the caller's uid (u32::MAX
+                    // when its credentials cannot be read).
                     let uid = conn.peer_cred().map_or(u32::MAX, |c| c.uid());
                     let slot = connections.admit(Peer::Uid(uid))?;
                     Some(Ok(Counted::new(AuthorityFix::new(conn), slot)))

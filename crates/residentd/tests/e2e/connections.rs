@@ -1,5 +1,5 @@
-//! Clients that hold connections without using them: a peer over its
-//! share (`max_connections_per_peer`) or over the node's
+//! Clients that hold connections without using them: a TCP client over
+//! its share (`max_connections_per_peer`) or any caller over the node's
 //! (`max_connections`) is closed at accept, logged and counted; a TCP
 //! connection that never sends its preface is cut off after 10 s; one that
 //! asks for a stream and then never reads is dropped by HTTP/2 keepalive.
@@ -73,34 +73,35 @@ async fn tcp(port: u16) -> tokio::net::TcpStream {
 }
 
 #[tokio::test]
-async fn peers_are_held_to_their_share_and_the_node_to_its_total() {
-    let node = "max_connections = 5\nmax_connections_per_peer = 3";
+async fn tcp_clients_are_held_to_their_share_and_the_node_to_its_total() {
+    let node = "max_connections = 5\nmax_connections_per_peer = 2";
     let (mut d, port, metrics) = both(node, &pool("ram", "1GB")).await;
-    wait_sample(
-        metrics,
-        "residentd_connections_open{transport=\"unix\"}",
-        1.0,
-    )
-    .await;
-    // The Daemon's client holds one Unix connection; three TCP connections
-    // that never send anything take this peer's whole share.
-    let silent = [tcp(port).await, tcp(port).await, tcp(port).await];
-    wait_sample(metrics, TCP_OPEN, 3.0).await;
-    // A fourth from the same address is closed at once.
+    let unix_open = "residentd_connections_open{transport=\"unix\"}";
+    wait_sample(metrics, unix_open, 1.0).await;
+    // The Daemon's client holds one Unix connection; two TCP connections
+    // that never send anything take 127.0.0.1's whole share.
+    let silent = [tcp(port).await, tcp(port).await];
+    wait_sample(metrics, TCP_OPEN, 2.0).await;
+    // A third from the same address is closed at once.
     assert!(
         closed_at_once(tcp(port).await).await,
         "over the peer's share"
     );
-    let logged = eventually(async || d.log().contains("connection refused: 127.0.0.1 has 3 open"));
+    let logged = eventually(async || d.log().contains("connection refused: 127.0.0.1 has 2 open"));
     assert!(logged.await, "the refusal is logged with the peer");
     let refused_peer = "residentd_connections_refused_total{limit=\"peer\"}";
     assert_eq!(sample(metrics, refused_peer), 1.0);
-    // Another peer (this uid, over the socket) still has room: a fifth
-    // connection is served...
-    let mut fifth = raw::Conn::open(Box::new(unix(&d.socket).await)).await;
-    let answer = fifth.health_check(&health_request(Some("localhost"))).await;
-    assert_eq!(answer, raw::Answer::Grpc("0".into()), "the fifth is served");
-    // ...and a sixth is over the node's total.
+    // Unix callers have no share of their own, only the node's total: a
+    // second and a third connection of this uid are served...
+    let mut served = Vec::new();
+    for _ in 0..2 {
+        let mut conn = raw::Conn::open(Box::new(unix(&d.socket).await)).await;
+        let answer = conn.health_check(&health_request(Some("localhost"))).await;
+        assert_eq!(answer, raw::Answer::Grpc("0".into()), "served");
+        served.push(conn);
+    }
+    wait_sample(metrics, unix_open, 3.0).await;
+    // ...and a fourth is over the node's total of five.
     assert!(
         closed_at_once(unix(&d.socket).await).await,
         "over the total"

@@ -158,9 +158,8 @@ async fn every_metric_served_is_documented_and_every_documented_one_served() {
     // that gives no reading, a connection over its peer's share.
     let reading = tempfile::NamedTempFile::new().expect("a reading file");
     std::fs::write(reading.path(), "not a number\n").expect("write");
-    let mut config =
-        format!("metrics_listen = \"127.0.0.1:{port}\"\nmax_connections_per_peer = 1\n")
-            + &pool("ram", "10GB");
+    let mut config = format!("metrics_listen = \"127.0.0.1:{port}\"\nmax_connections = 1\n")
+        + &pool("ram", "10GB");
     config += &format!(
         "[[pool]]\nname = \"gpu0\"\nbudget = \"8GB\"\ndevice = \"file:{}\"\n\n",
         reading.path().display()
@@ -173,7 +172,7 @@ async fn every_metric_served_is_documented_and_every_documented_one_served() {
         "policy = \"on-failure\"\nmax_restarts = 1\nbackoff = \"50ms\"",
     );
     let mut d = Daemon::start(&config).await;
-    // The client holds this uid's one connection; a second is closed.
+    // The client holds the node's one connection; a second is closed.
     let mut second = tokio::net::UnixStream::connect(&d.socket)
         .await
         .expect("connect");
