@@ -52,13 +52,6 @@ fn unix_ms() -> i64 {
     i64::try_from(now.as_millis()).expect("in range")
 }
 
-fn leased(workload: &str, id: &str, lease_ms: u64) -> pb::StartRequest {
-    pb::StartRequest {
-        lease_ms,
-        ..start_req(workload, id)
-    }
-}
-
 #[tokio::test]
 async fn a_wall_clock_step_leaves_idle_ttls_leases_and_backoff_alone() {
     let dir = tempfile::tempdir().expect("a temporary directory");

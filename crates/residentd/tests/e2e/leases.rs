@@ -11,13 +11,6 @@ use tokio_stream::StreamExt as _;
 
 const LEASE_MS: u64 = 1_500;
 
-fn leased(workload: &str, id: &str, lease_ms: u64) -> pb::StartRequest {
-    pb::StartRequest {
-        lease_ms,
-        ..start_req(workload, id)
-    }
-}
-
 #[tokio::test]
 async fn a_renewed_lease_keeps_its_instance_and_a_lapsed_one_stops_it() {
     let mut config = pool("ram", "10GB");

@@ -278,6 +278,14 @@ pub fn start_req(workload: &str, id: &str) -> pb::StartRequest {
     }
 }
 
+/// A Start request of `workload` as `id` with an owner's lease of `lease_ms`.
+pub fn leased(workload: &str, id: &str, lease_ms: u64) -> pb::StartRequest {
+    pb::StartRequest {
+        lease_ms,
+        ..start_req(workload, id)
+    }
+}
+
 /// The ErrorInfo and Placement in a refused start's details.
 pub fn refusal_details(status: &tonic::Status) -> (tonic_types::pb::ErrorInfo, pb::Placement) {
     let rpc = tonic_types::pb::Status::decode(status.details()).expect("google.rpc.Status details");
