@@ -408,7 +408,19 @@ async fn startstop_rows(
     let mut b = connect(&without.socket).await?;
     let mut p = connect(&prompt.socket).await?;
     let f = connect(&floor.socket).await?;
+    // Another build of residentd (`RESIDENT_BENCH_BASELINE=PATH`, with
+    // process groups), run in the same rounds: a change to the agent
+    // measured against the code before it, side by side.
+    let baseline = match std::env::var_os("RESIDENT_BENCH_BASELINE") {
+        Some(path) => Some(spawn_agent_with(Path::new(&path), "cgroups = \"off\"")?),
+        None => None,
+    };
+    let mut base = match &baseline {
+        Some(server) => Some(connect(&server.socket).await?),
+        None => None,
+    };
     let mut samples: [Vec<Duration>; 10] = Default::default();
+    let mut base_samples: [Vec<Duration>; 2] = Default::default();
     for round in 0..plan.start_rounds {
         let runs = [
             measure::floor_spawn(plan.children).await?,
@@ -420,6 +432,11 @@ async fn startstop_rows(
         for (k, (start, stop)) in runs.into_iter().enumerate() {
             samples[2 * k].push(start);
             samples[2 * k + 1].push(stop);
+        }
+        if let Some(c) = base.as_mut() {
+            let (start, stop) = measure::agent_startstop(c, plan.children, round).await?;
+            base_samples[0].push(start);
+            base_samples[1].push(stop);
         }
     }
     let [
@@ -457,6 +474,21 @@ async fn startstop_rows(
             theirs.map(|t| t.1),
             "<= 2x floor, < supervisord",
         ));
+    }
+    if baseline.is_some() {
+        let [base_start, base_stop] = base_samples.map(measure::median);
+        for (what, ours, theirs) in [
+            ("start", pg_start, base_start),
+            ("stop", pg_stop, base_stop),
+        ] {
+            table.push(Row::latency(
+                format!("{what} {n} (process groups) vs the baseline build"),
+                ours,
+                theirs,
+                None,
+                "",
+            ));
+        }
     }
     // What durable answers cost: the deployed agent beside the same agent
     // answering before the journal is on disk.

@@ -102,11 +102,21 @@ impl Agent {
 
 /// Applies every supervisor transition to the books and the event log.
 pub(super) async fn follow_supervisor(agent: Weak<Agent>, mut rx: mpsc::UnboundedReceiver<Status>) {
-    while let Some(status) = rx.recv().await {
+    let mut batch = Vec::new();
+    while rx.recv_many(&mut batch, 256).await > 0 {
         let Some(agent) = agent.upgrade() else {
             return;
         };
-        agent.on_transition(status);
+        // What has queued up is taken together, its runs' ends released
+        // first: a Stop waiting for its release does not wait behind the
+        // events published before its own (a storm of stops queues two
+        // per instance). Events are still published in order.
+        for status in batch.iter().filter(|s| s.state.is_terminal()) {
+            agent.books.release(&status.instance, status.generation);
+        }
+        for status in batch.drain(..) {
+            agent.on_transition(status);
+        }
     }
 }
 
