@@ -182,8 +182,7 @@ impl Daemon {
 
     /// The ids of every instance, in id order.
     pub async fn ids(&mut self) -> Vec<String> {
-        let list = self.list().await;
-        list.into_iter().map(|i| i.instance_id).collect()
+        ids_of(&mut self.client).await
     }
 
     /// Starts residentd again on this daemon's config and state (the
@@ -276,6 +275,13 @@ pub fn start_req(workload: &str, id: &str) -> pb::StartRequest {
         instance_id: id.into(),
         ..Default::default()
     }
+}
+
+/// The ids of every instance `client`'s agent lists, in id order.
+pub async fn ids_of(client: &mut Client) -> Vec<String> {
+    let list = client.list(pb::ListRequest {}).await.expect("list");
+    let instances = list.into_inner().instances;
+    instances.into_iter().map(|i| i.instance_id).collect()
 }
 
 /// A Start request of `workload` as `id` with an owner's lease of `lease_ms`.

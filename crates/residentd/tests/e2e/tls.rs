@@ -436,16 +436,7 @@ async fn a_socket_and_tls_together_residentctl_over_tcp_and_renewed_certificates
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     // The same agent over its Unix socket.
     let mut c = connect(&socket).await;
-    let ids: Vec<String> = c
-        .list(pb::ListRequest {})
-        .await
-        .expect("list")
-        .into_inner()
-        .instances
-        .into_iter()
-        .map(|i| i.instance_id)
-        .collect();
-    assert_eq!(ids, ["t"]);
+    assert_eq!(ids_of(&mut c).await, ["t"]);
 
     // A client without a certificate: its handshake is refused and logged.
     let none = client(port, &server_ca.cert.pem(), None).await;
@@ -630,16 +621,7 @@ async fn each_rpc_is_allowed_or_denied_as_the_role_table_says() {
     // stopped by them); a denied call changed nothing.
     let (cert, key) = leaf(&a.client_ca, &["a.example"]);
     let mut admin = channel(&a, &cert, &key).await;
-    let ids: Vec<String> = admin
-        .list(pb::ListRequest {})
-        .await
-        .expect("list")
-        .into_inner()
-        .instances
-        .into_iter()
-        .map(|i| i.instance_id)
-        .collect();
-    assert_eq!(ids, ["i-a", "i-o"]);
+    assert_eq!(ids_of(&mut admin).await, ["i-a", "i-o"]);
     // An audit line for each call that changes something, allowed or not,
     // naming its caller.
     let log = std::fs::read_to_string(&a.log).expect("log");
