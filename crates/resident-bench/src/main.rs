@@ -408,11 +408,11 @@ async fn startstop_rows(
     let mut b = connect(&without.socket).await?;
     let mut p = connect(&prompt.socket).await?;
     let f = connect(&floor.socket).await?;
-    // Another build of residentd (`RESIDENT_BENCH_BASELINE=PATH`, with
-    // process groups), run in the same rounds: a change to the agent
+    // Another build of residentd (`RESIDENT_BENCH_BASELINE=PATH`, as
+    // deployed: cgroups on), run in the same rounds: a change to the agent
     // measured against the code before it, side by side.
     let baseline = match std::env::var_os("RESIDENT_BENCH_BASELINE") {
-        Some(path) => Some(spawn_agent_with(Path::new(&path), "cgroups = \"off\"")?),
+        Some(path) => Some(spawn_agent(Path::new(&path))?),
         None => None,
     };
     let mut base = match &baseline {
@@ -478,11 +478,11 @@ async fn startstop_rows(
     if baseline.is_some() {
         let [base_start, base_stop] = base_samples.map(measure::median);
         for (what, ours, theirs) in [
-            ("start", pg_start, base_start),
-            ("stop", pg_stop, base_stop),
+            ("start", cg_start, base_start),
+            ("stop", cg_stop, base_stop),
         ] {
             table.push(Row::latency(
-                format!("{what} {n} (process groups) vs the baseline build"),
+                format!("{what} {n} (cgroups) vs the baseline build"),
                 ours,
                 theirs,
                 None,
