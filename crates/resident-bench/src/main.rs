@@ -421,22 +421,37 @@ async fn startstop_rows(
     };
     let mut samples: [Vec<Duration>; 10] = Default::default();
     let mut base_samples: [Vec<Duration>; 2] = Default::default();
+    // The agent's CPU time per phase: cgroups start, stop; process groups
+    // start, stop.
+    let mut cpu_samples: [Vec<Duration>; 4] = Default::default();
     for round in 0..plan.start_rounds {
+        let n = plan.children;
+        let floor_run = measure::floor_spawn(n).await?;
+        let rpc_run = measure::floor_spawn_rpc(n, &f).await?;
+        let cg = measure::agent_startstop(&mut a, with_cgroups.pid(), n, round).await?;
+        let pg = measure::agent_startstop(&mut b, without.pid(), n, round).await?;
+        let prompt_run = measure::agent_startstop(&mut p, prompt.pid(), n, round).await?;
         let runs = [
-            measure::floor_spawn(plan.children).await?,
-            measure::floor_spawn_rpc(plan.children, &f).await?,
-            measure::agent_startstop(&mut a, plan.children, round).await?,
-            measure::agent_startstop(&mut b, plan.children, round).await?,
-            measure::agent_startstop(&mut p, plan.children, round).await?,
+            floor_run,
+            rpc_run,
+            (cg.start, cg.stop),
+            (pg.start, pg.stop),
+            (prompt_run.start, prompt_run.stop),
         ];
         for (k, (start, stop)) in runs.into_iter().enumerate() {
             samples[2 * k].push(start);
             samples[2 * k + 1].push(stop);
         }
-        if let Some(c) = base.as_mut() {
-            let (start, stop) = measure::agent_startstop(c, plan.children, round).await?;
-            base_samples[0].push(start);
-            base_samples[1].push(stop);
+        for (k, cpu) in [cg.start_cpu, cg.stop_cpu, pg.start_cpu, pg.stop_cpu]
+            .into_iter()
+            .enumerate()
+        {
+            cpu_samples[k].extend(cpu);
+        }
+        if let Some((server, c)) = baseline.as_ref().zip(base.as_mut()) {
+            let run = measure::agent_startstop(c, server.pid(), n, round).await?;
+            base_samples[0].push(run.start);
+            base_samples[1].push(run.stop);
         }
     }
     let [
@@ -506,6 +521,21 @@ async fn startstop_rows(
         None,
         "",
     ));
+    // The agent's own CPU time in each phase (all its threads; the
+    // children's exits are the kernel's, charged to them): what a storm
+    // costs the agent, beside the wall time it takes.
+    let [cg_start_cpu, cg_stop_cpu, pg_start_cpu, pg_stop_cpu] = cpu_samples;
+    for (what, how, cpu) in [
+        ("start", "cgroups", cg_start_cpu),
+        ("stop", "cgroups", cg_stop_cpu),
+        ("start", "process groups", pg_start_cpu),
+        ("stop", "process groups", pg_stop_cpu),
+    ] {
+        if !cpu.is_empty() {
+            let name = format!("{what} {n}: the agent's CPU time ({how})");
+            table.push(Row::peer_latency(&name, measure::median(cpu), None, ""));
+        }
+    }
     // The floor with one zero-work RPC per child: the transport's share of
     // a start and a stop, so the agent's own share shows.
     for (what, ours, plain, with_rpc) in [

@@ -160,14 +160,37 @@ pub async fn floor_spawn_rpc(n: usize, floor: &Client) -> anyhow::Result<(Durati
     Ok((started, t1.elapsed()))
 }
 
+/// One round of [`agent_startstop`]: how long the starts and the stops
+/// took, and the agent's CPU time in each (`None` when one of its threads
+/// ended during the phase, so its time is lost).
+#[derive(Debug, Clone, Copy)]
+pub struct StartStop {
+    /// Until every start answered READY.
+    pub start: Duration,
+    /// Until every stop answered.
+    pub stop: Duration,
+    /// The agent's CPU time while starting.
+    pub start_cpu: Option<Duration>,
+    /// The agent's CPU time while stopping.
+    pub stop_cpu: Option<Duration>,
+}
+
 /// Start `n` instances side by side until every one runs (readiness none,
-/// so READY), then stop them all side by side.
+/// so READY), then stop them all side by side; `agent` is the agent's pid,
+/// whose CPU time each phase is measured.
 pub async fn agent_startstop(
     c: &mut Client,
+    agent: i32,
     n: usize,
     round: usize,
-) -> anyhow::Result<(Duration, Duration)> {
+) -> anyhow::Result<StartStop> {
+    let cpu = |before: &std::collections::HashMap<i32, u64>| {
+        cpu_between(before, &thread_cpu_ns(agent))
+            .ok()
+            .map(Duration::from_nanos)
+    };
     let ids: Vec<String> = (0..n).map(|i| format!("r{round}-{i}")).collect();
+    let cpu0 = thread_cpu_ns(agent);
     let t0 = Instant::now();
     let starts: Vec<_> = ids
         .iter()
@@ -184,7 +207,9 @@ pub async fn agent_startstop(
             bail!("a start did not end READY: {state:?}");
         }
     }
-    let started = t0.elapsed();
+    let start = t0.elapsed();
+    let start_cpu = cpu(&cpu0);
+    let cpu1 = thread_cpu_ns(agent);
     let t1 = Instant::now();
     let stops: Vec<_> = ids
         .iter()
@@ -200,7 +225,13 @@ pub async fn agent_startstop(
     for s in stops {
         s.await??;
     }
-    Ok((started, t1.elapsed()))
+    let stop = t1.elapsed();
+    Ok(StartStop {
+        start,
+        stop,
+        start_cpu,
+        stop_cpu: cpu(&cpu1),
+    })
 }
 
 /// kill -9 of a running child until a subscribed Watch client receives

@@ -333,6 +333,14 @@ impl Supervisor {
             .map(|e| e.shared.status.borrow().clone())
     }
 
+    /// The pid of run `generation` of `id`, while it has one (no copy of
+    /// the status: the journal asks for every instance at every write).
+    pub fn pid(&self, id: &str, generation: u64) -> Option<u32> {
+        let table = self.table();
+        let status = table.get(id)?.shared.status.borrow();
+        (status.generation == generation).then_some(status.pid)?
+    }
+
     /// A receiver that sees every later status of `id`.
     pub fn subscribe(&self, id: &str) -> Option<watch::Receiver<Status>> {
         self.table().get(id).map(|e| e.shared.status.subscribe())

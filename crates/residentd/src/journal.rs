@@ -1,23 +1,38 @@
-//! The journal of instances that should be running, under `state_dir`,
-//! replaced atomically (write, fsync, rename, fsync of the directory) at
-//! every change. After a
-//! restart the agent kills what its previous run left behind and starts the
-//! journaled instances again, in their original order.
+//! The journal of instances that should be running, under `state_dir`.
+//! After a restart the agent kills what its previous run left behind and
+//! starts the journaled instances again, in their original order.
 //!
-//! Format: a header line `# residentd journal 2`, then one instance per
-//! line, tab-separated:
+//! Format: a header line `# residentd journal 3`, then one line per change,
+//! tab-separated. An instance's line (put, or replace in place):
 //! `instance_id  workload  pgid  start_ticks  lease_ms [adopted port]`
 //! (pgid 0: not spawned yet; lease 0: none; a line without the lease, from
-//! before leases, reads as none; an adopted instance's pgid is its pid).
-//! Ids and workload names are tokens without tabs or newlines.
+//! before leases, reads as none; an adopted instance's pgid is its pid);
+//! its removal: `-  instance_id`. Ids and workload names are tokens
+//! without tabs or newlines. A format 2 journal (instance lines only)
+//! reads the same.
 //!
-//! A damaged journal (cut short, garbage, from a newer version) does not
-//! stop the agent: what can be read is restored, every line skipped is
-//! said, and the file as found is kept aside beside it
+//! A write appends the lines that changed and syncs the data (one
+//! `fdatasync`, no new file or directory entry); every thousand-odd lines
+//! the journal is written whole again (write, fsync, rename, fsync of the
+//! directory), and so it is at the first write after start and after any
+//! failed write, or when the file at the path is no longer the one
+//! appended to, as this agent left it. The file is opened for each write,
+//! not held open between them. A line cut short by a crash during an
+//! append (the last, without its newline) was never acknowledged and is
+//! dropped.
+//!
+//! A damaged journal (garbage, from a newer version) does not stop the
+//! agent: what can be read is restored, every line skipped is said, and
+//! the file as found is kept aside beside it
 //! (`instances.journal.damaged-UNIXTIME`) for the operator.
 
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::fs::File;
 use std::io::Write as _;
+use std::os::unix::fs::MetadataExt as _;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 use nix::sys::signal::Signal;
 use resident_supervisor::procfs;
@@ -51,7 +66,11 @@ pub struct Adopted {
 
 /// The format this agent writes; a header with a higher one is from a
 /// newer agent.
-const FORMAT: u32 = 2;
+const FORMAT: u32 = 3;
+
+/// Lines appended since the journal was last written whole, beyond twice
+/// the instances it holds, after which it is written whole again.
+const APPENDED_AT_MOST: usize = 1024;
 
 /// What a read of the journal found.
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -60,6 +79,8 @@ pub struct Found {
     pub entries: Vec<Entry>,
     /// The lines it skipped: line number and why.
     pub skipped: Vec<(usize, String)>,
+    /// The last line had no newline: an append cut short, dropped.
+    pub cut_short: bool,
     /// Where the damaged file was kept, when it was.
     pub kept_aside: Option<PathBuf>,
 }
@@ -68,6 +89,23 @@ pub struct Found {
 #[derive(Debug)]
 pub struct Journal {
     path: PathBuf,
+    /// The file appended to, and what it holds on disk; `None` before the
+    /// first write and after a failed one, so the next is whole.
+    log: Mutex<Option<Log>>,
+}
+
+/// The journal file as this agent last wrote it. It is opened for each
+/// append, not held open between writes (an open file would keep its file
+/// system from being remounted read-only).
+#[derive(Debug)]
+struct Log {
+    /// Its device, inode and length as written: the path may come to name
+    /// another file, or this one changed by another hand.
+    id: (u64, u64, u64),
+    /// The entries it holds, in order.
+    held: Vec<Entry>,
+    /// Its lines, the header aside.
+    lines: usize,
 }
 
 impl Journal {
@@ -76,7 +114,15 @@ impl Journal {
         std::fs::create_dir_all(state_dir)?;
         Ok(Self {
             path: state_dir.join("instances.journal"),
+            log: Mutex::new(None),
         })
+    }
+
+    /// What the journal on disk holds, changing nothing and saying
+    /// nothing (a live agent's journal, read by a test or a tool). A
+    /// missing file is an empty journal.
+    pub fn peek(&self) -> Found {
+        std::fs::read(&self.path).map_or_else(|_| Found::default(), |b| scan(&b))
     }
 
     /// The entries, in order. A missing file is an empty journal; a line
@@ -86,36 +132,9 @@ impl Journal {
         let Ok(bytes) = std::fs::read(&self.path) else {
             return Found::default();
         };
-        let mut found = Found::default();
-        for (n, line) in bytes.split(|b| *b == b'\n').enumerate() {
-            let number = n + 1;
-            let Ok(line) = std::str::from_utf8(line) else {
-                found.skipped.push((number, "not text".into()));
-                continue;
-            };
-            if line.trim().is_empty() {
-                continue;
-            }
-            if let Some(header) = line.strip_prefix("# residentd journal ") {
-                match header.trim().parse::<u32>() {
-                    Ok(v) if v <= FORMAT => {}
-                    Ok(v) => found.skipped.push((
-                        number,
-                        format!("written by a newer residentd (format {v}, this one reads {FORMAT}); its lines are read as far as they are understood"),
-                    )),
-                    Err(_) => found.skipped.push((number, "an unreadable header".into())),
-                }
-                continue;
-            }
-            match parse(line) {
-                Some(entry) => found.entries.push(entry),
-                None => {
-                    let excerpt = resident_core::Excerpt::of(line);
-                    found
-                        .skipped
-                        .push((number, format!("cannot be read: {excerpt}")));
-                }
-            }
+        let mut found = scan(&bytes);
+        if found.cut_short {
+            tracing::warn!(journal = %self.path.display(), "the journal's last line was cut short (a write the agent never acknowledged): dropped");
         }
         if !found.skipped.is_empty() {
             let stamp = std::time::SystemTime::now()
@@ -142,52 +161,232 @@ impl Journal {
         found
     }
 
-    /// Replaces the journal with `entries`, atomically: the whole text is
-    /// made first and written with one call (a `write!` per field on the
-    /// file was a system call per fragment, a thousand per write of a
-    /// hundred instances).
+    /// Makes the journal on disk hold `entries`, in order: appends the
+    /// lines that changed since the last write and syncs them, or, when
+    /// that cannot be done (see the module's doc), writes it whole.
+    /// Nothing is written when nothing changed. One caller at a time.
     pub fn write(&self, entries: &[Entry]) -> std::io::Result<()> {
-        use std::fmt::Write as _;
+        let mut log = self.log.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(l) = log.as_mut()
+            && let Some((text, n)) = l.delta(entries)
+            && l.lines + n <= APPENDED_AT_MOST + 2 * entries.len()
+        {
+            if n == 0 {
+                return Ok(());
+            }
+            match l.append(&self.path, &text) {
+                Some(Ok(())) => {
+                    l.held = entries.to_vec();
+                    l.lines += n;
+                    return Ok(());
+                }
+                Some(Err(e)) => {
+                    // The next write is whole.
+                    *log = None;
+                    return Err(e);
+                }
+                // Not the file this agent left: written whole below.
+                None => {}
+            }
+        }
+        *log = None;
+        *log = Some(self.write_whole(entries)?);
+        Ok(())
+    }
+
+    /// Replaces the journal with `entries`, atomically (write, fsync,
+    /// rename, fsync of the directory), and says what was written, to
+    /// append to. The whole text is made first and written with one call.
+    fn write_whole(&self, entries: &[Entry]) -> std::io::Result<Log> {
         let mut text = format!("# residentd journal {FORMAT}\n");
         for e in entries {
-            // Writing into a String cannot fail.
-            let _ = write!(
-                text,
-                "{}\t{}\t{}\t{}\t{}",
-                e.instance, e.workload, e.pgid, e.start_ticks, e.lease_ms
-            );
-            let _ = match e.adopted {
-                Some(a) => {
-                    let how = if a.manage {
-                        "adopted-managed"
-                    } else {
-                        "adopted"
-                    };
-                    writeln!(text, "\t{how}\t{}", a.port)
-                }
-                None => writeln!(text),
-            };
+            put_line(&mut text, e);
         }
         let tmp = self.path.with_extension("journal.tmp");
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(text.as_bytes())?;
+        // Left by a write that failed half-way, if any.
+        let _ = std::fs::remove_file(&tmp);
+        let mut file = std::fs::OpenOptions::new()
+            .append(true)
+            .create_new(true)
+            .open(&tmp)?;
+        file.write_all(text.as_bytes())?;
         // The data and its length; the name is made durable below.
-        f.sync_data()?;
+        file.sync_data()?;
         std::fs::rename(&tmp, &self.path)?;
         // The rename itself is on disk once the directory is.
-        match self.path.parent() {
-            Some(dir) => std::fs::File::open(dir)?.sync_all(),
-            None => Ok(()),
+        if let Some(dir) = self.path.parent() {
+            File::open(dir)?.sync_all()?;
         }
+        let meta = file.metadata()?;
+        Ok(Log {
+            id: (meta.dev(), meta.ino(), meta.len()),
+            held: entries.to_vec(),
+            lines: entries.len(),
+        })
     }
 }
 
-fn parse(line: &str) -> Option<Entry> {
+impl Log {
+    /// The lines that turn what the file holds into `entries` and how
+    /// many; `None` when appending cannot do it (an instance moved in the
+    /// order: only removals, changes in place and additions at the end
+    /// can be appended).
+    fn delta(&self, entries: &[Entry]) -> Option<(String, usize)> {
+        let position: HashMap<&str, usize> = entries
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (e.instance.as_str(), i))
+            .collect();
+        let (mut text, mut n, mut next) = (String::new(), 0, 0);
+        for old in &self.held {
+            match position.get(old.instance.as_str()) {
+                None => {
+                    let _ = writeln!(text, "-\t{}", old.instance);
+                    n += 1;
+                }
+                Some(&i) if i == next => {
+                    if entries[i] != *old {
+                        put_line(&mut text, &entries[i]);
+                        n += 1;
+                    }
+                    next += 1;
+                }
+                Some(_) => return None,
+            }
+        }
+        // What is left is new: every instance held was met in order above.
+        for e in &entries[next..] {
+            put_line(&mut text, e);
+            n += 1;
+        }
+        Some((text, n))
+    }
+
+    /// Appends `text` to the journal at `path` and syncs it (the data and
+    /// the file's new length). `None` when the file there is not as this
+    /// agent left it (gone, moved, replaced or edited by another hand):
+    /// the caller writes it whole instead.
+    fn append(&mut self, path: &Path, text: &str) -> Option<std::io::Result<()>> {
+        let mut file = std::fs::OpenOptions::new().append(true).open(path).ok()?;
+        let m = file.metadata().ok()?;
+        if (m.dev(), m.ino(), m.len()) != self.id {
+            return None;
+        }
+        if let Err(e) = file.write_all(text.as_bytes()) {
+            // No part of a line left behind for a later read (a full
+            // disk can take part of a write).
+            let _ = file.set_len(self.id.2);
+            return Some(Err(e));
+        }
+        if let Err(e) = file.sync_data() {
+            return Some(Err(e));
+        }
+        self.id.2 += text.len() as u64;
+        Some(Ok(()))
+    }
+}
+
+/// An instance's line, newline included.
+fn put_line(text: &mut String, e: &Entry) {
+    // Writing into a String cannot fail.
+    let _ = write!(
+        text,
+        "{}\t{}\t{}\t{}\t{}",
+        e.instance, e.workload, e.pgid, e.start_ticks, e.lease_ms
+    );
+    let _ = match e.adopted {
+        Some(a) => {
+            let how = if a.manage {
+                "adopted-managed"
+            } else {
+                "adopted"
+            };
+            writeln!(text, "\t{how}\t{}", a.port)
+        }
+        None => writeln!(text),
+    };
+}
+
+/// One line of the journal.
+#[derive(Debug, PartialEq, Eq)]
+enum Line {
+    /// An instance, put in its place (or at the end when new).
+    Put(Entry),
+    /// An instance taken out.
+    Remove(String),
+}
+
+/// Reads a journal's bytes: its entries once every line is applied in
+/// order, and what could not be read.
+fn scan(bytes: &[u8]) -> Found {
+    let mut found = Found::default();
+    // A last line without its newline is an append cut short by a crash:
+    // it was never acknowledged, so it is dropped.
+    let whole = match bytes.iter().rposition(|b| *b == b'\n') {
+        Some(end) => &bytes[..=end],
+        None => &bytes[..0],
+    };
+    found.cut_short = whole.len() < bytes.len();
+    // Entries in their order, a removed one left as a hole; by id, where.
+    let mut slots: Vec<Option<Entry>> = Vec::new();
+    let mut at: HashMap<String, usize> = HashMap::new();
+    for (n, line) in whole.split(|b| *b == b'\n').enumerate() {
+        let number = n + 1;
+        let Ok(line) = std::str::from_utf8(line) else {
+            found.skipped.push((number, "not text".into()));
+            continue;
+        };
+        if line.trim().is_empty() {
+            continue;
+        }
+        if let Some(header) = line.strip_prefix("# residentd journal ") {
+            match header.trim().parse::<u32>() {
+                Ok(v) if v <= FORMAT => {}
+                Ok(v) => found.skipped.push((
+                    number,
+                    format!("written by a newer residentd (format {v}, this one reads {FORMAT}); its lines are read as far as they are understood"),
+                )),
+                Err(_) => found.skipped.push((number, "an unreadable header".into())),
+            }
+            continue;
+        }
+        match parse(line) {
+            Some(Line::Put(entry)) => match at.get(&entry.instance) {
+                Some(&i) => slots[i] = Some(entry),
+                None => {
+                    at.insert(entry.instance.clone(), slots.len());
+                    slots.push(Some(entry));
+                }
+            },
+            Some(Line::Remove(id)) => {
+                if let Some(i) = at.remove(&id) {
+                    slots[i] = None;
+                }
+            }
+            None => {
+                let excerpt = resident_core::Excerpt::of(line);
+                found
+                    .skipped
+                    .push((number, format!("cannot be read: {excerpt}")));
+            }
+        }
+    }
+    found.entries = slots.into_iter().flatten().collect();
+    found
+}
+
+fn parse(line: &str) -> Option<Line> {
     let mut fields = line.split('\t');
+    let first = fields.next()?;
+    let second = fields.next()?;
+    let third = fields.next();
+    if first == "-" && third.is_none() {
+        return Some(Line::Remove(second.to_string()));
+    }
     let entry = Entry {
-        instance: fields.next()?.to_string(),
-        workload: fields.next()?.to_string(),
-        pgid: fields.next()?.parse().ok()?,
+        instance: first.to_string(),
+        workload: second.to_string(),
+        pgid: third?.parse().ok()?,
         start_ticks: fields.next()?.parse().ok()?,
         // Journals written before leases have four fields.
         lease_ms: match fields.next() {
@@ -210,7 +409,7 @@ fn parse(line: &str) -> Option<Entry> {
         (Some(_), None) => return None,
     };
     let entry = Entry { adopted, ..entry };
-    fields.next().is_none().then_some(entry)
+    fields.next().is_none().then_some(Line::Put(entry))
 }
 
 /// Kills what is left of each entry's process group from a previous run,
@@ -310,11 +509,103 @@ mod tests {
         assert_eq!(parse("a\tb\t1\t2\t3\textra"), None);
         assert_eq!(parse("a\tb\t1\t2\t3\tadopted\t80\textra"), None);
         assert_eq!(parse("a\tb\t1\t2\t3\tkidnapped\t80"), None);
-        let adopted = parse("a\tb\t1\t2\t0\tadopted\t0").expect("an adopted line");
+        let Some(Line::Put(adopted)) = parse("a\tb\t1\t2\t0\tadopted\t0") else {
+            panic!("an adopted line");
+        };
         assert_eq!(adopted.adopted.map(|a| a.manage), Some(false));
         // A journal from before leases: four fields, no lease.
-        let old = parse("a\tb\t1\t2").expect("a line of four fields");
+        let Some(Line::Put(old)) = parse("a\tb\t1\t2") else {
+            panic!("a line of four fields");
+        };
         assert_eq!(old.lease_ms, 0);
+        assert_eq!(parse("-\ta"), Some(Line::Remove("a".into())));
         let _ = std::fs::remove_dir_all(dir);
+    }
+
+    fn entry(id: &str, pgid: i32) -> Entry {
+        Entry {
+            instance: id.into(),
+            workload: "w".into(),
+            pgid,
+            start_ticks: 7,
+            lease_ms: 0,
+            adopted: None,
+        }
+    }
+
+    fn inode(path: &Path) -> u64 {
+        std::fs::metadata(path).expect("journal").ino()
+    }
+
+    #[test]
+    fn changes_are_appended_and_the_journal_is_written_whole_now_and_then() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let j = Journal::open(dir.path()).expect("open");
+        let path = dir.path().join("instances.journal");
+        let text = || std::fs::read_to_string(&path).expect("journal");
+        // The first write is whole.
+        let mut live = vec![entry("a", 0), entry("b", 0)];
+        j.write(&live).expect("write");
+        assert_eq!(
+            text(),
+            "# residentd journal 3\na\tw\t0\t7\t0\nb\tw\t0\t7\t0\n"
+        );
+        let first = inode(&path);
+        // A change in place, a removal and an addition are appended.
+        live = vec![entry("a", 42), entry("c", 0)];
+        j.write(&live).expect("write");
+        assert!(
+            text().ends_with("b\tw\t0\t7\t0\na\tw\t42\t7\t0\n-\tb\nc\tw\t0\t7\t0\n"),
+            "{}",
+            text()
+        );
+        assert_eq!(inode(&path), first, "appended to, not replaced");
+        assert_eq!(j.peek().entries, live);
+        // Nothing changed: nothing written.
+        let before = text();
+        j.write(&live).expect("write");
+        assert_eq!(text(), before);
+        // An instance that moved in the order: written whole.
+        live = vec![entry("c", 0), entry("a", 42)];
+        j.write(&live).expect("write");
+        assert_ne!(inode(&path), first, "written whole");
+        assert_eq!(j.peek().entries, live);
+        // Many changes: the file stays bounded, written whole again now
+        // and then, and always reads back as the last write.
+        for round in 0..3000 {
+            live[0].pgid = round;
+            j.write(&live).expect("write");
+        }
+        assert_eq!(j.read().entries, live);
+        let lines = text().lines().count();
+        assert!(
+            lines <= APPENDED_AT_MOST + 2 * live.len() + 1,
+            "{lines} lines"
+        );
+        // A journal replaced behind the agent's back is written whole, not
+        // appended to a file no longer at its path.
+        std::fs::write(&path, "# residentd journal 3\n").expect("replace");
+        live[1].pgid = 1;
+        j.write(&live).expect("write");
+        assert_eq!(j.peek().entries, live);
+    }
+
+    #[test]
+    fn a_last_line_cut_short_is_dropped_not_damage() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let j = Journal::open(dir.path()).expect("open");
+        let path = dir.path().join("instances.journal");
+        std::fs::write(
+            &path,
+            "# residentd journal 3\na\tw\t0\t7\t0\n-\ta\nb\tw\t0\t7",
+        )
+        .expect("write");
+        let found = j.read();
+        assert!(found.entries.is_empty(), "{found:?}");
+        assert!(found.cut_short);
+        assert!(found.skipped.is_empty() && found.kept_aside.is_none());
+        // A format 2 journal reads as before.
+        std::fs::write(&path, "# residentd journal 2\na\tw\t5\t7\t0\n").expect("write");
+        assert_eq!(j.read().entries, [entry("a", 5)]);
     }
 }

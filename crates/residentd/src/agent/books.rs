@@ -11,7 +11,7 @@
 //! Nothing under the lock makes a system call, writes the journal or calls
 //! into the supervisor.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use resident_api::{ApiError, pb};
@@ -138,6 +138,10 @@ pub(super) struct Cancelled {
 struct Inner {
     ledger: NodeState,
     records: BTreeMap<String, Record>,
+    /// The records whose run holds no reservation, oldest run first: what
+    /// `prune_ended` forgets first (kept here so that an admission does
+    /// not walk the whole table).
+    ended: BTreeSet<(u64, String)>,
     generation: u64,
     /// Who waits for each instance's release (Stops, Starts of a stopping
     /// instance, shutdown): told by `release`, each for its own instance
@@ -146,6 +150,26 @@ struct Inner {
 }
 
 impl Inner {
+    /// Enters the record of a run just reserved, in place of the ended
+    /// record of the same id, if any.
+    fn enter(&mut self, id: &InstanceId, record: Record) {
+        if let Some(before) = self.records.insert(id.to_string(), record) {
+            self.ended.remove(&(before.generation, id.to_string()));
+        }
+    }
+
+    /// Whether `ended` lists exactly the records without a reservation.
+    #[cfg(test)]
+    fn ended_is_true(&self) -> bool {
+        let truth: BTreeSet<(u64, String)> = self
+            .records
+            .iter()
+            .filter(|(id, _)| self.ledger.resident(id).is_none())
+            .map(|(id, r)| (r.generation, id.clone()))
+            .collect();
+        truth == self.ended
+    }
+
     /// A receiver that fires at the next release of `id`; registered
     /// under the lock, so no release is missed.
     fn waiter(&mut self, id: &str) -> oneshot::Receiver<()> {
@@ -172,6 +196,7 @@ impl Books {
             inner: Mutex::new(Inner {
                 ledger,
                 records: BTreeMap::new(),
+                ended: BTreeSet::new(),
                 generation: 0,
                 waiters: HashMap::new(),
             }),
@@ -237,7 +262,7 @@ impl Books {
             lease: Lease::new(lease_ms, now),
             ..Record::run(w, spec, generation)
         };
-        b.records.insert(id.to_string(), record);
+        b.enter(id, record);
         let forgotten = prune_ended(&mut b, max);
         Ok(Decision::Admitted(Admitted {
             generation,
@@ -296,7 +321,7 @@ impl Books {
             adopted: Some(adoption),
             ..Record::run(w, w.spec.clone(), generation)
         };
-        b.records.insert(id.to_string(), record);
+        b.enter(id, record);
         let forgotten = prune_ended(&mut b, max);
         Ok((generation, forgotten))
     }
@@ -337,6 +362,7 @@ impl Books {
             .get(id)
             .is_some_and(|r| r.generation == generation);
         if current && b.ledger.release(id).is_some() {
+            b.ended.insert((generation, id.to_string()));
             for waiter in b.waiters.remove(id).unwrap_or_default() {
                 let _ = waiter.send(());
             }
@@ -733,22 +759,16 @@ fn recovery(
 /// caller that starts and stops ever-new ids would grow the table for
 /// good. Returns the records dropped.
 fn prune_ended(b: &mut Inner, keep: usize) -> Vec<(String, Record)> {
-    let mut ended: Vec<(u64, String)> = b
-        .records
-        .iter()
-        .filter(|(id, _)| b.ledger.resident(id).is_none())
-        .map(|(id, r)| (r.generation, id.clone()))
-        .collect();
-    if ended.len() <= keep {
-        return Vec::new();
+    let mut forgotten = Vec::new();
+    while b.ended.len() > keep {
+        let Some((_, id)) = b.ended.pop_first() else {
+            break;
+        };
+        if let Some(r) = b.records.remove(&id) {
+            forgotten.push((id, r));
+        }
     }
-    ended.sort_unstable();
-    let excess = ended.len() - keep;
-    ended
-        .into_iter()
-        .take(excess)
-        .filter_map(|(_, id)| b.records.remove(&id).map(|r| (id, r)))
-        .collect()
+    forgotten
 }
 
 #[cfg(test)]

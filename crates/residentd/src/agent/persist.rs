@@ -6,7 +6,8 @@
 //! change has reached the disk (`durable`). One writer task writes what
 //! the books hold now, so changes made while a write is under way all go
 //! into the next one: a storm of starts shares writes and fsyncs (group
-//! commit) instead of paying one each.
+//! commit) instead of paying one each; a write appends only what changed
+//! (`journal.rs`).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -230,12 +231,7 @@ impl Agent {
             .into_iter()
             .map(|row| {
                 let (id, generation) = (row.id, row.generation);
-                let pid = self
-                    .sup
-                    .status(&id)
-                    .filter(|s| s.generation == generation)
-                    .and_then(|s| s.pid)
-                    .map_or(0, |p| p as i32);
+                let pid = self.sup.pid(&id, generation).map_or(0, |p| p as i32);
                 // Keyed by the run and its pid, so a reused pid is read anew.
                 let key = (id.clone(), generation, pid);
                 let start_ticks = match known.get(&key) {

@@ -435,16 +435,12 @@ async fn kill_9_during_a_start_storm_leaves_no_orphan_and_reserves_once() {
     // (written in the background, changes gathered) holds a good part of it.
     let under_way = eventually(async || seen.lock().expect("seen").pids.len() >= 25).await;
     assert!(under_way, "the storm got going");
-    let journal = d.dir.path().join("state/instances.journal");
-    let journaled = || {
-        std::fs::read_to_string(&journal)
-            .map(|j| {
-                j.lines()
-                    .filter(|l| !l.starts_with('#'))
-                    .map(|l| l.split('\t').next().unwrap_or("").to_string())
-                    .collect()
-            })
-            .unwrap_or_else(|_| BTreeSet::new())
+    let state = d.dir.path().join("state");
+    let journaled = || -> BTreeSet<String> {
+        journaled_in(&state)
+            .into_iter()
+            .map(|e| e.instance)
+            .collect()
     };
     let recorded = eventually(async || journaled().len() >= 20).await;
     assert!(recorded, "the journal caught up with the storm");

@@ -79,10 +79,10 @@ async fn after_kill_9_the_next_start_clears_leftovers_and_restores_the_journal()
         .expect(&line.line);
     // Let the journal catch up with the spawn (it is written in the
     // background), then crash the agent.
-    let journal = d.dir.path().join("state/instances.journal");
     let journaled = eventually(async || {
-        std::fs::read_to_string(&journal)
-            .is_ok_and(|j| j.contains(&format!("second\tforker\t{pgid}\t")))
+        d.journaled()
+            .iter()
+            .any(|e| e.instance == "second" && e.pgid == pgid)
     })
     .await;
     assert!(journaled, "the journal records the running group");
@@ -246,24 +246,30 @@ async fn a_damaged_journal_restores_what_it_can_and_is_kept_aside() {
         damaged,
         "as found"
     );
-    // The journal is whole again.
-    let journal = std::fs::read_to_string(state.join("instances.journal")).expect("journal");
-    assert!(
-        journal.starts_with("# residentd journal 2\nkeep\tnap\t"),
-        "{journal}"
-    );
+    // The journal is whole again (written in the background).
+    let journal = || {
+        let bytes = std::fs::read(state.join("instances.journal")).unwrap_or_default();
+        String::from_utf8_lossy(&bytes).into_owned()
+    };
+    let whole =
+        eventually(async || journal().starts_with("# residentd journal 3\nkeep\tnap\t")).await;
+    assert!(whole, "{}", journal());
 }
 
 #[tokio::test]
 async fn a_journal_that_cannot_be_written_refuses_starts_until_it_can() {
     let mut d = Daemon::start(&(ram() + &sleeper("nap", "ram", 1, ""))).await;
     let a = d.started("nap", "a").await;
-    // The journal's next write fails, as on a full or read-only state_dir
-    // (a directory where the write's file must go fails even for root).
-    let blocker = d.dir.path().join("state/instances.journal.tmp");
+    // The journal's next write fails, as on a full or read-only state_dir:
+    // the journal is taken away (so the next write must be whole) and a
+    // directory stands where that write's file must go, which fails even
+    // for root.
+    let state = d.dir.path().join("state");
+    let blocker = state.join("instances.journal.tmp");
     // (A write in flight has its file there for a moment.)
     let blocked = until(async || std::fs::create_dir(&blocker).ok()).await;
     assert!(blocked.is_some(), "block the journal");
+    std::fs::remove_file(state.join("instances.journal")).expect("take the journal away");
     for id in ["b", "c"] {
         let e = d
             .client
@@ -299,14 +305,8 @@ async fn a_journal_that_cannot_be_written_refuses_starts_until_it_can() {
         "starts resume once the journal can be written"
     );
     assert!(d.log().contains("the journal is written again"));
-    let journal =
-        std::fs::read_to_string(d.dir.path().join("state/instances.journal")).expect("journal");
-    let ids: Vec<&str> = journal
-        .lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter_map(|l| l.split('\t').next())
-        .collect();
-    assert_eq!(ids, ["a", "d"], "{journal}");
+    let ids: Vec<String> = d.journaled().into_iter().map(|e| e.instance).collect();
+    assert_eq!(ids, ["a", "d"]);
 }
 
 /// A tmpfs of `size` mounted at `dir` for the life of the guard; `None`
@@ -354,15 +354,17 @@ async fn a_full_or_read_only_state_dir_refuses_starts_and_running_ones_go_on() {
     let a = d.started("nap", "a").await;
     // The journal's second write for a (its process group) comes after the
     // answer; wait for it, so the disk fills before the next write of b.
-    let journal = state.0.join("instances.journal");
-    let pgid = a.pid.to_string();
     let written = eventually(async || {
-        let text = std::fs::read_to_string(&journal).unwrap_or_default();
-        text.lines()
-            .any(|l| l.split('\t').take(3).eq(["a", "nap", pgid.as_str()]))
+        journaled_in(&state.0)
+            .iter()
+            .any(|e| e.instance == "a" && e.pgid == a.pid as i32)
     });
     assert!(written.await, "a's process group is journaled");
-    // Full: ENOSPC on the next write.
+    // Full: ENOSPC on the next write that needs space. An append that
+    // fits in the journal's last page needs none; a journal written whole
+    // (the first write after start, after a failure, or every thousand-odd
+    // lines) does: the journal is taken away, so the next write is whole.
+    std::fs::remove_file(state.0.join("instances.journal")).expect("take the journal away");
     let filler = state.0.join("filler");
     let _ = std::fs::write(&filler, vec![0u8; 512 * 1024]);
     let e = d
@@ -379,7 +381,16 @@ async fn a_full_or_read_only_state_dir_refuses_starts_and_running_ones_go_on() {
     assert!(alive(a.pid as i32), "what runs goes on");
     std::fs::remove_file(&filler).expect("space back");
     let started = until(async || d.client.start(start_req("nap", "c")).await.ok()).await;
-    assert!(started.is_some(), "starts resume when space is back");
+    let c = started.and_then(|r| r.into_inner().instance);
+    let c = c.expect("starts resume when space is back");
+    // Once c's process group is journaled (a write after the answer, which
+    // would keep the remount below from going through while under way).
+    let written = eventually(async || {
+        journaled_in(&state.0)
+            .iter()
+            .any(|e| e.instance == "c" && e.pgid == c.pid as i32)
+    });
+    assert!(written.await, "c's process group is journaled");
     // Read-only: the same.
     state.remount("ro");
     let refused = until(async || match d.client.start(start_req("nap", "e")).await {
@@ -411,13 +422,11 @@ async fn a_full_or_read_only_state_dir_refuses_starts_and_running_ones_go_on() {
         assert_eq!(i.pid, 0);
     }
     // Nothing acknowledged was lost: the journal lists a, c and f.
-    let journal = std::fs::read_to_string(state.0.join("instances.journal")).expect("journal");
-    let journaled: Vec<&str> = journal
-        .lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter_map(|l| l.split('\t').next())
+    let journaled: Vec<String> = journaled_in(&state.0)
+        .into_iter()
+        .map(|e| e.instance)
         .collect();
-    assert_eq!(journaled, ["a", "c", "f"], "{journal}");
+    assert_eq!(journaled, ["a", "c", "f"]);
     d.terminate().await;
 }
 
@@ -443,7 +452,9 @@ async fn a_second_agent_on_a_running_node_stops_before_touching_anything() {
     // Once the journal also records the process group (written after the
     // answer).
     let recorded = eventually(async || {
-        std::fs::read_to_string(&journal).is_ok_and(|j| j.contains(&format!("a\tnap\t{}\t", a.pid)))
+        d.journaled()
+            .iter()
+            .any(|e| e.instance == "a" && e.pgid == a.pid as i32)
     })
     .await;
     assert!(recorded);

@@ -229,6 +229,12 @@ impl Daemon {
         std::fs::read_to_string(self.dir.path().join("residentd.log")).unwrap_or_default()
     }
 
+    /// What the agent's journal on disk holds now, read as the agent reads
+    /// it (changing nothing).
+    pub fn journaled(&self) -> Vec<residentd::journal::Entry> {
+        journaled_in(&self.dir.path().join("state"))
+    }
+
     /// SIGTERM, then waits (bounded, without blocking the runtime, so the
     /// client's connection can close) for the exit status.
     pub async fn terminate(&mut self) -> std::process::ExitStatus {
@@ -336,4 +342,13 @@ pub fn shell(name: &str, script: &str, restart: &str) -> String {
     format!(
         "[[workload]]\nname = \"{name}\"\ncommand = [\"/bin/sh\", \"-c\", \"{script}\"]\nstop_grace = \"2s\"\n[workload.memory.ram]\nweights = \"4GB\"\n[workload.restart]\n{restart}\n"
     )
+}
+
+/// What the journal in `state_dir` holds now, read as the agent reads it
+/// (changing nothing).
+pub fn journaled_in(state_dir: &Path) -> Vec<residentd::journal::Entry> {
+    residentd::journal::Journal::open(state_dir)
+        .expect("the state directory")
+        .peek()
+        .entries
 }

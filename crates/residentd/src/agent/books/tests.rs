@@ -153,6 +153,7 @@ proptest! {
                     prop_assert_eq!(b.release(&id, generation), expected);
                 }
             }
+            prop_assert!(b.lock().ended_is_true(), "the ended index differs from the records");
             let ids: BTreeSet<String> = b.resident_ids().into_iter().collect();
             let model: BTreeSet<String> = held.iter().map(|(id, _)| id.clone()).collect();
             prop_assert_eq!(&ids, &model);
