@@ -1,12 +1,16 @@
 //! The files of one run's cgroups: the `cgroup.procs` descriptors the
 //! child writes itself into, its members, `cgroup.kill` (or SIGKILL member
 //! by member on v1), `cgroup.events`, and the OOM-kill counts of
-//! `memory.events` (v2) and `memory.oom_control` (v1).
+//! `memory.events` (v2) and `memory.oom_control` (v1). The counter files
+//! are opened once per cgroup and read in place (one `pread`): every start
+//! and stop reads them, and a reused cgroup keeps them open.
 
-use std::fs;
+use std::fs::{self, File};
 use std::io;
 use std::os::fd::OwnedFd;
+use std::os::unix::fs::FileExt as _;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::{at_path, write};
@@ -21,16 +25,49 @@ pub struct RunCgroup {
     pub(super) limit: Option<u64>,
     /// OOM kills counted before this run (a reused cgroup keeps its count).
     pub(super) oom_base: u64,
+    /// The counter files, opened at their first read (shared by the
+    /// clones of one cgroup).
+    pub(super) counters: Arc<Counters>,
 }
 
-fn read_count(path: &Path, key: &str) -> u64 {
-    fs::read_to_string(path)
-        .ok()
-        .and_then(|t| {
-            t.lines().find_map(|l| {
-                let (k, v) = l.split_once(' ')?;
-                (k == key).then(|| v.trim().parse().ok())?
-            })
+/// A cgroup's counter files, each opened at its first read.
+#[derive(Debug, Default)]
+pub(super) struct Counters {
+    events: Counter,
+    memory_events: Counter,
+    oom_control: Counter,
+}
+
+/// One counter file, kept open once opened (an open that fails is tried
+/// again at the next read).
+#[derive(Debug, Default)]
+struct Counter(Mutex<Option<File>>);
+
+impl Counter {
+    /// The value of `key` in the file at `path` (`key value` lines); 0
+    /// when the file or the key cannot be read.
+    fn read(&self, path: &Path, key: &str) -> u64 {
+        let mut file = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if file.is_none() {
+            *file = File::open(path).ok();
+        }
+        let Some(f) = file.as_ref() else {
+            return 0;
+        };
+        // These files are a few short lines; a seq file read from 0 is
+        // generated afresh.
+        let mut buf = [0u8; 1024];
+        let n = f.read_at(&mut buf, 0).unwrap_or(0);
+        std::str::from_utf8(&buf[..n]).map_or(0, |t| count_in(t, key))
+    }
+}
+
+/// The value of `key` in `key value` lines; 0 when absent.
+fn count_in(text: &str, key: &str) -> u64 {
+    text.lines()
+        .find_map(|l| {
+            let (k, v) = l.split_once(' ')?;
+            (k == key).then(|| v.trim().parse().ok())?
         })
         .unwrap_or(0)
 }
@@ -45,6 +82,7 @@ impl RunCgroup {
             v1_memory: (!v2).then_some(dir),
             limit: None,
             oom_base: 0,
+            counters: Arc::default(),
         }
     }
 
@@ -109,7 +147,10 @@ impl RunCgroup {
     /// Whether any process is left.
     pub fn populated(&self) -> bool {
         match &self.v2 {
-            Some(v2) => read_count(&v2.join("cgroup.events"), "populated") > 0,
+            Some(v2) => {
+                let events = &self.counters.events;
+                events.read(&v2.join("cgroup.events"), "populated") > 0
+            }
             None => !self.members().is_empty(),
         }
     }
@@ -136,15 +177,14 @@ impl RunCgroup {
 
     /// OOM kills the cgroups have counted since they were made.
     pub(super) fn oom_count(&self) -> u64 {
-        let v2 = self
-            .v2
-            .as_ref()
-            .filter(|_| self.v2_memory)
-            .map_or(0, |d| read_count(&d.join("memory.events"), "oom_kill"));
-        let v1 = self
-            .v1_memory
-            .as_ref()
-            .map_or(0, |d| read_count(&d.join("memory.oom_control"), "oom_kill"));
+        let c = &self.counters;
+        let v2 = self.v2.as_ref().filter(|_| self.v2_memory).map_or(0, |d| {
+            c.memory_events.read(&d.join("memory.events"), "oom_kill")
+        });
+        let v1 = self.v1_memory.as_ref().map_or(0, |d| {
+            c.oom_control
+                .read(&d.join("memory.oom_control"), "oom_kill")
+        });
         v2.max(v1)
     }
 
@@ -164,13 +204,23 @@ mod tests {
     use super::*;
 
     #[test]
-    fn counts_are_read_by_key() {
+    fn counts_are_read_by_key_and_read_again_in_place() {
         let dir = tempfile_dir("counts");
         let f = dir.join("memory.events");
         fs::write(&f, "low 0\nhigh 0\nmax 3\noom 1\noom_kill 2\n").expect("write");
-        assert_eq!(read_count(&f, "oom_kill"), 2);
-        assert_eq!(read_count(&f, "oom"), 1);
-        assert_eq!(read_count(&f, "missing"), 0);
+        let c = Counter::default();
+        assert_eq!(c.read(&f, "oom_kill"), 2);
+        assert_eq!(c.read(&f, "oom"), 1);
+        assert_eq!(c.read(&f, "missing"), 0);
+        // The same file, changed: the open file reads what it holds now.
+        fs::write(&f, "oom 1\noom_kill 5\n").expect("write");
+        assert_eq!(c.read(&f, "oom_kill"), 5);
+        // A file that cannot be opened reads 0, and is opened once it can.
+        let later = Counter::default();
+        let missing = dir.join("cgroup.events");
+        assert_eq!(later.read(&missing, "populated"), 0);
+        fs::write(&missing, "populated 1\nfrozen 0\n").expect("write");
+        assert_eq!(later.read(&missing, "populated"), 1);
         let _ = fs::remove_dir_all(dir);
     }
 }

@@ -152,6 +152,7 @@ impl Cgroups {
             v1_memory: None,
             limit: None,
             oom_base: 0,
+            counters: Default::default(),
         };
         if let Some(base) = &self.v2 {
             let dir = base.join(&name);
