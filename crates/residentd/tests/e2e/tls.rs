@@ -138,7 +138,7 @@ struct TlsAgent {
     metrics: u16,
     server_ca: String,
     client_ca: Ca,
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
     log: std::path::PathBuf,
 }
 
@@ -149,13 +149,25 @@ impl Drop for TlsAgent {
     }
 }
 
+/// An agent serving mutual TLS on a TCP port, granting `access`.
 fn tls_agent(access: &str) -> TlsAgent {
+    tls_agent_with(access, false)
+}
+
+/// As [`tls_agent`]; `with_socket`: a Unix socket too, `agent.sock` in
+/// its directory.
+fn tls_agent_with(access: &str, with_socket: bool) -> TlsAgent {
     let (server_ca, client_ca) = (ca(), ca());
     let (server_cert, server_key) = leaf(&server_ca, &["localhost"]);
     let dir = tempfile::tempdir().expect("tempdir");
     let (port, metrics) = (free_port(), free_port());
+    let tcp = format!("\"tcp://127.0.0.1:{port}\"");
+    let listen = match with_socket {
+        true => format!("[\"unix://{}/agent.sock\", {tcp}]", dir.path().display()),
+        false => tcp,
+    };
     let config = format!(
-        "[node]\nname = \"tls-node\"\nlisten = \"tcp://127.0.0.1:{port}\"\nstate_dir = \"{}/state\"\nmetrics_listen = \"127.0.0.1:{metrics}\"\n{access}\n[node.tls]\ncert = \"{}\"\nkey = \"{}\"\nclient_ca = \"{}\"\n\n[[pool]]\nname = \"ram\"\nbudget = \"1GB\"\n\n[[workload]]\nname = \"nap\"\ncommand = [\"/bin/sleep\", \"3600\"]\n[workload.memory.ram]\nweights = \"1MB\"\n",
+        "[node]\nname = \"tls-node\"\nlisten = {listen}\nstate_dir = \"{}/state\"\nmetrics_listen = \"127.0.0.1:{metrics}\"\n{access}\n[node.tls]\ncert = \"{}\"\nkey = \"{}\"\nclient_ca = \"{}\"\n\n[[pool]]\nname = \"ram\"\nbudget = \"1GB\"\n\n[[workload]]\nname = \"nap\"\ncommand = [\"/bin/sleep\", \"3600\"]\n[workload.memory.ram]\nweights = \"1MB\"\n",
         dir.path().display(),
         write(dir.path(), "server.pem", &server_cert),
         write(dir.path(), "server.key", &server_key),
@@ -175,7 +187,7 @@ fn tls_agent(access: &str) -> TlsAgent {
         metrics,
         server_ca: server_ca.cert.pem(),
         client_ca,
-        _dir: dir,
+        dir,
         log,
     }
 }
@@ -394,29 +406,15 @@ fn tls_files_that_do_not_fit_together_exit_78_at_check_and_at_start() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_socket_and_tls_together_residentctl_over_tcp_and_renewed_certificates() {
-    let (server_ca, client_ca, renewed_ca) = (ca(), ca(), ca());
-    let (server_cert, server_key) = leaf(&server_ca, &["localhost"]);
-    let (op_cert, op_key) = leaf_with(&client_ca, &[], None, Some("ops"));
-    let dir = tempfile::tempdir().expect("tempdir");
-    let port = free_port();
-    let socket = dir.path().join("agent.sock");
-    let config = format!(
-        "[node]\nname = \"both\"\nlisten = [\"unix://{}\", \"tcp://127.0.0.1:{port}\"]\nstate_dir = \"{}/state\"\n[node.access]\noperators = [\"cert-cn:ops\", \"uid:0\"]\n[node.tls]\ncert = \"{}\"\nkey = \"{}\"\nclient_ca = \"{}\"\n\n[[pool]]\nname = \"ram\"\nbudget = \"1GB\"\n\n[[workload]]\nname = \"nap\"\ncommand = [\"/bin/sleep\", \"3600\"]\n[workload.memory.ram]\nweights = \"1MB\"\n",
-        socket.display(),
-        dir.path().display(),
-        write(dir.path(), "server.pem", &server_cert),
-        write(dir.path(), "server.key", &server_key),
-        write(dir.path(), "client-ca.pem", &client_ca.cert.pem()),
+    let a = tls_agent_with(
+        "[node.access]\noperators = [\"cert-cn:ops\", \"uid:0\"]",
+        true,
     );
-    let config_path = write(dir.path(), "residentd.toml", &config);
-    let log = dir.path().join("residentd.log");
-    let mut agent = Command::new(RESIDENTD)
-        .args(["--config", &config_path])
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).expect("log"))
-        .spawn()
-        .expect("start residentd");
-    let ca_path = write(dir.path(), "server-ca.pem", &server_ca.cert.pem());
+    let (dir, port, log) = (&a.dir, a.port, &a.log);
+    let socket = dir.path().join("agent.sock");
+    let renewed_ca = ca();
+    let (op_cert, op_key) = leaf_with(&a.client_ca, &[], None, Some("ops"));
+    let ca_path = write(dir.path(), "server-ca.pem", &a.server_ca);
     let cert_path = write(dir.path(), "ops.pem", &op_cert);
     let key_path = write(dir.path(), "ops.key", &op_key);
     let ctl = |ca: &str, args: &[&str]| {
@@ -439,10 +437,10 @@ async fn a_socket_and_tls_together_residentctl_over_tcp_and_renewed_certificates
     assert_eq!(ids_of(&mut c).await, ["t"]);
 
     // A client without a certificate: its handshake is refused and logged.
-    let none = client(port, &server_ca.cert.pem(), None).await;
+    let none = client(port, &a.server_ca, None).await;
     assert!(none.is_err());
     let logged = until(async || {
-        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        let text = std::fs::read_to_string(log).unwrap_or_default();
         text.lines()
             .find(|l| l.contains("TLS handshake refused") && l.contains("peer=127.0.0.1:"))
             .map(String::from)
@@ -461,7 +459,7 @@ async fn a_socket_and_tls_together_residentctl_over_tcp_and_renewed_certificates
     write(dir.path(), "server.pem", &new_cert);
     write(dir.path(), "server.key", &new_key);
     nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(agent.id() as i32),
+        nix::unistd::Pid::from_raw(a.child.id() as i32),
         nix::sys::signal::Signal::SIGHUP,
     )
     .expect("SIGHUP");
@@ -480,10 +478,8 @@ async fn a_socket_and_tls_together_residentctl_over_tcp_and_renewed_certificates
         !ctl(&ca_path, &["node"]).status.success(),
         "and no longer the old one"
     );
-    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    let text = std::fs::read_to_string(log).unwrap_or_default();
     assert!(text.contains("TLS certificates reloaded"), "{text}");
-    let _ = agent.kill();
-    let _ = agent.wait();
 }
 
 #[tokio::test]
