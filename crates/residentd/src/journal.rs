@@ -165,10 +165,10 @@ impl Journal {
     /// lines that changed since the last write and syncs them, or, when
     /// that cannot be done (see the module's doc), writes it whole.
     /// Nothing is written when nothing changed. One caller at a time.
-    pub fn write(&self, entries: &[Entry]) -> std::io::Result<()> {
+    pub fn write(&self, entries: Vec<Entry>) -> std::io::Result<()> {
         let mut log = self.log.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(l) = log.as_mut()
-            && let Some((text, n)) = l.delta(entries)
+            && let Some((text, n)) = l.delta(&entries)
             && l.lines + n <= APPENDED_AT_MOST + 2 * entries.len()
         {
             if n == 0 {
@@ -176,7 +176,7 @@ impl Journal {
             }
             match l.append(&self.path, &text) {
                 Some(Ok(())) => {
-                    l.held = entries.to_vec();
+                    l.held = entries;
                     l.lines += n;
                     return Ok(());
                 }
@@ -197,9 +197,9 @@ impl Journal {
     /// Replaces the journal with `entries`, atomically (write, fsync,
     /// rename, fsync of the directory), and says what was written, to
     /// append to. The whole text is made first and written with one call.
-    fn write_whole(&self, entries: &[Entry]) -> std::io::Result<Log> {
+    fn write_whole(&self, entries: Vec<Entry>) -> std::io::Result<Log> {
         let mut text = format!("# residentd journal {FORMAT}\n");
-        for e in entries {
+        for e in &entries {
             put_line(&mut text, e);
         }
         let tmp = self.path.with_extension("journal.tmp");
@@ -220,8 +220,8 @@ impl Journal {
         let meta = file.metadata()?;
         Ok(Log {
             id: (meta.dev(), meta.ino(), meta.len()),
-            held: entries.to_vec(),
             lines: entries.len(),
+            held: entries,
         })
     }
 }
@@ -501,7 +501,7 @@ mod tests {
                 adopted: None,
             },
         ];
-        j.write(&entries).expect("write");
+        j.write(entries.clone()).expect("write");
         let found = j.read();
         assert_eq!(found.entries, entries);
         assert!(found.skipped.is_empty() && found.kept_aside.is_none());
@@ -545,7 +545,7 @@ mod tests {
         let text = || std::fs::read_to_string(&path).expect("journal");
         // The first write is whole.
         let mut live = vec![entry("a", 0), entry("b", 0)];
-        j.write(&live).expect("write");
+        j.write(live.clone()).expect("write");
         assert_eq!(
             text(),
             "# residentd journal 3\na\tw\t0\t7\t0\nb\tw\t0\t7\t0\n"
@@ -553,7 +553,7 @@ mod tests {
         let first = inode(&path);
         // A change in place, a removal and an addition are appended.
         live = vec![entry("a", 42), entry("c", 0)];
-        j.write(&live).expect("write");
+        j.write(live.clone()).expect("write");
         assert!(
             text().ends_with("b\tw\t0\t7\t0\na\tw\t42\t7\t0\n-\tb\nc\tw\t0\t7\t0\n"),
             "{}",
@@ -563,18 +563,18 @@ mod tests {
         assert_eq!(j.peek().entries, live);
         // Nothing changed: nothing written.
         let before = text();
-        j.write(&live).expect("write");
+        j.write(live.clone()).expect("write");
         assert_eq!(text(), before);
         // An instance that moved in the order: written whole.
         live = vec![entry("c", 0), entry("a", 42)];
-        j.write(&live).expect("write");
+        j.write(live.clone()).expect("write");
         assert_ne!(inode(&path), first, "written whole");
         assert_eq!(j.peek().entries, live);
         // Many changes: the file stays bounded, written whole again now
         // and then, and always reads back as the last write.
         for round in 0..3000 {
             live[0].pgid = round;
-            j.write(&live).expect("write");
+            j.write(live.clone()).expect("write");
         }
         assert_eq!(j.read().entries, live);
         let lines = text().lines().count();
@@ -586,7 +586,7 @@ mod tests {
         // appended to a file no longer at its path.
         std::fs::write(&path, "# residentd journal 3\n").expect("replace");
         live[1].pgid = 1;
-        j.write(&live).expect("write");
+        j.write(live.clone()).expect("write");
         assert_eq!(j.peek().entries, live);
     }
 

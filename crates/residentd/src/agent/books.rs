@@ -534,12 +534,18 @@ impl Books {
     /// in admission order.
     pub(super) fn journal_rows(&self) -> Vec<JournalRow> {
         let b = self.lock();
+        // From the residents, not the records: the records also keep up to
+        // `max_instances` ended runs, and the journal is written often.
         let mut rows: Vec<JournalRow> = b
-            .records
-            .iter()
-            .filter(|(id, r)| !r.cancelled && b.ledger.resident(id).is_some())
+            .ledger
+            .residents()
+            .filter_map(|res| {
+                let id = res.id.as_str();
+                b.records.get(id).map(|r| (id, r))
+            })
+            .filter(|(_, r)| !r.cancelled)
             .map(|(id, r)| JournalRow {
-                id: id.clone(),
+                id: id.to_string(),
                 workload: r.workload.spec.workload.to_string(),
                 generation: r.generation,
                 lease_ms: r.lease.map_or(0, |l| l.ms),

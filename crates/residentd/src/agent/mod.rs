@@ -84,7 +84,7 @@ pub struct Agent {
     pools_live: Mutex<std::collections::HashMap<String, bool>>,
     /// The start time of each journaled process group's leader, by
     /// instance, run and pid.
-    start_ticks: Mutex<std::collections::HashMap<(String, u64, i32), u64>>,
+    start_ticks: Mutex<std::collections::HashMap<String, persist::Ticks>>,
     metrics: crate::metrics::Metrics,
 }
 

@@ -195,7 +195,7 @@ impl Agent {
         // made in the books before it took its number.
         let change = self.journal_changes.load(Ordering::SeqCst);
         let was_failing = self.durable.borrow().failed.is_some();
-        match self.journal.write(&self.journal_entries()) {
+        match self.journal.write(self.journal_entries()) {
             Ok(()) => {
                 if was_failing {
                     tracing::info!("the journal is written again: starts resume");
@@ -226,21 +226,32 @@ impl Agent {
         // every write: a storm of starts writes often. Called only by the
         // one journal writer (under `journal_lock`).
         let mut known = self.start_ticks.lock().unwrap_or_else(|e| e.into_inner());
-        let mut kept = std::collections::HashMap::with_capacity(live.len());
-        let entries = live
-            .into_iter()
+        // Ended runs' readings go now and then, not at every write.
+        if known.len() > 2 * live.len() + 64 {
+            let ids: std::collections::HashSet<&str> = live.iter().map(|r| r.id.as_str()).collect();
+            known.retain(|id, _| ids.contains(id.as_str()));
+        }
+        live.into_iter()
             .map(|row| {
                 let (id, generation) = (row.id, row.generation);
                 let pid = self.sup.pid(&id, generation).map_or(0, |p| p as i32);
-                // Keyed by the run and its pid, so a reused pid is read anew.
-                let key = (id.clone(), generation, pid);
-                let start_ticks = match known.get(&key) {
-                    Some(ticks) => *ticks,
-                    None => resident_supervisor::procfs::stat(pid).map_or(0, |s| s.start_ticks),
+                // Kept for the run and its pid, so a reused pid is read anew.
+                let start_ticks = match known.get(id.as_str()) {
+                    Some(t) if (t.generation, t.pid) == (generation, pid) => t.ticks,
+                    _ => {
+                        let ticks =
+                            resident_supervisor::procfs::stat(pid).map_or(0, |s| s.start_ticks);
+                        if pid > 0 && ticks > 0 {
+                            let t = Ticks {
+                                generation,
+                                pid,
+                                ticks,
+                            };
+                            known.insert(id.clone(), t);
+                        }
+                        ticks
+                    }
                 };
-                if pid > 0 && start_ticks > 0 {
-                    kept.insert(key, start_ticks);
-                }
                 match row.adopted {
                     // Its own pid and start time, whatever its state.
                     Some(a) => journal::Entry {
@@ -264,10 +275,17 @@ impl Agent {
                     },
                 }
             })
-            .collect();
-        *known = kept;
-        entries
+            .collect()
     }
+}
+
+/// The start time of a journaled run's group leader, read once per run
+/// and pid.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Ticks {
+    generation: u64,
+    pid: i32,
+    ticks: u64,
 }
 
 /// What of the journal is on disk.
