@@ -76,8 +76,11 @@ pub struct Agent {
     journal_lock: Mutex<()>,
     /// Numbers the changes the journal must record (`persist`).
     journal_changes: AtomicU64,
-    /// Which change is on disk (`durable` waits on it).
+    /// Which change is on disk, or failed (read by `durable`).
     durable: tokio::sync::watch::Sender<persist::Durable>,
+    /// Who waits for which change to be settled (`durable`), woken by the
+    /// write that settles it.
+    durable_waiters: Mutex<std::collections::BTreeMap<u64, Vec<tokio::sync::oneshot::Sender<()>>>>,
     /// TLS for TCP listeners, reloaded with the config.
     tls: Option<Arc<crate::tls::TlsServer>>,
     /// Whether each probe-bound pool's last reading was live.
@@ -122,6 +125,7 @@ impl Agent {
             journal_lock: Mutex::new(()),
             journal_changes: AtomicU64::new(0),
             durable: tokio::sync::watch::Sender::new(persist::Durable::default()),
+            durable_waiters: Mutex::new(std::collections::BTreeMap::new()),
             start_ticks: Mutex::new(std::collections::HashMap::new()),
             metrics: crate::metrics::Metrics::new(),
             tls,

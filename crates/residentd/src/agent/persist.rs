@@ -155,30 +155,60 @@ impl Agent {
 
     /// Waits until the journal on disk holds change `change` (and every
     /// earlier one). Err when the write failed or the agent is shutting
-    /// down before it could be made.
+    /// down before it could be made. Each waiter is woken once, by the
+    /// write that settles its change (a storm of a hundred answers waiting
+    /// on a shared signal would all wake at every write).
     pub(super) async fn durable(&self, change: u64) -> Result<(), ApiError> {
-        let mut rx = self.durable.subscribe();
         let closing = self.closing();
-        let settled = async {
-            rx.wait_for(|d| d.written >= change || d.failed.as_ref().is_some_and(|f| f.0 >= change))
-                .await
-                .map(|d| d.clone())
-        };
-        let state = tokio::select! {
-            state = settled => state.ok(),
-            () = closing => Some(self.durable.borrow().clone()),
-        };
-        match state {
-            Some(d) if d.written >= change => Ok(()),
-            Some(Durable {
+        tokio::pin!(closing);
+        loop {
+            let woken = {
+                let mut waiting = self
+                    .durable_waiters
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner());
+                // Checked under the waiters' lock, which a write takes
+                // after it says what it settled: no wake is missed.
+                if self.durable.borrow().settles(change) {
+                    break;
+                }
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                waiting.entry(change).or_default().push(tx);
+                rx
+            };
+            tokio::select! {
+                _ = woken => {}
+                () = &mut closing => break,
+            }
+        }
+        let d = self.durable.borrow().clone();
+        match d {
+            d if d.written >= change => Ok(()),
+            Durable {
                 failed: Some((_, e)),
                 ..
-            }) => Err(ApiError::Unavailable(format!(
+            } => Err(ApiError::Unavailable(format!(
                 "the journal could not be written: {e}"
             ))),
             _ => Err(ApiError::Unavailable(
                 "the agent is shutting down; the journal was not written".into(),
             )),
+        }
+    }
+
+    /// Wakes those waiting for changes up to `change`, which a write has
+    /// just settled (on disk, or failed).
+    fn wake_durable(&self, change: u64) {
+        let ready = {
+            let mut waiting = self
+                .durable_waiters
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            let later = waiting.split_off(&(change + 1));
+            std::mem::replace(&mut *waiting, later)
+        };
+        for waiter in ready.into_values().flatten() {
+            let _ = waiter.send(());
         }
     }
 
@@ -204,6 +234,7 @@ impl Agent {
                     d.written = d.written.max(change);
                     d.failed = None;
                 });
+                self.wake_durable(change);
             }
             Err(e) => {
                 // Once per failure, not at every retry.
@@ -212,6 +243,7 @@ impl Agent {
                 }
                 self.durable
                     .send_modify(|d| d.failed = Some((change, e.to_string())));
+                self.wake_durable(change);
             }
         }
     }
@@ -276,6 +308,13 @@ impl Agent {
                 }
             })
             .collect()
+    }
+}
+
+impl Durable {
+    /// Whether `change` is settled: on disk, or in a write that failed.
+    fn settles(&self, change: u64) -> bool {
+        self.written >= change || self.failed.as_ref().is_some_and(|f| f.0 >= change)
     }
 }
 
