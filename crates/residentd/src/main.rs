@@ -101,6 +101,7 @@ fn main() -> ExitCode {
             return ExitCode::from(EX_CONFIG);
         }
     };
+    raise_open_file_limit();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -128,6 +129,21 @@ fn main() -> ExitCode {
             eprintln!("residentd: {e:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Raises the soft limit on open files to the hard one. The agent keeps a
+/// few descriptors per instance (its pidfd, output pipes, sampled and
+/// counter files), and the soft limit of 1024 common outside systemd would
+/// cap a node near 140 instances; under the unit, `LimitNOFILE` sets both.
+/// Children inherit the raised limit, as they do under the unit.
+fn raise_open_file_limit() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    if let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE)
+        && soft < hard
+        && let Err(e) = setrlimit(Resource::RLIMIT_NOFILE, hard, hard)
+    {
+        tracing::warn!(soft, hard, error = %e, "cannot raise the limit on open files");
     }
 }
 

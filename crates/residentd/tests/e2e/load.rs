@@ -2,7 +2,9 @@
 //! event, and the agent's memory with them, round after round: once the
 //! allocator has warmed up, another thousand do not grow it further
 //! (nothing is kept per stream after its end). And 10,000 instances
-//! listed again and again without the memory growing per call.
+//! listed again and again without the memory growing per call. And an
+//! agent started under a low soft limit on open files raises it, so its
+//! instances' descriptors do not run out.
 
 use crate::support::*;
 use resident_api::pb;
@@ -165,4 +167,51 @@ async fn ten_thousand_instances_are_listed_without_the_memory_growing_per_call()
         after <= before + before / 10 + (8 << 20),
         "List kept memory: {before} then {after}"
     );
+}
+
+/// Instances started under the low soft limit below: with the agent's own
+/// descriptors, more than 64 open files.
+const UNDER_A_LOW_LIMIT: usize = 16;
+
+#[tokio::test]
+async fn a_low_soft_limit_on_open_files_is_raised_to_the_hard_one() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    use std::os::unix::process::CommandExt as _;
+    let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE).expect("getrlimit");
+    // The agent and 16 instances (a pidfd, two pipes and sampled files
+    // each) need more than 64.
+    let soft = 64;
+    if hard <= soft {
+        return skip("the hard limit on open files is 64 or less here");
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    write_config(
+        dir.path(),
+        &(pool("ram", "100GB") + &sleeper("nap", "ram", 1, "")),
+    );
+    let mut d = Daemon::start_in_with(dir, |cmd| {
+        // SAFETY: the closure runs in the forked child before exec and
+        // makes one system call, setrlimit, which is async-signal-safe.
+        unsafe {
+            cmd.pre_exec(move || {
+                setrlimit(Resource::RLIMIT_NOFILE, soft, hard).map_err(std::io::Error::from)
+            });
+        }
+    })
+    .await;
+    let limits = std::fs::read_to_string(format!("/proc/{}/limits", d.pid())).expect("limits");
+    let line = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .expect("a line for open files");
+    // "Max open files  SOFT  HARD  files"
+    let numbers: Vec<&str> = line.split_whitespace().skip(3).take(2).collect();
+    assert_eq!(numbers, [hard.to_string(), hard.to_string()], "{line}");
+    for i in 0..UNDER_A_LOW_LIMIT {
+        d.started("nap", &format!("n{i}")).await;
+    }
+    for i in 0..UNDER_A_LOW_LIMIT {
+        d.wait_state(&format!("n{i}"), pb::State::Ready).await;
+    }
+    assert!(!d.log().contains("Too many open files"), "{}", d.log());
 }
