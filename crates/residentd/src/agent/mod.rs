@@ -76,11 +76,9 @@ pub struct Agent {
     journal_lock: Mutex<()>,
     /// Numbers the changes the journal must record (`persist`).
     journal_changes: AtomicU64,
-    /// Which change is on disk, or failed (read by `durable`).
-    durable: tokio::sync::watch::Sender<persist::Durable>,
-    /// Who waits for which change to be settled (`durable`), woken by the
-    /// write that settles it.
-    durable_waiters: Mutex<std::collections::BTreeMap<u64, Vec<tokio::sync::oneshot::Sender<()>>>>,
+    /// Which change is on disk, or failed, and who waits for which
+    /// (`durable`).
+    durable: Mutex<persist::Durable>,
     /// TLS for TCP listeners, reloaded with the config.
     tls: Option<Arc<crate::tls::TlsServer>>,
     /// Whether each probe-bound pool's last reading was live.
@@ -124,8 +122,7 @@ impl Agent {
             journal_dirty: tokio::sync::Notify::new(),
             journal_lock: Mutex::new(()),
             journal_changes: AtomicU64::new(0),
-            durable: tokio::sync::watch::Sender::new(persist::Durable::default()),
-            durable_waiters: Mutex::new(std::collections::BTreeMap::new()),
+            durable: Mutex::new(persist::Durable::default()),
             start_ticks: Mutex::new(std::collections::HashMap::new()),
             metrics: crate::metrics::Metrics::new(),
             tls,

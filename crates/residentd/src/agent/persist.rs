@@ -146,11 +146,14 @@ impl Agent {
 
     /// Why the last journal write failed, while it has not succeeded since.
     pub(super) fn journal_failing(&self) -> Option<String> {
-        self.durable
-            .borrow()
+        self.durable_state()
             .failed
             .as_ref()
             .map(|(_, why)| why.clone())
+    }
+
+    fn durable_state(&self) -> std::sync::MutexGuard<'_, Durable> {
+        self.durable.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Waits until the journal on disk holds change `change` (and every
@@ -163,17 +166,12 @@ impl Agent {
         tokio::pin!(closing);
         loop {
             let woken = {
-                let mut waiting = self
-                    .durable_waiters
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner());
-                // Checked under the waiters' lock, which a write takes
-                // after it says what it settled: no wake is missed.
-                if self.durable.borrow().settles(change) {
+                let mut d = self.durable_state();
+                if d.settles(change) {
                     break;
                 }
                 let (tx, rx) = tokio::sync::oneshot::channel();
-                waiting.entry(change).or_default().push(tx);
+                d.waiting.entry(change).or_default().push(tx);
                 rx
             };
             tokio::select! {
@@ -181,35 +179,14 @@ impl Agent {
                 () = &mut closing => break,
             }
         }
-        let d = self.durable.borrow().clone();
-        match d {
-            d if d.written >= change => Ok(()),
-            Durable {
-                failed: Some((_, e)),
-                ..
-            } => Err(ApiError::Unavailable(format!(
-                "the journal could not be written: {e}"
-            ))),
-            _ => Err(ApiError::Unavailable(
-                "the agent is shutting down; the journal was not written".into(),
-            )),
+        let d = self.durable_state();
+        if d.written >= change {
+            return Ok(());
         }
-    }
-
-    /// Wakes those waiting for changes up to `change`, which a write has
-    /// just settled (on disk, or failed).
-    fn wake_durable(&self, change: u64) {
-        let ready = {
-            let mut waiting = self
-                .durable_waiters
-                .lock()
-                .unwrap_or_else(|e| e.into_inner());
-            let later = waiting.split_off(&(change + 1));
-            std::mem::replace(&mut *waiting, later)
-        };
-        for waiter in ready.into_values().flatten() {
-            let _ = waiter.send(());
-        }
+        Err(ApiError::Unavailable(match &d.failed {
+            Some((_, e)) => format!("the journal could not be written: {e}"),
+            None => "the agent is shutting down; the journal was not written".into(),
+        }))
     }
 
     /// Writes the journal now (blocking: it fsyncs) and says which change
@@ -224,27 +201,32 @@ impl Agent {
         // Read before the books: every change numbered up to here was
         // made in the books before it took its number.
         let change = self.journal_changes.load(Ordering::SeqCst);
-        let was_failing = self.durable.borrow().failed.is_some();
-        match self.journal.write(self.journal_entries()) {
-            Ok(()) => {
-                if was_failing {
-                    tracing::info!("the journal is written again: starts resume");
-                }
-                self.durable.send_modify(|d| {
+        let was_failing = self.journal_failing().is_some();
+        let written = self.journal.write(self.journal_entries());
+        let settled = {
+            let mut d = self.durable_state();
+            match written {
+                Ok(()) => {
+                    if was_failing {
+                        tracing::info!("the journal is written again: starts resume");
+                    }
                     d.written = d.written.max(change);
                     d.failed = None;
-                });
-                self.wake_durable(change);
-            }
-            Err(e) => {
-                // Once per failure, not at every retry.
-                if !was_failing {
-                    tracing::error!(error = %e, "cannot write the journal: starts are refused until it can be written");
                 }
-                self.durable
-                    .send_modify(|d| d.failed = Some((change, e.to_string())));
-                self.wake_durable(change);
+                Err(e) => {
+                    // Once per failure, not at every retry.
+                    if !was_failing {
+                        tracing::error!(error = %e, "cannot write the journal: starts are refused until it can be written");
+                    }
+                    d.failed = Some((change, e.to_string()));
+                }
             }
+            // Those waiting for a change this write settled.
+            let later = d.waiting.split_off(&(change + 1));
+            std::mem::replace(&mut d.waiting, later)
+        };
+        for waiter in settled.into_values().flatten() {
+            let _ = waiter.send(());
         }
     }
 
@@ -327,13 +309,15 @@ pub(super) struct Ticks {
     ticks: u64,
 }
 
-/// What of the journal is on disk.
-#[derive(Debug, Clone, Default)]
+/// What of the journal is on disk, and who waits for what.
+#[derive(Debug, Default)]
 pub(super) struct Durable {
     /// Every change up to this number is on disk.
-    pub(super) written: u64,
+    written: u64,
     /// The last write failed: the newest change it held, and why.
-    pub(super) failed: Option<(u64, String)>,
+    failed: Option<(u64, String)>,
+    /// Who waits for which change, woken by the write that settles it.
+    waiting: std::collections::BTreeMap<u64, Vec<tokio::sync::oneshot::Sender<()>>>,
 }
 
 /// Rewrites the journal whenever it is marked out of date, on a blocking
