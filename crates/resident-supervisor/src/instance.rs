@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::Duration;
 
-use nix::sys::signal::Signal;
+use nix::errno::Errno;
+use nix::sys::signal::{Signal, killpg};
+use nix::unistd::Pid;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::{Instant, sleep, timeout};
 
@@ -136,13 +138,18 @@ impl Actor {
                     let cause = req.as_ref().and_then(|r| r.cause.clone());
                     let cause = cause.unwrap_or_else(|| "stopped".into());
                     let exit = self.terminate(&mut run, grace).await;
-                    let oom = self.end_run(&run).await;
+                    // A run that ended on the stop's SIGTERM (or by
+                    // exiting) was not ended by the OOM killer, whose kill
+                    // is a SIGKILL: its counter is not read.
+                    let by_the_stop = matches!(exit, Exit::Code(_))
+                        || exit == Exit::Signal(Signal::SIGTERM as i32);
+                    let oom = self.end_run(&run, !by_the_stop).await;
                     self.finish(State::Exited, format!("{cause} ({exit}{oom})"), Some(exit));
                     return reply(req);
                 }
                 End::NotReady => {
                     let exit = self.terminate(&mut run, self.spec.stop_grace).await;
-                    let oom = self.end_run(&run).await;
+                    let oom = self.end_run(&run, true).await;
                     let limit = self.spec.readiness_timeout;
                     self.finish(
                         State::Failed,
@@ -154,7 +161,7 @@ impl Actor {
                 End::Exited(exit) => exit,
             };
             run.cleared = clear_leftovers(run.pgid, run.cgroup.as_deref()).await;
-            let oom = self.end_run(&run).await;
+            let oom = self.end_run(&run, true).await;
             let policy = self.spec.restart;
             if started.elapsed() >= policy.stable_after {
                 consecutive = 0;
@@ -280,8 +287,10 @@ impl Actor {
 
     /// After a run's processes are gone: reads its output to the end,
     /// hands its cgroup back, and says whether the OOM killer ended it (a
-    /// text to append to the reason, empty when not).
-    async fn end_run(&mut self, run: &Run) -> String {
+    /// text to append to the reason, empty when not); `may_be_oom`: false
+    /// when the run's end rules the OOM killer out, and its counters are
+    /// not read.
+    async fn end_run(&mut self, run: &Run, may_be_oom: bool) -> String {
         self.drain_logs().await;
         self.shared.pgid.store(0, Ordering::Relaxed);
         self.shared.set_cgroup(None);
@@ -289,7 +298,8 @@ impl Actor {
             self.shared.status.send_modify(|s| s.oom_killed = false);
             return String::new();
         };
-        let (kills, limit) = (cg.oom_kills(), cg.limit());
+        let kills = if may_be_oom { cg.oom_kills() } else { 0 };
+        let limit = cg.limit();
         cgroups.recycle(cg, run.cleared);
         self.shared.status.send_modify(|s| s.oom_killed = kills > 0);
         match (kills, limit) {
@@ -382,12 +392,16 @@ pub(crate) async fn clear_leftovers(pgid: i32, cgroup: Option<&RunCgroup>) -> bo
     let deadline = Instant::now() + LEFTOVER_BOUND;
     let mut pause = Duration::from_micros(500);
     loop {
-        let _ = signal_group(pgid, Signal::SIGKILL);
+        // No such group (ESRCH): no member is left, not even a zombie.
+        let group_gone = matches!(
+            killpg(Pid::from_raw(pgid), Signal::SIGKILL),
+            Err(Errno::ESRCH)
+        );
         let in_cgroup = cgroup.filter(|cg| cg.populated());
         if let Some(cg) = in_cgroup {
             cg.kill_all();
         }
-        let left = in_cgroup.is_some() || group_exists(pgid);
+        let left = in_cgroup.is_some() || (!group_gone && group_exists(pgid));
         if !left {
             return true;
         }
@@ -400,7 +414,6 @@ pub(crate) async fn clear_leftovers(pgid: i32, cgroup: Option<&RunCgroup>) -> bo
 }
 
 fn group_exists(pgid: i32) -> bool {
-    use nix::unistd::Pid;
     // Zombies still count as members until their new parent reaps them;
     // only live members matter, so fall back to /proc when signal 0 says
     // the group exists.
