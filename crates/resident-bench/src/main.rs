@@ -394,6 +394,80 @@ async fn place_rows(plan: &Plan, residentd: &Path, table: &mut Table) -> anyhow:
 /// Start and stop of many children: the agent as deployed (a cgroup per
 /// run where the machine allows) and with process groups only, beside the
 /// spawn-loop floor and supervisord.
+/// Where the CPU of a stop of `n` went, as means over the rounds (the
+/// machine's time comes in 10 ms ticks, so a single round is coarse): the
+/// whole machine's, and of it this bench's own (the floor's loop, or the
+/// agent's client), the agent's, and the rest (the children's exits, the
+/// kernel's threads). On a machine whose cores are busy through the phase
+/// its wall time follows the sum, so this says where a stop's time goes.
+fn stop_cpu_rows(
+    n: usize,
+    phases: &[Vec<measure::PhaseCpu>; 4],
+    agent: &[Vec<Duration>; 2],
+    table: &mut Table,
+) {
+    let mean = |v: &mut dyn Iterator<Item = Duration>| {
+        let (sum, count) = v.fold((Duration::ZERO, 0u32), |(s, c), d| (s + d, c + 1));
+        (count > 0).then(|| sum / count)
+    };
+    let names = [
+        "plain floor",
+        "floor with an RPC per child",
+        "cgroups",
+        "process groups",
+    ];
+    for (k, (what, runs)) in names.iter().zip(phases).enumerate() {
+        let (Some(machine), Some(bench)) = (
+            mean(&mut runs.iter().map(|p| p.machine)),
+            mean(&mut runs.iter().map(|p| p.bench)),
+        ) else {
+            continue;
+        };
+        let own = if k < 2 {
+            "the floor's loop"
+        } else {
+            "the client"
+        };
+        let agent = k
+            .checked_sub(2)
+            .and_then(|i| mean(&mut agent[i].iter().copied()));
+        let rest = machine
+            .saturating_sub(bench)
+            .saturating_sub(agent.unwrap_or_default());
+        table.push(Row::peer_latency(
+            &format!("stop {n}: CPU of the whole machine ({what})"),
+            machine,
+            None,
+            "",
+        ));
+        table.push(Row::peer_latency(
+            &format!("stop {n} ({what}): of it, {own}"),
+            bench,
+            None,
+            "",
+        ));
+        if let Some(agent) = agent {
+            table.push(Row::peer_latency(
+                &format!("stop {n} ({what}): of it, the agent"),
+                agent,
+                None,
+                "",
+            ));
+        }
+        let rest_is = if k == 1 {
+            "the RPC server, the children's exits and the kernel's threads"
+        } else {
+            "the children's exits and the kernel's threads"
+        };
+        table.push(Row::peer_latency(
+            &format!("stop {n} ({what}): of it, {rest_is}"),
+            rest,
+            None,
+            "",
+        ));
+    }
+}
+
 async fn startstop_rows(
     plan: &Plan,
     residentd: &Path,
@@ -424,16 +498,33 @@ async fn startstop_rows(
     // The agent's CPU time per phase: cgroups start, stop; process groups
     // start, stop.
     let mut cpu_samples: [Vec<Duration>; 4] = Default::default();
+    // Where the CPU of each stop phase went: the whole machine and this
+    // bench (the floor's loop, or the agent's client); plain floor, RPC
+    // floor, cgroups, process groups. With the agent's own CPU beside
+    // them, the rest is the children's exits and the kernel's threads.
+    let mut stop_phase: [Vec<measure::PhaseCpu>; 4] = Default::default();
+    let mut stop_agent: [Vec<Duration>; 2] = Default::default();
     for round in 0..plan.start_rounds {
         let n = plan.children;
-        let floor_run = measure::floor_spawn(n).await?;
-        let rpc_run = measure::floor_spawn_rpc(n, &f).await?;
+        let (floor_start, floor_stop, floor_cpu) = measure::floor_spawn(n).await?;
+        let (rpc_start, rpc_stop, rpc_cpu) = measure::floor_spawn_rpc(n, &f).await?;
         let cg = measure::agent_startstop(&mut a, with_cgroups.pid(), n, round).await?;
         let pg = measure::agent_startstop(&mut b, without.pid(), n, round).await?;
         let prompt_run = measure::agent_startstop(&mut p, prompt.pid(), n, round).await?;
+        for (k, phase) in [floor_cpu, rpc_cpu, cg.stop_machine, pg.stop_machine]
+            .into_iter()
+            .enumerate()
+        {
+            stop_phase[k].push(phase);
+        }
+        // Only rounds where every agent thread's time is known.
+        if let (Some(cg_cpu), Some(pg_cpu)) = (cg.stop_cpu, pg.stop_cpu) {
+            stop_agent[0].push(cg_cpu);
+            stop_agent[1].push(pg_cpu);
+        }
         let runs = [
-            floor_run,
-            rpc_run,
+            (floor_start, floor_stop),
+            (rpc_start, rpc_stop),
             (cg.start, cg.stop),
             (pg.start, pg.stop),
             (prompt_run.start, prompt_run.stop),
@@ -536,6 +627,7 @@ async fn startstop_rows(
             table.push(Row::peer_latency(&name, measure::median(cpu), None, ""));
         }
     }
+    stop_cpu_rows(n, &stop_phase, &stop_agent, table);
     // The floor with one zero-work RPC per child: the transport's share of
     // a start and a stop, so the agent's own share shows.
     for (what, ours, plain, with_rpc) in [

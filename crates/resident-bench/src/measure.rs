@@ -85,9 +85,90 @@ pub async fn place(socket: &Path, clients: usize, secs: f64) -> anyhow::Result<C
     Ok(summarize(lat, elapsed))
 }
 
+/// CPU time spent during a phase: by the whole machine (every core,
+/// every process, the kernel's own threads) and by this bench process
+/// (the client of the agent, or the floor's own loop).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PhaseCpu {
+    pub machine: Duration,
+    pub bench: Duration,
+}
+
+/// A reading of the machine's busy time and this process's CPU time; the
+/// difference of two is a [`PhaseCpu`]. The machine's comes from
+/// `/proc/stat` in clock ticks (10 ms here), so one phase is coarse;
+/// summed over rounds it is not.
+#[derive(Debug, Clone, Copy)]
+pub struct CpuMark {
+    machine_ticks: u64,
+    bench: Duration,
+}
+
+impl CpuMark {
+    pub fn now() -> Self {
+        Self {
+            machine_ticks: machine_busy_ticks(),
+            bench: own_cpu(),
+        }
+    }
+
+    /// What was spent since `self`.
+    pub fn spent(&self) -> PhaseCpu {
+        let later = Self::now();
+        let tick = Duration::from_secs(1) / clock_ticks_per_sec();
+        let ticks = later.machine_ticks.saturating_sub(self.machine_ticks);
+        PhaseCpu {
+            machine: tick * u32::try_from(ticks).unwrap_or(u32::MAX),
+            bench: later.bench.saturating_sub(self.bench),
+        }
+    }
+}
+
+/// Busy clock ticks of all cores since boot: everything but idle, I/O
+/// wait and time stolen by a hypervisor.
+fn machine_busy_ticks() -> u64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/stat") else {
+        return 0;
+    };
+    let Some(line) = stat.lines().find(|l| l.starts_with("cpu ")) else {
+        return 0;
+    };
+    let f: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    // user nice system idle iowait irq softirq steal (guest time is
+    // already counted in user).
+    let field = |i: usize| f.get(i).copied().unwrap_or(0);
+    field(0) + field(1) + field(2) + field(5) + field(6)
+}
+
+fn clock_ticks_per_sec() -> u32 {
+    nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
+        .ok()
+        .flatten()
+        .and_then(|t| u32::try_from(t).ok())
+        .filter(|t| *t > 0)
+        .unwrap_or(100)
+}
+
+/// This process's CPU time, user and system, all threads.
+fn own_cpu() -> Duration {
+    use nix::sys::resource::{UsageWho, getrusage};
+    let Ok(usage) = getrusage(UsageWho::RUSAGE_SELF) else {
+        return Duration::ZERO;
+    };
+    let time = |t: nix::sys::time::TimeVal| {
+        Duration::from_secs(t.tv_sec().max(0) as u64)
+            + Duration::from_micros(t.tv_usec().max(0) as u64)
+    };
+    time(usage.user_time()) + time(usage.system_time())
+}
+
 /// The floor of start and stop: a plain loop of tokio spawn of
 /// `/bin/sleep` in its own process group, then SIGTERM and wait for each.
-pub async fn floor_spawn(n: usize) -> anyhow::Result<(Duration, Duration)> {
+pub async fn floor_spawn(n: usize) -> anyhow::Result<(Duration, Duration, PhaseCpu)> {
     let t0 = Instant::now();
     let mut children = Vec::with_capacity(n);
     for _ in 0..n {
@@ -96,6 +177,7 @@ pub async fn floor_spawn(n: usize) -> anyhow::Result<(Duration, Duration)> {
         children.push(cmd.spawn()?);
     }
     let started = t0.elapsed();
+    let mark = CpuMark::now();
     let t1 = Instant::now();
     for c in &children {
         if let Some(pid) = c.id() {
@@ -105,13 +187,17 @@ pub async fn floor_spawn(n: usize) -> anyhow::Result<(Duration, Duration)> {
     for c in &mut children {
         c.wait().await?;
     }
-    Ok((started, t1.elapsed()))
+    let stopped = t1.elapsed();
+    Ok((started, stopped, mark.spent()))
 }
 
 /// The floor again, paying what a client of the agent pays besides the
 /// agent's own work: each child's start and its stop are one zero-work
 /// RPC (`floor`, the tonic floor's Place) each, all side by side.
-pub async fn floor_spawn_rpc(n: usize, floor: &Client) -> anyhow::Result<(Duration, Duration)> {
+pub async fn floor_spawn_rpc(
+    n: usize,
+    floor: &Client,
+) -> anyhow::Result<(Duration, Duration, PhaseCpu)> {
     let call = |c: &Client| {
         let mut c = c.clone();
         async move {
@@ -139,6 +225,7 @@ pub async fn floor_spawn_rpc(n: usize, floor: &Client) -> anyhow::Result<(Durati
         children.push(s.await??);
     }
     let started = t0.elapsed();
+    let mark = CpuMark::now();
     let t1 = Instant::now();
     let stops: Vec<_> = children
         .into_iter()
@@ -157,7 +244,8 @@ pub async fn floor_spawn_rpc(n: usize, floor: &Client) -> anyhow::Result<(Durati
     for s in stops {
         s.await??;
     }
-    Ok((started, t1.elapsed()))
+    let stopped = t1.elapsed();
+    Ok((started, stopped, mark.spent()))
 }
 
 /// One round of [`agent_startstop`]: how long the starts and the stops
@@ -173,6 +261,8 @@ pub struct StartStop {
     pub start_cpu: Option<Duration>,
     /// The agent's CPU time while stopping.
     pub stop_cpu: Option<Duration>,
+    /// The machine's and the client's CPU time while stopping.
+    pub stop_machine: PhaseCpu,
 }
 
 /// Start `n` instances side by side until every one runs (readiness none,
@@ -210,6 +300,7 @@ pub async fn agent_startstop(
     let start = t0.elapsed();
     let start_cpu = cpu(&cpu0);
     let cpu1 = thread_cpu_ns(agent);
+    let mark = CpuMark::now();
     let t1 = Instant::now();
     let stops: Vec<_> = ids
         .iter()
@@ -226,11 +317,13 @@ pub async fn agent_startstop(
         s.await??;
     }
     let stop = t1.elapsed();
+    let stop_machine = mark.spent();
     Ok(StartStop {
         start,
         stop,
         start_cpu,
         stop_cpu: cpu(&cpu1),
+        stop_machine,
     })
 }
 
