@@ -252,6 +252,9 @@ impl Agent {
                 // Kept for the run and its pid, so a reused pid is read anew.
                 let start_ticks = match known.get(id.as_str()) {
                     Some(t) if (t.generation, t.pid) == (generation, pid) => t.ticks,
+                    // No group yet (not spawned, or between runs): nothing
+                    // to read.
+                    _ if pid <= 0 => 0,
                     _ => {
                         let ticks =
                             resident_supervisor::procfs::stat(pid).map_or(0, |s| s.start_ticks);
