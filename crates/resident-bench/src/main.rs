@@ -391,9 +391,6 @@ async fn place_rows(plan: &Plan, residentd: &Path, table: &mut Table) -> anyhow:
     Ok(())
 }
 
-/// Start and stop of many children: the agent as deployed (a cgroup per
-/// run where the machine allows) and with process groups only, beside the
-/// spawn-loop floor and supervisord.
 /// Where the CPU of a stop of `n` went, as means over the rounds (the
 /// machine's time comes in 10 ms ticks, so a single round is coarse): the
 /// whole machine's, and of it this bench's own (the floor's loop, or the
@@ -403,13 +400,13 @@ async fn place_rows(plan: &Plan, residentd: &Path, table: &mut Table) -> anyhow:
 fn stop_cpu_rows(
     n: usize,
     phases: &[Vec<measure::PhaseCpu>; 4],
-    agent: &[Vec<Duration>; 2],
+    agent: [&[Duration]; 2],
     table: &mut Table,
 ) {
-    let mean = |v: &mut dyn Iterator<Item = Duration>| {
+    fn mean(v: impl Iterator<Item = Duration>) -> Option<Duration> {
         let (sum, count) = v.fold((Duration::ZERO, 0u32), |(s, c), d| (s + d, c + 1));
         (count > 0).then(|| sum / count)
-    };
+    }
     let names = [
         "plain floor",
         "floor with an RPC per child",
@@ -418,8 +415,8 @@ fn stop_cpu_rows(
     ];
     for (k, (what, runs)) in names.iter().zip(phases).enumerate() {
         let (Some(machine), Some(bench)) = (
-            mean(&mut runs.iter().map(|p| p.machine)),
-            mean(&mut runs.iter().map(|p| p.bench)),
+            mean(runs.iter().map(|p| p.machine)),
+            mean(runs.iter().map(|p| p.bench)),
         ) else {
             continue;
         };
@@ -430,7 +427,7 @@ fn stop_cpu_rows(
         };
         let agent = k
             .checked_sub(2)
-            .and_then(|i| mean(&mut agent[i].iter().copied()));
+            .and_then(|i| mean(agent[i].iter().copied()));
         let rest = machine
             .saturating_sub(bench)
             .saturating_sub(agent.unwrap_or_default());
@@ -468,6 +465,9 @@ fn stop_cpu_rows(
     }
 }
 
+/// Start and stop of many children: the agent as deployed (a cgroup per
+/// run where the machine allows) and with process groups only, beside the
+/// spawn-loop floor and supervisord.
 async fn startstop_rows(
     plan: &Plan,
     residentd: &Path,
@@ -503,7 +503,6 @@ async fn startstop_rows(
     // floor, cgroups, process groups. With the agent's own CPU beside
     // them, the rest is the children's exits and the kernel's threads.
     let mut stop_phase: [Vec<measure::PhaseCpu>; 4] = Default::default();
-    let mut stop_agent: [Vec<Duration>; 2] = Default::default();
     for round in 0..plan.start_rounds {
         let n = plan.children;
         let (floor_start, floor_stop, floor_cpu) = measure::floor_spawn(n).await?;
@@ -516,11 +515,6 @@ async fn startstop_rows(
             .enumerate()
         {
             stop_phase[k].push(phase);
-        }
-        // Only rounds where every agent thread's time is known.
-        if let (Some(cg_cpu), Some(pg_cpu)) = (cg.stop_cpu, pg.stop_cpu) {
-            stop_agent[0].push(cg_cpu);
-            stop_agent[1].push(pg_cpu);
         }
         let runs = [
             (floor_start, floor_stop),
@@ -615,7 +609,7 @@ async fn startstop_rows(
     // The agent's own CPU time in each phase (all its threads; the
     // children's exits are the kernel's, charged to them): what a storm
     // costs the agent, beside the wall time it takes.
-    let [cg_start_cpu, cg_stop_cpu, pg_start_cpu, pg_stop_cpu] = cpu_samples;
+    let [cg_start_cpu, cg_stop_cpu, pg_start_cpu, pg_stop_cpu] = &cpu_samples;
     for (what, how, cpu) in [
         ("start", "cgroups", cg_start_cpu),
         ("stop", "cgroups", cg_stop_cpu),
@@ -624,10 +618,15 @@ async fn startstop_rows(
     ] {
         if !cpu.is_empty() {
             let name = format!("{what} {n}: the agent's CPU time ({how})");
-            table.push(Row::peer_latency(&name, measure::median(cpu), None, ""));
+            table.push(Row::peer_latency(
+                &name,
+                measure::median(cpu.clone()),
+                None,
+                "",
+            ));
         }
     }
-    stop_cpu_rows(n, &stop_phase, &stop_agent, table);
+    stop_cpu_rows(n, &stop_phase, [cg_stop_cpu, pg_stop_cpu], table);
     // The floor with one zero-work RPC per child: the transport's share of
     // a start and a stop, so the agent's own share shows.
     for (what, ours, plain, with_rpc) in [

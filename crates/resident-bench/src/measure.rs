@@ -88,7 +88,7 @@ pub async fn place(socket: &Path, clients: usize, secs: f64) -> anyhow::Result<C
 /// CPU time spent during a phase: by the whole machine (every core,
 /// every process, the kernel's own threads) and by this bench process
 /// (the client of the agent, or the floor's own loop).
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy)]
 pub struct PhaseCpu {
     pub machine: Duration,
     pub bench: Duration,

@@ -401,7 +401,10 @@ pub(crate) async fn clear_leftovers(pgid: i32, cgroup: Option<&RunCgroup>) -> bo
         if let Some(cg) = in_cgroup {
             cg.kill_all();
         }
-        let left = in_cgroup.is_some() || (!group_gone && group_exists(pgid));
+        // Zombies still count as members until their new parent reaps
+        // them; only live members matter, so /proc says.
+        let left =
+            in_cgroup.is_some() || (!group_gone && !crate::procfs::group_members(pgid).is_empty());
         if !left {
             return true;
         }
@@ -410,15 +413,5 @@ pub(crate) async fn clear_leftovers(pgid: i32, cgroup: Option<&RunCgroup>) -> bo
         }
         sleep(pause).await;
         pause = (pause * 2).min(Duration::from_millis(50));
-    }
-}
-
-fn group_exists(pgid: i32) -> bool {
-    // Zombies still count as members until their new parent reaps them;
-    // only live members matter, so fall back to /proc when signal 0 says
-    // the group exists.
-    match nix::sys::signal::killpg(Pid::from_raw(pgid), None) {
-        Err(_) => false,
-        Ok(()) => !crate::procfs::group_members(pgid).is_empty(),
     }
 }

@@ -9,7 +9,7 @@ use std::fs::{self, File};
 use std::io;
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::FileExt as _;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -44,12 +44,13 @@ pub(super) struct Counters {
 struct Counter(Mutex<Option<File>>);
 
 impl Counter {
-    /// The value of `key` in the file at `path` (`key value` lines); 0
-    /// when the file or the key cannot be read.
-    fn read(&self, path: &Path, key: &str) -> u64 {
+    /// The value of `key` in the file at `path` (`key value` lines, the
+    /// path made only when the file is not open yet); 0 when the file or
+    /// the key cannot be read.
+    fn read(&self, path: impl FnOnce() -> PathBuf, key: &str) -> u64 {
         let mut file = self.0.lock().unwrap_or_else(|e| e.into_inner());
         if file.is_none() {
-            *file = File::open(path).ok();
+            *file = File::open(path()).ok();
         }
         let Some(f) = file.as_ref() else {
             return 0;
@@ -149,7 +150,7 @@ impl RunCgroup {
         match &self.v2 {
             Some(v2) => {
                 let events = &self.counters.events;
-                events.read(&v2.join("cgroup.events"), "populated") > 0
+                events.read(|| v2.join("cgroup.events"), "populated") > 0
             }
             None => !self.members().is_empty(),
         }
@@ -179,11 +180,11 @@ impl RunCgroup {
     pub(super) fn oom_count(&self) -> u64 {
         let c = &self.counters;
         let v2 = self.v2.as_ref().filter(|_| self.v2_memory).map_or(0, |d| {
-            c.memory_events.read(&d.join("memory.events"), "oom_kill")
+            c.memory_events.read(|| d.join("memory.events"), "oom_kill")
         });
         let v1 = self.v1_memory.as_ref().map_or(0, |d| {
             c.oom_control
-                .read(&d.join("memory.oom_control"), "oom_kill")
+                .read(|| d.join("memory.oom_control"), "oom_kill")
         });
         v2.max(v1)
     }
@@ -209,18 +210,18 @@ mod tests {
         let f = dir.join("memory.events");
         fs::write(&f, "low 0\nhigh 0\nmax 3\noom 1\noom_kill 2\n").expect("write");
         let c = Counter::default();
-        assert_eq!(c.read(&f, "oom_kill"), 2);
-        assert_eq!(c.read(&f, "oom"), 1);
-        assert_eq!(c.read(&f, "missing"), 0);
+        assert_eq!(c.read(|| f.clone(), "oom_kill"), 2);
+        assert_eq!(c.read(|| f.clone(), "oom"), 1);
+        assert_eq!(c.read(|| f.clone(), "missing"), 0);
         // The same file, changed: the open file reads what it holds now.
         fs::write(&f, "oom 1\noom_kill 5\n").expect("write");
-        assert_eq!(c.read(&f, "oom_kill"), 5);
+        assert_eq!(c.read(|| f.clone(), "oom_kill"), 5);
         // A file that cannot be opened reads 0, and is opened once it can.
         let later = Counter::default();
         let missing = dir.join("cgroup.events");
-        assert_eq!(later.read(&missing, "populated"), 0);
+        assert_eq!(later.read(|| missing.clone(), "populated"), 0);
         fs::write(&missing, "populated 1\nfrozen 0\n").expect("write");
-        assert_eq!(later.read(&missing, "populated"), 1);
+        assert_eq!(later.read(|| missing.clone(), "populated"), 1);
         let _ = fs::remove_dir_all(dir);
     }
 }

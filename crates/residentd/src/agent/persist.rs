@@ -258,7 +258,7 @@ impl Agent {
                     _ => {
                         let ticks =
                             resident_supervisor::procfs::stat(pid).map_or(0, |s| s.start_ticks);
-                        if pid > 0 && ticks > 0 {
+                        if ticks > 0 {
                             let t = Ticks {
                                 generation,
                                 pid,
