@@ -208,6 +208,7 @@ impl AdoptActor {
         self.shared.pgid.store(0, Ordering::Relaxed);
         self.shared.transition(state, reason, |s| {
             s.pid = None;
+            s.start_ticks = None;
             s.measured_bytes = 0;
         });
     }

@@ -39,6 +39,11 @@ pub struct Prepared {
     user: Option<(u32, u32)>,
     /// `cgroup.procs` of each cgroup the child joins before it execs.
     cgroups: Vec<OwnedFd>,
+    /// Whether the child sets its OOM score adjustment back to 0: only
+    /// when the agent's own is not 0 (or cannot be read), since the child
+    /// inherits it. Left alone, the child never looks up its `/proc/PID`,
+    /// whose entries its reaping would otherwise have to invalidate.
+    reset_oom: bool,
 }
 
 fn c_string(s: impl AsRef<[u8]>, what: &str) -> io::Result<CString> {
@@ -112,6 +117,7 @@ impl Prepared {
             cwd,
             user,
             cgroups: Vec::new(),
+            reset_oom: crate::procfs::own_oom_score_adj() != Some(0),
         })
     }
 
@@ -121,10 +127,12 @@ impl Prepared {
     }
 }
 
-/// The raw result of a clone: pid and the parent's ends of the pipes.
+/// The raw result of a clone: pid, start time and the parent's ends of
+/// the pipes.
 #[derive(Debug)]
 pub struct Spawned {
     pid: libc::pid_t,
+    start_ticks: Option<u64>,
     stdout: OwnedFd,
     stderr: OwnedFd,
 }
@@ -159,22 +167,15 @@ pub fn clone_exec(p: &Prepared) -> io::Result<Spawned> {
     let parent = nix::unistd::getpid().as_raw();
     let program = p.program.as_ptr();
     let cwd = p.cwd.as_ref().map_or(std::ptr::null(), |c| c.as_ptr());
-    let user = p.user;
+    let who = Who {
+        user: p.user,
+        reset_oom: p.reset_oom,
+    };
     let mut stack = vec![0u8; CHILD_STACK];
     let child = Box::new(move || {
         // SAFETY: runs in the vfork'd child; only system calls on memory
         // prepared above, which the parent keeps alive while suspended.
-        unsafe {
-            child_main(
-                parent,
-                program,
-                argv.as_ptr(),
-                envp.as_ptr(),
-                cwd,
-                user,
-                fds,
-            )
-        }
+        unsafe { child_main(parent, program, argv.as_ptr(), envp.as_ptr(), cwd, who, fds) }
     });
     let flags = nix::sched::CloneFlags::CLONE_VM | nix::sched::CloneFlags::CLONE_VFORK;
     // Every signal blocked across the clone, as posix_spawn does: a
@@ -187,7 +188,9 @@ pub fn clone_exec(p: &Prepared) -> io::Result<Spawned> {
     // SAFETY: CLONE_VM|CLONE_VFORK suspends this thread until the child
     // execs or exits; the child touches only the prepared buffers and
     // makes no allocation.
+    let before_clone = boottime_ns();
     let cloned = unsafe { nix::sched::clone(child, &mut stack, flags, Some(libc::SIGCHLD)) };
+    let after_clone = boottime_ns();
     pthread_sigmask(SigmaskHow::SIG_SETMASK, Some(&before), None).map_err(io::Error::from)?;
     let pid = cloned.map_err(io::Error::from)?;
     drop((out_w, err_w, report_w, devnull));
@@ -201,9 +204,37 @@ pub fn clone_exec(p: &Prepared) -> io::Result<Spawned> {
     }
     Ok(Spawned {
         pid: pid.as_raw(),
+        start_ticks: start_ticks(before_clone, after_clone),
         stdout: out_r,
         stderr: err_r,
     })
+}
+
+/// `CLOCK_BOOTTIME` in nanoseconds: the clock of a process's start time.
+fn boottime_ns() -> Option<u64> {
+    let t = nix::time::clock_gettime(nix::time::ClockId::CLOCK_BOOTTIME).ok()?;
+    let secs = u64::try_from(t.tv_sec()).ok()?;
+    let nanos = u64::try_from(t.tv_nsec()).ok()?;
+    Some(secs * 1_000_000_000 + nanos)
+}
+
+/// The child's start time as `/proc/PID/stat` gives it (clock ticks after
+/// boot), known without reading it: the kernel stamps the start during
+/// the clone, between the two clock readings, so when both fall in the
+/// same tick that tick is the start time. `None` when they straddle a
+/// tick (then `/proc` must say).
+fn start_ticks(before: Option<u64>, after: Option<u64>) -> Option<u64> {
+    let before = crate::procfs::boottime_ticks(before?)?;
+    let after = crate::procfs::boottime_ticks(after?)?;
+    (before == after).then_some(before)
+}
+
+/// Who the child becomes: its user and group, and whether it sets its OOM
+/// score back to 0 (see `Prepared`).
+#[derive(Debug, Clone, Copy)]
+struct Who {
+    user: Option<(u32, u32)>,
+    reset_oom: bool,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -231,7 +262,7 @@ unsafe fn child_main(
     argv: *const *const libc::c_char,
     envp: *const *const libc::c_char,
     cwd: *const libc::c_char,
-    user: Option<(u32, u32)>,
+    who: Who,
     fds: ChildFds,
 ) -> isize {
     let fail = |fds: ChildFds| -> isize {
@@ -294,12 +325,16 @@ unsafe fn child_main(
     // The agent may protect itself from the OOM killer (systemd's
     // OOMScoreAdjust); its servers must not inherit that. Raising the score
     // is always allowed; where /proc is absent, nothing happens.
-    // SAFETY: open of a static NUL-terminated path.
-    let oom = unsafe {
-        libc::open(
-            c"/proc/self/oom_score_adj".as_ptr(),
-            libc::O_WRONLY | libc::O_CLOEXEC,
-        )
+    let oom = if who.reset_oom {
+        // SAFETY: open of a static NUL-terminated path.
+        unsafe {
+            libc::open(
+                c"/proc/self/oom_score_adj".as_ptr(),
+                libc::O_WRONLY | libc::O_CLOEXEC,
+            )
+        }
+    } else {
+        -1
     };
     if oom >= 0 {
         // SAFETY: a 1-byte write to the descriptor just opened, then its
@@ -309,7 +344,7 @@ unsafe fn child_main(
             libc::close(oom);
         }
     }
-    if let Some((uid, gid)) = user {
+    if let Some((uid, gid)) = who.user {
         // Raw system calls: glibc's wrappers would signal every thread of
         // the parent, whose memory this child shares.
         let groups = [gid];
@@ -352,6 +387,7 @@ unsafe fn child_main(
 #[derive(Debug)]
 pub struct Child {
     pid: u32,
+    start_ticks: Option<u64>,
     pidfd: AsyncFd<OwnedFd>,
     status: Option<ExitStatus>,
     /// Its standard output, until taken.
@@ -377,6 +413,7 @@ impl Child {
                 .map_err(|e| e.into_parts().1)?;
         Ok(Self {
             pid: s.pid as u32,
+            start_ticks: s.start_ticks,
             pidfd,
             status: None,
             stdout: Some(pipe::Receiver::from_owned_fd(s.stdout)?),
@@ -387,6 +424,12 @@ impl Child {
     /// The pid, until the child has been reaped.
     pub fn id(&self) -> Option<u32> {
         self.status.is_none().then_some(self.pid)
+    }
+
+    /// Its start time in clock ticks after boot, as `/proc/PID/stat` gives
+    /// it, when the spawn could tell without reading `/proc`.
+    pub fn start_ticks(&self) -> Option<u64> {
+        self.start_ticks
     }
 
     /// Waits for the exit and reaps the child. Cancel-safe.

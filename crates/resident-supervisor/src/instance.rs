@@ -188,6 +188,7 @@ impl Actor {
                 s.restarts += 1;
                 s.exit = Some(exit);
                 s.pid = None;
+                s.start_ticks = None;
             });
             tokio::select! {
                 _ = sleep(delay) => {}
@@ -244,6 +245,7 @@ impl Actor {
         // A spawned child that has not been waited for always has an id.
         let pid = child.id().unwrap_or_default();
         let pgid = pid as i32;
+        let start_ticks = child.start_ticks();
         self.shared.pgid.store(pgid, Ordering::Relaxed);
         self.shared.set_cgroup(cgroup.clone());
         if let Some(out) = child.stdout.take() {
@@ -259,6 +261,7 @@ impl Actor {
         self.shared
             .transition(State::Starting, format!("spawned pid {pid}"), |s| {
                 s.pid = Some(pid);
+                s.start_ticks = start_ticks;
                 s.started_at = Some(std::time::SystemTime::now());
             });
         Some(Run {
@@ -363,6 +366,7 @@ impl Actor {
         self.shared.set_cgroup(None);
         self.shared.transition(state, reason, |s| {
             s.pid = None;
+            s.start_ticks = None;
             s.measured_bytes = 0;
             if exit.is_some() {
                 s.exit = exit;

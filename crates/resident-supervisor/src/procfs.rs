@@ -1,5 +1,7 @@
 //! Reading `/proc`: which processes belong to a process group, and how many
 //! resident bytes a group holds. One scan answers for every group at once.
+//! Also the clock-tick arithmetic by which a child's start time is known
+//! without reading `/proc/PID` (see `child.rs`).
 
 use std::collections::HashMap;
 use std::fs;
@@ -63,6 +65,34 @@ pub fn group_members(pgid: i32) -> Vec<i32> {
         .filter(|s| s.pgrp == pgid)
         .map(|s| s.pid)
         .collect()
+}
+
+/// Clock ticks per second (`USER_HZ`), the unit of `/proc`'s times.
+pub fn clock_ticks_per_second() -> Option<u64> {
+    nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
+        .ok()
+        .flatten()
+        .and_then(|v| u64::try_from(v).ok())
+        .filter(|&hz| hz > 0)
+}
+
+/// `ns` of `CLOCK_BOOTTIME` in clock ticks, rounded down as the kernel
+/// rounds a process's start time for `/proc/PID/stat`; `None` where a
+/// tick is not a whole number of nanoseconds (the kernel rounds those
+/// otherwise).
+pub fn boottime_ticks(ns: u64) -> Option<u64> {
+    let hz = clock_ticks_per_second()?;
+    (1_000_000_000 % hz == 0).then(|| ns / (1_000_000_000 / hz))
+}
+
+/// This process's own OOM score adjustment (`oom_score_adj`), if `/proc`
+/// says.
+pub fn own_oom_score_adj() -> Option<i32> {
+    fs::read_to_string("/proc/self/oom_score_adj")
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
 }
 
 /// Bytes of a page.

@@ -114,6 +114,10 @@ pub struct Status {
     pub state: State,
     /// Process id of the group leader while a process runs.
     pub pid: Option<u32>,
+    /// The leader's start time in clock ticks after boot (as
+    /// `/proc/PID/stat` gives it), when its spawn could tell without
+    /// reading `/proc`; with `pid`.
+    pub start_ticks: Option<u64>,
     /// The port assigned to `${PORT}`.
     pub port: u16,
     /// Restarts so far.

@@ -254,6 +254,7 @@ impl Supervisor {
             role: spec.role.clone(),
             state: State::Pending,
             pid: None,
+            start_ticks: None,
             port,
             restarts: 0,
             exit: None,
@@ -333,12 +334,14 @@ impl Supervisor {
             .map(|e| e.shared.status.borrow().clone())
     }
 
-    /// The pid of run `generation` of `id`, while it has one (no copy of
-    /// the status: the journal asks for every instance at every write).
-    pub fn pid(&self, id: &str, generation: u64) -> Option<u32> {
+    /// The pid of run `generation` of `id`, while it has one, and its
+    /// start time when known (no copy of the status: the journal asks for
+    /// every instance at every write).
+    pub fn pid(&self, id: &str, generation: u64) -> Option<(u32, Option<u64>)> {
         let table = self.table();
         let status = table.get(id)?.shared.status.borrow();
-        (status.generation == generation).then_some(status.pid)?
+        let pid = status.pid.filter(|_| status.generation == generation)?;
+        Some((pid, status.start_ticks))
     }
 
     /// A receiver that sees every later status of `id`.

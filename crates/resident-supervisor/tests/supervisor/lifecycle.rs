@@ -358,3 +358,31 @@ async fn a_child_starts_with_default_dispositions_and_no_signal_blocked() {
         "the child's masks"
     );
 }
+
+#[tokio::test]
+async fn a_runs_start_time_is_known_from_its_spawn_as_proc_gives_it() {
+    // The journal guards against pid reuse with the leader's start time;
+    // the spawn knows it without looking the child up in /proc (which
+    // would make its reaping invalidate those entries). Where the spawn
+    // cannot tell (its clock readings straddle a tick), /proc must say.
+    let h = Harness::new();
+    let mut known = 0;
+    for i in 0..20 {
+        let id = format!("t{i}");
+        let status = h.sup.start(child(&id, &["forever"])).await.expect("starts");
+        let pid = status.pid.expect("a pid");
+        let from_proc = procfs::stat(pid as i32).expect("running").start_ticks;
+        if let Some(ticks) = status.start_ticks {
+            assert_eq!(ticks, from_proc, "run {id}: spawn and /proc disagree");
+            known += 1;
+        }
+        assert_eq!(
+            h.sup.pid(&id, status.generation),
+            Some((pid, status.start_ticks))
+        );
+        h.sup.stop(&id, None).await.expect("stops");
+    }
+    // A straddled tick takes a clone of a hundred microseconds in ten
+    // milliseconds: twenty straddles in a row would be a bug.
+    assert!(known > 0, "no spawn knew its start time");
+}

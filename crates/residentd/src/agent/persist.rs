@@ -236,9 +236,10 @@ impl Agent {
     /// released.
     pub(super) fn journal_entries(&self) -> Vec<journal::Entry> {
         let live = self.books.journal_rows();
-        // A group's start time is read from /proc once per process, not at
-        // every write: a storm of starts writes often. Called only by the
-        // one journal writer (under `journal_lock`).
+        // A group's start time comes from its spawn; when the spawn could
+        // not tell, it is read from /proc once per process, not at every
+        // write: a storm of starts writes often. Called only by the one
+        // journal writer (under `journal_lock`).
         let mut known = self.start_ticks.lock().unwrap_or_else(|e| e.into_inner());
         // Ended runs' readings go now and then, not at every write.
         if known.len() > 2 * live.len() + 64 {
@@ -248,10 +249,14 @@ impl Agent {
         live.into_iter()
             .map(|row| {
                 let (id, generation) = (row.id, row.generation);
-                let pid = self.sup.pid(&id, generation).map_or(0, |p| p as i32);
+                let (pid, spawned_at) = self.sup.pid(&id, generation).unzip();
+                let pid = pid.map_or(0, |p| p as i32);
                 // Kept for the run and its pid, so a reused pid is read anew.
-                let start_ticks = match known.get(id.as_str()) {
-                    Some(t) if (t.generation, t.pid) == (generation, pid) => t.ticks,
+                let start_ticks = match (known.get(id.as_str()), spawned_at.flatten()) {
+                    // Known from the spawn itself: the child's /proc entry
+                    // is never looked up.
+                    (_, Some(ticks)) if pid > 0 => ticks,
+                    (Some(t), _) if (t.generation, t.pid) == (generation, pid) => t.ticks,
                     // No group yet (not spawned, or between runs): nothing
                     // to read.
                     _ if pid <= 0 => 0,
