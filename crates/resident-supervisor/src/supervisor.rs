@@ -334,6 +334,12 @@ impl Supervisor {
             .map(|e| e.shared.status.borrow().clone())
     }
 
+    /// The generation of `id`'s current run (no copy of the status).
+    pub fn generation(&self, id: &str) -> Option<u64> {
+        let table = self.table();
+        Some(table.get(id)?.shared.status.borrow().generation)
+    }
+
     /// The pid of run `generation` of `id`, while it has one, and its
     /// start time when known (no copy of the status: the journal asks for
     /// every instance at every write).

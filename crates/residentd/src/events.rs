@@ -63,8 +63,12 @@ impl EventLog {
         if inner.history.len() == self.keep {
             inner.history.pop_front();
         }
-        inner.history.push_back(event.clone());
-        let _ = self.live.send(event);
+        // A copy only for live watchers, when there are any (a node often
+        // has none: every transition would pay a deep copy for nothing).
+        if self.live.receiver_count() > 0 {
+            let _ = self.live.send(event.clone());
+        }
+        inner.history.push_back(event);
         inner.revision
     }
 

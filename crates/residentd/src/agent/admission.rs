@@ -324,10 +324,7 @@ impl Agent {
         let Some(c) = self.books.cancel(id) else {
             return Err(ApiError::NotFound(format!("no instance '{id}'")));
         };
-        let spawned = self
-            .sup
-            .status(id)
-            .is_some_and(|s| s.generation == c.generation);
+        let spawned = self.sup.generation(id) == Some(c.generation);
         let mut ended = None;
         if spawned && c.resident {
             match self.sup.stop_because(id, grace, cause).await {
