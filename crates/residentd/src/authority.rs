@@ -20,6 +20,13 @@
 //! both sides consistent without tracking the server's state. Every other
 //! frame, and the server-to-client direction, pass through unchanged.
 //!
+//! A client sends one authority for all the requests of a connection, so
+//! the first header block decides: when it needs no fix (tonic, grpc-go,
+//! residentctl), it goes to h2 as it came and so does everything after it,
+//! read straight from the socket; h2's table then follows the client's
+//! encoder, as without this layer. Only connections that need the fix
+//! (grpc-core's socket path) pay for decoding and re-encoding each block.
+//!
 //! Errors stay h2's to report. A frame that breaks HTTP/2's framing rules
 //! around header blocks is forwarded as it came and the layer stops
 //! rewriting (each such fault is a connection error, which h2 raises); a
@@ -82,7 +89,12 @@ pub struct Rewriter {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Mode {
+    /// No header block yet: the first one decides.
+    First,
     Rewrite,
+    /// The first header block needed no fix and was forwarded as it came:
+    /// the rest goes as is.
+    Passing,
     /// A framing fault was forwarded as it came: the rest goes as is.
     Raw,
     /// An undecodable block was sent on; nothing more is forwarded.
@@ -123,13 +135,18 @@ impl Rewriter {
             preface_left: PREFACE_LEN,
             passing: 0,
             block: None,
-            mode: Mode::Rewrite,
+            mode: Mode::First,
         }
     }
 
     /// True once the connection has been handed a block that ends it.
     pub fn ended(&self) -> bool {
         self.mode == Mode::Ended
+    }
+
+    /// True once everything from here on goes to h2 as it comes.
+    pub fn passes_through(&self) -> bool {
+        matches!(self.mode, Mode::Passing | Mode::Raw)
     }
 
     /// Consumes what it can of `input` and appends the bytes for the server
@@ -141,12 +158,12 @@ impl Rewriter {
                     input.clear();
                     return;
                 }
-                Mode::Raw => {
+                Mode::Raw | Mode::Passing => {
                     out.extend_from_slice(input);
                     input.clear();
                     return;
                 }
-                Mode::Rewrite => {}
+                Mode::First | Mode::Rewrite => {}
             }
             let pass = if self.preface_left > 0 {
                 &mut self.preface_left
@@ -239,10 +256,18 @@ impl Rewriter {
     }
 
     /// Decodes a whole block, fixes the authority, and emits the block
-    /// re-encoded as HEADERS plus CONTINUATIONs.
+    /// re-encoded as HEADERS plus CONTINUATIONs; the connection's first
+    /// block, when it needs no fix, goes as it came, and so does the rest.
     fn finish(&mut self, block: Block, out: &mut BytesMut) {
+        let first = self.mode == Mode::First;
+        self.mode = Mode::Rewrite;
         let encoded = match reencode(&mut self.decoder, &block.fragment) {
-            Ok(encoded) => encoded,
+            Ok((_, false)) if first => {
+                out.extend_from_slice(&block.raw);
+                self.mode = Mode::Passing;
+                return;
+            }
+            Ok((encoded, _)) => encoded,
             Err(()) => {
                 self.mode = Mode::Ended;
                 UNDECODABLE.to_vec()
@@ -296,15 +321,17 @@ fn open_block(stream: u32, flags: u8, payload: &[u8]) -> Option<Block> {
 /// Decodes a block and re-encodes each field as it comes, as a literal
 /// without indexing (RFC 7541, 6.2.2), so nothing enters the server's
 /// dynamic table; an `:authority` that does not parse becomes
-/// [`LOCAL_AUTHORITY`]. Err when the block does not decode or decodes
-/// beyond [`MAX_HEADER_LIST`].
-fn reencode(decoder: &mut hpack::Decoder, fragment: &[u8]) -> Result<Vec<u8>, ()> {
+/// [`LOCAL_AUTHORITY`]; true when one did. Err when the block does not
+/// decode or decodes beyond [`MAX_HEADER_LIST`].
+fn reencode(decoder: &mut hpack::Decoder, fragment: &[u8]) -> Result<(Vec<u8>, bool), ()> {
     let mut out = Vec::with_capacity(fragment.len() * 2);
     let mut size = 0usize;
+    let mut fixed = false;
     decoder
         .decode(fragment, |name, value| {
             size += name.len() + value.len() + 32;
             let value = if name == b":authority" && !valid_authority(value) {
+                fixed = true;
                 LOCAL_AUTHORITY.as_bytes()
             } else {
                 value
@@ -317,7 +344,7 @@ fn reencode(decoder: &mut hpack::Decoder, fragment: &[u8]) -> Result<Vec<u8>, ()
             size <= MAX_HEADER_LIST
         })
         .map_err(|_| ())?;
-    Ok(out)
+    Ok((out, fixed))
 }
 
 /// Whether h2 accepts `value` as an authority.
@@ -393,6 +420,11 @@ impl AsyncRead for AuthorityFix {
     ) -> Poll<io::Result<()>> {
         let me = self.get_mut();
         loop {
+            if me.output.is_empty() && me.input.is_empty() && me.rewriter.passes_through() {
+                // Nothing of ours left to hand over: the socket's bytes go
+                // to h2 without a copy.
+                return Pin::new(&mut me.inner).poll_read(cx, buf);
+            }
             if !me.output.is_empty() {
                 let n = me.output.len().min(buf.remaining());
                 buf.put_slice(&me.output[..n]);

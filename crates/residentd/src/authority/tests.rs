@@ -264,6 +264,47 @@ fn valid_authorities_and_none_at_all_pass_unchanged() {
 }
 
 #[test]
+fn a_connection_whose_first_block_needs_no_fix_goes_to_h2_as_sent() {
+    // The first block is fine: it and everything after it reach h2 byte
+    // for byte, the later blocks' references into the client's dynamic
+    // table included, since h2's table now follows the client's encoder.
+    // A later block's bad authority is h2's to refuse, as without the
+    // layer (a client sends one authority per connection).
+    let mut input = opening();
+    input.extend(frame(
+        HEADERS,
+        END_HEADERS,
+        1,
+        &request(Some("localhost")).0,
+    ));
+    input.extend(frame(DATA, 0, 1, b"payload"));
+    let again = Block::default()
+        .indexed(3)
+        .indexed(6)
+        .indexed(65)
+        .indexed(64);
+    input.extend(frame(HEADERS, END_HEADERS | END_STREAM, 3, &again.0));
+    let later = Block::default().indexing(":authority", "/run/x.sock");
+    input.extend(frame(HEADERS, END_HEADERS, 5, &later.0));
+    for step in [1, 7, input.len()] {
+        let (out, r) = rewrite_in_steps(&input, step);
+        assert_eq!(out, input, "in pieces of {step}");
+        assert!(r.passes_through());
+    }
+    // A first block that needs the fix keeps the rewriting on.
+    let mut input = opening();
+    input.extend(frame(
+        HEADERS,
+        END_HEADERS,
+        1,
+        &request(Some("/run/x.sock")).0,
+    ));
+    let (out, r) = rewrite_in_steps(&input, input.len());
+    assert_ne!(out, input);
+    assert!(!r.passes_through());
+}
+
+#[test]
 fn padding_priority_and_continuations_are_gathered_into_one_block() {
     let block = request(Some("/tmp/a.sock")).0;
     let (a, rest) = block.split_at(5);
