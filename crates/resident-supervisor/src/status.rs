@@ -4,6 +4,7 @@
 use std::fmt;
 use std::os::unix::process::ExitStatusExt as _;
 use std::process::ExitStatus;
+use std::sync::Arc;
 
 /// Lifecycle states. PENDING -> STARTING -> READY -> STOPPING -> EXITED or
 /// FAILED, with BACKOFF between restarts.
@@ -104,12 +105,12 @@ impl fmt::Display for Exit {
 /// An instance's status; every transition publishes a copy as an event.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Status {
-    /// The instance id.
-    pub instance: String,
+    /// The instance id (shared: every transition publishes a copy).
+    pub instance: Arc<str>,
     /// Its workload.
-    pub workload: String,
+    pub workload: Arc<str>,
     /// Its role.
-    pub role: String,
+    pub role: Arc<str>,
     /// Current state.
     pub state: State,
     /// Process id of the group leader while a process runs.

@@ -249,9 +249,9 @@ impl Supervisor {
         old_logs: Option<Arc<LogRing>>,
     ) -> (Arc<Shared>, watch::Receiver<Status>) {
         let status = Status {
-            instance: spec.instance.clone(),
-            workload: spec.workload.clone(),
-            role: spec.role.clone(),
+            instance: spec.instance.as_str().into(),
+            workload: spec.workload.as_str().into(),
+            role: spec.role.as_str().into(),
             state: State::Pending,
             pid: None,
             start_ticks: None,

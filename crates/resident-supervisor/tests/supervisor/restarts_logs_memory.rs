@@ -41,7 +41,7 @@ async fn a_crash_loop_backs_off_longer_each_time_then_fails() {
     let events: Vec<_> = h
         .seen
         .iter()
-        .filter(|(_, s)| s.instance == "crashy")
+        .filter(|(_, s)| &*s.instance == "crashy")
         .collect();
     let mut gaps = Vec::new();
     for pair in events.windows(2) {

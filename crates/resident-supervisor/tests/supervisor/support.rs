@@ -44,7 +44,7 @@ impl Harness {
     /// the last `until` for `id` returned; returns it.
     pub async fn until(&mut self, id: &str, state: State) -> Status {
         let from = self.cursors.get(id).copied().unwrap_or(0);
-        let wanted = |s: &Status| s.instance == id && s.state == state;
+        let wanted = |s: &Status| &*s.instance == id && s.state == state;
         if let Some(i) = self.seen[from..].iter().position(|(_, s)| wanted(s)) {
             self.cursors.insert(id.to_string(), from + i + 1);
             return self.seen[from + i].1.clone();
@@ -76,7 +76,7 @@ impl Harness {
                 if let Some((_, s)) = self
                     .seen
                     .iter()
-                    .find(|(_, s)| s.instance == id && states.contains(&s.state))
+                    .find(|(_, s)| &*s.instance == id && states.contains(&s.state))
                 {
                     return s.clone();
                 }
@@ -99,7 +99,7 @@ impl Harness {
     pub fn states(&self, id: &str) -> Vec<State> {
         self.seen
             .iter()
-            .filter(|(_, s)| s.instance == id)
+            .filter(|(_, s)| &*s.instance == id)
             .map(|(_, s)| s.state)
             .collect()
     }

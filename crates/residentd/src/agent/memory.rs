@@ -53,7 +53,7 @@ impl Agent {
                 .sup
                 .list()
                 .into_iter()
-                .map(|s| (s.instance, s.measured_bytes))
+                .map(|s| (s.instance.to_string(), s.measured_bytes))
                 .collect();
         }
         self.probe_health(&readings.available);
@@ -115,7 +115,7 @@ impl Agent {
             };
             for (pool, probe) in &probes {
                 if let Some(bytes) = probe.used_by(pids) {
-                    out.push((status.instance.clone(), pool.clone(), bytes));
+                    out.push((status.instance.to_string(), pool.clone(), bytes));
                 }
             }
         }
