@@ -282,6 +282,26 @@ pub async fn agent_startstop(
     let ids: Vec<String> = (0..n).map(|i| format!("r{round}-{i}")).collect();
     let cpu0 = thread_cpu_ns(agent);
     let t0 = Instant::now();
+    start_all(c, &ids).await?;
+    let start = t0.elapsed();
+    let start_cpu = cpu(&cpu0);
+    let cpu1 = thread_cpu_ns(agent);
+    let mark = CpuMark::now();
+    let t1 = Instant::now();
+    stop_all(c, &ids).await?;
+    let stop = t1.elapsed();
+    let stop_machine = mark.spent();
+    Ok(StartStop {
+        start,
+        stop,
+        start_cpu,
+        stop_cpu: cpu(&cpu1),
+        stop_machine,
+    })
+}
+
+/// Starts `ids` (workload `trivial`) side by side; each must answer READY.
+async fn start_all(c: &Client, ids: &[String]) -> anyhow::Result<()> {
     let starts: Vec<_> = ids
         .iter()
         .map(|id| {
@@ -297,11 +317,11 @@ pub async fn agent_startstop(
             bail!("a start did not end READY: {state:?}");
         }
     }
-    let start = t0.elapsed();
-    let start_cpu = cpu(&cpu0);
-    let cpu1 = thread_cpu_ns(agent);
-    let mark = CpuMark::now();
-    let t1 = Instant::now();
+    Ok(())
+}
+
+/// Stops `ids` side by side.
+async fn stop_all(c: &Client, ids: &[String]) -> anyhow::Result<()> {
     let stops: Vec<_> = ids
         .iter()
         .map(|id| {
@@ -316,15 +336,39 @@ pub async fn agent_startstop(
     for s in stops {
         s.await??;
     }
-    let stop = t1.elapsed();
-    let stop_machine = mark.spent();
-    Ok(StartStop {
-        start,
-        stop,
-        start_cpu,
-        stop_cpu: cpu(&cpu1),
-        stop_machine,
-    })
+    Ok(())
+}
+
+/// `resident-bench --stop-storm SOCKET ROUNDS [PERF_CTL_FIFO]`: the stop of
+/// 100 of the start/stop rows, against an agent already running on
+/// `socket` (the bench's config: workload `trivial`), for profiling. Each
+/// round starts 100 side by side, then stops them side by side with perf
+/// enabled through its control FIFO (`perf record --control
+/// fifo:CTL,ACK -D -1 -p AGENT_PID`) during the stops only; prints the
+/// median stop. `perf stat -e probe_libc:malloc` (after `perf probe -x
+/// LIBC malloc`) counts the agent's allocations per stop the same way.
+pub async fn stop_storm(socket: &Path, rounds: usize, ctl: Option<&Path>) -> anyhow::Result<()> {
+    let perf = |command: &str| -> anyhow::Result<()> {
+        if let Some(path) = ctl {
+            use std::io::Write as _;
+            let mut f = std::fs::OpenOptions::new().write(true).open(path)?;
+            writeln!(f, "{command}")?;
+        }
+        Ok(())
+    };
+    let c = crate::connect(socket).await?;
+    let mut stops = Vec::with_capacity(rounds);
+    for round in 0..rounds {
+        let ids: Vec<String> = (0..100).map(|i| format!("storm{round}-{i}")).collect();
+        start_all(&c, &ids).await?;
+        perf("enable")?;
+        let t = Instant::now();
+        stop_all(&c, &ids).await?;
+        stops.push(t.elapsed());
+        perf("disable")?;
+    }
+    println!("stop 100: median {:?} over {rounds} rounds", median(stops));
+    Ok(())
 }
 
 /// kill -9 of a running child until a subscribed Watch client receives
