@@ -487,6 +487,24 @@ pub struct Churn {
     pub refused: usize,
 }
 
+/// A churn call's answer, or an error naming the call once it has waited
+/// [`CHURN_CALL_BOUND`]: a call the agent never answers fails the row
+/// instead of hanging the harness.
+async fn answered<T>(
+    what: &str,
+    id: &str,
+    call: impl std::future::Future<Output = T>,
+) -> anyhow::Result<T> {
+    tokio::time::timeout(CHURN_CALL_BOUND, call)
+        .await
+        .map_err(|_| {
+            anyhow::anyhow!("churn: {what} of '{id}' not answered within {CHURN_CALL_BOUND:?}")
+        })
+}
+
+/// How long one churn call may take (they take milliseconds).
+const CHURN_CALL_BOUND: Duration = Duration::from_secs(30);
+
 /// `calls` random Start / Stop / Place calls from `clients` connections.
 pub async fn churn(socket: &Path, calls: usize, clients: usize) -> anyhow::Result<Churn> {
     let t0 = Instant::now();
@@ -510,12 +528,12 @@ pub async fn churn(socket: &Path, calls: usize, clients: usize) -> anyhow::Resul
                     0 => {
                         let req = pb::StartRequest {
                             workload: "churn".into(),
-                            instance_id: id,
+                            instance_id: id.clone(),
                             on_full: policy,
                             wait_ready: false,
                             lease_ms: 0,
                         };
-                        match c.start(req).await {
+                        match answered("start", &id, c.start(req)).await? {
                             Ok(r) if r.get_ref().created => admitted += 1,
                             Ok(_) => {}
                             Err(s) if s.code() == tonic::Code::ResourceExhausted => refused += 1,
@@ -530,10 +548,10 @@ pub async fn churn(socket: &Path, calls: usize, clients: usize) -> anyhow::Resul
                     }
                     1 => {
                         let req = pb::StopRequest {
-                            instance_id: id,
+                            instance_id: id.clone(),
                             grace_ms: 0,
                         };
-                        match c.stop(req).await {
+                        match answered("stop", &id, c.stop(req)).await? {
                             Ok(_) => {}
                             Err(s) if s.code() == tonic::Code::NotFound => {}
                             Err(s) => return Err(anyhow::anyhow!("stop: {s}")),
@@ -544,7 +562,7 @@ pub async fn churn(socket: &Path, calls: usize, clients: usize) -> anyhow::Resul
                             workload: "churn".into(),
                             on_full: policy,
                         };
-                        c.place(req).await?;
+                        answered("place", &id, c.place(req)).await??;
                     }
                 }
                 lat.push(t.elapsed());
