@@ -92,10 +92,8 @@ enum Mode {
     /// No header block yet: the first one decides.
     First,
     Rewrite,
-    /// The first header block needed no fix and was forwarded as it came:
-    /// the rest goes as is.
-    Passing,
-    /// A framing fault was forwarded as it came: the rest goes as is.
+    /// Forwarded as it came (the first header block, which needed no fix,
+    /// or a framing fault): the rest goes as is.
     Raw,
     /// An undecodable block was sent on; nothing more is forwarded.
     Ended,
@@ -146,7 +144,7 @@ impl Rewriter {
 
     /// True once everything from here on goes to h2 as it comes.
     pub fn passes_through(&self) -> bool {
-        matches!(self.mode, Mode::Passing | Mode::Raw)
+        self.mode == Mode::Raw
     }
 
     /// Consumes what it can of `input` and appends the bytes for the server
@@ -158,7 +156,7 @@ impl Rewriter {
                     input.clear();
                     return;
                 }
-                Mode::Raw | Mode::Passing => {
+                Mode::Raw => {
                     out.extend_from_slice(input);
                     input.clear();
                     return;
@@ -264,7 +262,7 @@ impl Rewriter {
         let encoded = match reencode(&mut self.decoder, &block.fragment) {
             Ok((_, false)) if first => {
                 out.extend_from_slice(&block.raw);
-                self.mode = Mode::Passing;
+                self.mode = Mode::Raw;
                 return;
             }
             Ok((encoded, _)) => encoded,
