@@ -489,17 +489,46 @@ pub struct Churn {
 
 /// A churn call's answer, or an error naming the call once it has waited
 /// [`CHURN_CALL_BOUND`]: a call the agent never answers fails the row
-/// instead of hanging the harness.
+/// instead of hanging the harness, and says how the agent (asked on a new
+/// connection) sees the instance then.
 async fn answered<T>(
+    socket: &Path,
     what: &str,
     id: &str,
     call: impl std::future::Future<Output = T>,
 ) -> anyhow::Result<T> {
-    tokio::time::timeout(CHURN_CALL_BOUND, call)
-        .await
-        .map_err(|_| {
-            anyhow::anyhow!("churn: {what} of '{id}' not answered within {CHURN_CALL_BOUND:?}")
-        })
+    match tokio::time::timeout(CHURN_CALL_BOUND, call).await {
+        Ok(answer) => Ok(answer),
+        Err(_) => {
+            let seen = seen_as(socket, id).await;
+            bail!(
+                "churn: {what} of '{id}' not answered within {CHURN_CALL_BOUND:?}; the agent sees it as {seen}"
+            )
+        }
+    }
+}
+
+/// How the agent sees instance `id` now (for the report of a call it never
+/// answered).
+async fn seen_as(socket: &Path, id: &str) -> String {
+    let asked = async {
+        let mut c = resident_api::connect_unix(socket).await?;
+        let req = pb::GetRequest {
+            instance_id: id.to_string(),
+        };
+        let i = c.get(req).await?.into_inner();
+        anyhow::Ok(format!(
+            "{} (pid {}, {:?})",
+            pb::State::try_from(i.state).map_or("?", |s| s.as_str_name()),
+            i.pid,
+            i.message
+        ))
+    };
+    match tokio::time::timeout(Duration::from_secs(5), asked).await {
+        Ok(Ok(seen)) => seen,
+        Ok(Err(e)) => format!("unknown ({e})"),
+        Err(_) => "unknown (Get not answered either)".into(),
+    }
 }
 
 /// How long one churn call may take (they take milliseconds).
@@ -512,6 +541,7 @@ pub async fn churn(socket: &Path, calls: usize, clients: usize) -> anyhow::Resul
     for k in 0..clients {
         let mut c = resident_api::connect_unix(socket).await?;
         let mut rng = 0x9E37_79B9_7F4A_7C15u64 ^ (k as u64 + 1);
+        let socket = socket.to_path_buf();
         tasks.push(tokio::spawn(async move {
             let mut next = move || {
                 rng ^= rng << 13;
@@ -533,7 +563,7 @@ pub async fn churn(socket: &Path, calls: usize, clients: usize) -> anyhow::Resul
                             wait_ready: false,
                             lease_ms: 0,
                         };
-                        match answered("start", &id, c.start(req)).await? {
+                        match answered(&socket, "start", &id, c.start(req)).await? {
                             Ok(r) if r.get_ref().created => admitted += 1,
                             Ok(_) => {}
                             Err(s) if s.code() == tonic::Code::ResourceExhausted => refused += 1,
@@ -551,7 +581,7 @@ pub async fn churn(socket: &Path, calls: usize, clients: usize) -> anyhow::Resul
                             instance_id: id.clone(),
                             grace_ms: 0,
                         };
-                        match answered("stop", &id, c.stop(req)).await? {
+                        match answered(&socket, "stop", &id, c.stop(req)).await? {
                             Ok(_) => {}
                             Err(s) if s.code() == tonic::Code::NotFound => {}
                             Err(s) => return Err(anyhow::anyhow!("stop: {s}")),
@@ -562,7 +592,7 @@ pub async fn churn(socket: &Path, calls: usize, clients: usize) -> anyhow::Resul
                             workload: "churn".into(),
                             on_full: policy,
                         };
-                        answered("place", &id, c.place(req)).await??;
+                        answered(&socket, "place", &id, c.place(req)).await??;
                     }
                 }
                 lat.push(t.elapsed());

@@ -186,7 +186,6 @@ impl AdoptActor {
             let cause = req.cause.clone().unwrap_or_else(|| "stopped".into());
             self.finish(State::Exited, format!("{cause} ({how})"));
         }
-        let _ = req.done.send(());
     }
 
     /// SIGTERM (and SIGCONT), `grace`, then SIGKILL; returns once the

@@ -9,7 +9,7 @@ use std::time::Duration;
 use nix::errno::Errno;
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{mpsc, watch};
 use tokio::time::{Instant, sleep, timeout};
 
 use crate::cgroup::{Cgroups, RunCgroup};
@@ -25,7 +25,8 @@ const LEFTOVER_BOUND: Duration = Duration::from_secs(2);
 /// An ended run's output gets this long to be read to its end.
 const LOG_DRAIN: Duration = Duration::from_secs(1);
 
-/// A request to stop, answered once the instance is terminal.
+/// A request to stop. Whoever sends it waits for the run's terminal
+/// status: that, not a reply, is the answer.
 #[derive(Debug)]
 pub(crate) struct StopRequest {
     pub(crate) grace: Duration,
@@ -35,7 +36,6 @@ pub(crate) struct StopRequest {
     /// Let an adopted process go without a signal (shutdown); a child's
     /// actor never gets one.
     pub(crate) detach: bool,
-    pub(crate) done: oneshot::Sender<()>,
 }
 
 /// What the supervisor and the actor share about one instance.
@@ -144,8 +144,11 @@ impl Actor {
                     let by_the_stop = matches!(exit, Exit::Code(_))
                         || exit == Exit::Signal(Signal::SIGTERM as i32);
                     let oom = self.end_run(&run, !by_the_stop).await;
-                    self.finish(State::Exited, format!("{cause} ({exit}{oom})"), Some(exit));
-                    return reply(req);
+                    return self.finish(
+                        State::Exited,
+                        format!("{cause} ({exit}{oom})"),
+                        Some(exit),
+                    );
                 }
                 End::NotReady => {
                     let exit = self.terminate(&mut run, self.spec.stop_grace).await;
@@ -192,9 +195,8 @@ impl Actor {
             });
             tokio::select! {
                 _ = sleep(delay) => {}
-                req = self.stops.recv() => {
-                    self.finish(State::Exited, "stopped during backoff".into(), Some(exit));
-                    return reply(req);
+                _ = self.stops.recv() => {
+                    return self.finish(State::Exited, "stopped during backoff".into(), Some(exit));
                 }
             }
         }
@@ -372,12 +374,6 @@ impl Actor {
                 s.exit = exit;
             }
         });
-    }
-}
-
-fn reply(req: Option<StopRequest>) {
-    if let Some(req) = req {
-        let _ = req.done.send(());
     }
 }
 

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 
 use crate::adopted::{AdoptActor, Adoption, Watched};
@@ -48,6 +48,14 @@ pub enum SupervisorError {
     /// No such instance.
     #[error("no instance '{0}'")]
     NotFound(String),
+    /// A stop for a run that is not the instance's current one.
+    #[error("run {generation} of instance '{instance}' is not its current run")]
+    NotTheRun {
+        /// The instance.
+        instance: String,
+        /// The run the stop was for.
+        generation: u64,
+    },
     /// No port could be assigned.
     #[error("cannot assign a port to instance '{instance}': {message}")]
     NoPort {
@@ -276,29 +284,36 @@ impl Supervisor {
         (shared, status_rx)
     }
 
-    /// Stops an instance (SIGTERM, `grace` or its own stop grace, SIGKILL)
-    /// and answers once its process group is gone. Stopping an ended
-    /// instance answers its status at once.
+    /// Stops an instance's current run (SIGTERM, `grace` or its own stop
+    /// grace, SIGKILL) and answers once its process group is gone.
+    /// Stopping an ended instance answers its status at once.
     pub async fn stop(&self, id: &str, grace: Option<Duration>) -> Result<Status, SupervisorError> {
-        self.stop_because(id, grace, None).await
+        self.send_stop(id, None, grace, None, false).await
     }
 
-    /// As [`Supervisor::stop`], with the cause the ended run's reason
-    /// gives instead of "stopped" (for example an eviction and for whom).
-    pub async fn stop_because(
+    /// As [`Supervisor::stop`], for run `generation` of `id` only, with the
+    /// cause the ended run's reason gives instead of "stopped" (for
+    /// example an eviction and for whom). [`SupervisorError::NotTheRun`]
+    /// when `id`'s current run is another one (not spawned yet, or a later
+    /// run has replaced it): a stop meant for one run never ends the next.
+    pub async fn stop_run(
         &self,
         id: &str,
+        generation: u64,
         grace: Option<Duration>,
         cause: Option<String>,
     ) -> Result<Status, SupervisorError> {
-        self.send_stop(id, grace, cause, false).await
+        self.send_stop(id, Some(generation), grace, cause, false)
+            .await
     }
 
     /// Sends a stop request (or, `detach`, a let-go for an adopted
-    /// process) and waits until the instance is terminal.
+    /// process) to `id`'s current run, or to run `generation` only, and
+    /// waits until that run is terminal.
     async fn send_stop(
         &self,
         id: &str,
+        generation: Option<u64>,
         grace: Option<Duration>,
         cause: Option<String>,
         detach: bool,
@@ -308,19 +323,27 @@ impl Supervisor {
             let e = table
                 .get(id)
                 .ok_or_else(|| SupervisorError::NotFound(id.to_string()))?;
+            let current = e.shared.status.borrow().generation;
+            if let Some(wanted) = generation.filter(|g| *g != current) {
+                return Err(SupervisorError::NotTheRun {
+                    instance: id.to_string(),
+                    generation: wanted,
+                });
+            }
             (e.stops.clone(), e.shared.status.subscribe(), e.grace)
         };
-        let (done, answered) = oneshot::channel();
         let request = StopRequest {
             grace: grace.unwrap_or(own_grace),
             cause,
             detach,
-            done,
         };
-        // A send fails only when the actor has ended; then it is terminal.
-        if stops.send(request).await.is_ok() {
-            let _ = answered.await;
-        }
+        // The answer is the run's terminal status, not a reply to the
+        // request: a send that races the actor's end can land after the
+        // actor dropped its receiver (tokio drains the queue on that drop,
+        // but a sender that took its permit just before pushes after the
+        // drain), and a reply awaited from it would never come. A failed
+        // send means the actor has ended, its run terminal already.
+        let _ = stops.send(request).await;
         let ended = status_rx.wait_for(|s| s.state.is_terminal()).await;
         Ok(ended
             .map(|s| s.clone())
@@ -332,12 +355,6 @@ impl Supervisor {
         self.table()
             .get(id)
             .map(|e| e.shared.status.borrow().clone())
-    }
-
-    /// The generation of `id`'s current run (no copy of the status).
-    pub fn generation(&self, id: &str) -> Option<u64> {
-        let table = self.table();
-        Some(table.get(id)?.shared.status.borrow().generation)
     }
 
     /// The pid of run `generation` of `id`, while it has one, and its
@@ -404,7 +421,7 @@ impl Supervisor {
         let mut stops = JoinSet::new();
         for (id, adopted) in ids {
             let me = self.clone();
-            stops.spawn(async move { me.send_stop(&id, None, None, adopted).await });
+            stops.spawn(async move { me.send_stop(&id, None, None, None, adopted).await });
         }
         while stops.join_next().await.is_some() {}
         if let Some(cg) = &self.inner.cgroups {

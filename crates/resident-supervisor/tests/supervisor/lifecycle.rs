@@ -386,3 +386,59 @@ async fn a_runs_start_time_is_known_from_its_spawn_as_proc_gives_it() {
     // milliseconds: twenty straddles in a row would be a bug.
     assert!(known > 0, "no spawn knew its start time");
 }
+
+#[tokio::test]
+async fn a_stop_for_one_run_never_ends_the_next_run_of_the_same_id() {
+    let h = Harness::new();
+    let mut first = child("again", &["forever"]);
+    first.generation = 1;
+    h.sup.start(first).await.expect("starts");
+    h.sup.stop_run("again", 1, None, None).await.expect("stops");
+    let mut next = child("again", &["forever"]);
+    next.generation = 2;
+    let pid = h.sup.start(next).await.expect("starts").pid.expect("a pid") as i32;
+    // A late stop meant for the first run: refused, the second runs on.
+    let late = h.sup.stop_run("again", 1, None, None).await;
+    assert!(
+        matches!(
+            late,
+            Err(resident_supervisor::SupervisorError::NotTheRun { generation: 1, .. })
+        ),
+        "{late:?}"
+    );
+    assert!(alive(pid));
+    assert_eq!(h.sup.status("again").expect("listed").generation, 2);
+    let stopped = h.sup.stop_run("again", 2, None, None).await.expect("stops");
+    assert_eq!((stopped.state, stopped.generation), (State::Exited, 2));
+    assert!(!alive(pid));
+}
+
+/// Many stops of one run, side by side, racing the run's end: each one
+/// answers, whether its request reached the run, queued behind another or
+/// came as the run's actor went away. (A stop once waited for a reply that
+/// a request sent just as the actor ended never got.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_one_of_many_stops_racing_a_runs_end_is_answered() {
+    let h = Harness::new();
+    for round in 0..40 {
+        let mut spec = child("raced", &["forever"]);
+        spec.generation = round;
+        h.sup.start(spec).await.expect("starts");
+        let stops: Vec<_> = (0..8)
+            .map(|_| {
+                let sup = h.sup.clone();
+                tokio::spawn(async move {
+                    let stop = sup.stop_run("raced", round, None, None);
+                    tokio::time::timeout(Duration::from_secs(20), stop).await
+                })
+            })
+            .collect();
+        for stop in stops {
+            let answer = stop.await.expect("joined");
+            let status = answer
+                .unwrap_or_else(|_| panic!("round {round}: a stop was not answered within 20 s"))
+                .expect("the run it was sent to");
+            assert_eq!((status.state, status.generation), (State::Exited, round));
+        }
+    }
+}

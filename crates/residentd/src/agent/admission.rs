@@ -13,7 +13,7 @@ use std::time::Duration;
 use resident_api::{ApiError, pb};
 use resident_config::{Config, Workload};
 use resident_core::{InstanceId, Policy};
-use resident_supervisor::State;
+use resident_supervisor::{State, SupervisorError};
 
 use super::books::{Admitted, Decision};
 use super::{Agent, Started};
@@ -161,24 +161,34 @@ impl Agent {
         if !evicted.is_empty() {
             tracing::info!(instance_id = %r.id, victims = ?evicted, "evicting to make room");
         }
-        // Victims are stopped side by side; each keeps its memory in the
-        // books until its run's terminal event.
+        // Victims are stopped side by side, each the run chosen (a victim
+        // whose run has ended meanwhile is not stopped again, whatever
+        // runs under its id now); each keeps its memory in the books until
+        // its run's terminal event.
         let mut stops = tokio::task::JoinSet::new();
         for victim in a.evictions {
             self.metrics
                 .evicted(r.workload.spec.workload.as_str(), &victim.workload);
             let me = self.clone();
-            stops.spawn(async move { me.stop_because(&victim.id, None, Some(victim.cause)).await });
+            stops.spawn(async move {
+                let run = Some(victim.generation);
+                me.stop_because(&victim.id, run, None, Some(victim.cause))
+                    .await
+            });
         }
         while let Some(result) = stops.join_next().await {
-            if let Ok(Err(e)) = result {
-                tracing::warn!(instance_id = %r.id, error = %e, "a victim could not be stopped");
+            match result {
+                Ok(Err(ApiError::NotFound(_))) => {}
+                Ok(Err(e)) => {
+                    tracing::warn!(instance_id = %r.id, error = %e, "a victim could not be stopped")
+                }
+                _ => {}
             }
         }
-        for other in &a.wait_for {
-            self.sup
-                .wait_for(other.as_str(), |s| s.state.is_terminal())
-                .await;
+        // Runs in the way that another start is evicting: their release
+        // (their group gone, or never spawned) is what this one needs.
+        for (other, generation) in &a.wait_for {
+            self.books.released(other, *generation).await;
         }
         if !a.recovery.is_empty() {
             self.await_memory_back(&r.config, &a.recovery).await;
@@ -213,7 +223,7 @@ impl Agent {
             // crash from here on restores it, and a journal that cannot be
             // written never has a process running that it does not list.
             if let Err(e) = self.durable(r.admitted).await {
-                self.books.cancel(id);
+                self.books.cancel(id, Some(generation));
                 self.books.release(id, generation);
                 self.publish_ended(id);
                 return Err(e);
@@ -243,7 +253,7 @@ impl Agent {
         if !self.books.wanted(id, generation) {
             // A Stop came while it was being spawned; the Stop waits for
             // this run's end, which this stop brings.
-            let _ = self.sup.stop(id, None).await;
+            let _ = self.sup.stop_run(id, generation, None, None).await;
             return Err(ApiError::Aborted(format!(
                 "instance '{id}' was stopped while it was being spawned"
             )));
@@ -302,14 +312,17 @@ impl Agent {
     /// Stops an instance and answers once its group has exited, its
     /// memory is released and the journal on disk no longer lists it.
     pub async fn stop(&self, id: &str, grace: Option<Duration>) -> Result<pb::Instance, ApiError> {
-        self.stop_because(id, grace, None).await
+        self.stop_because(id, None, grace, None).await
     }
 
     /// As [`Agent::stop`], with the cause the ended run's message gives
-    /// instead of "stopped" (an eviction, an idle TTL).
+    /// instead of "stopped" (an eviction, an idle TTL); with `run`, only
+    /// that run of `id` (the agent's own stops are decided for a run, and
+    /// NotFound when it has ended: they never end a later run).
     pub(super) async fn stop_because(
         &self,
         id: &str,
+        run: Option<u64>,
         grace: Option<Duration>,
         cause: Option<String>,
     ) -> Result<pb::Instance, ApiError> {
@@ -321,14 +334,19 @@ impl Agent {
                 a.pid
             )));
         }
-        let Some(c) = self.books.cancel(id) else {
-            return Err(ApiError::NotFound(format!("no instance '{id}'")));
+        let Some(c) = self.books.cancel(id, run) else {
+            return Err(ApiError::NotFound(match run {
+                Some(g) => format!("run {g} of instance '{id}' has ended"),
+                None => format!("no instance '{id}'"),
+            }));
         };
-        let spawned = self.sup.generation(id) == Some(c.generation);
         let mut ended = None;
-        if spawned && c.resident {
-            match self.sup.stop_because(id, grace, cause).await {
+        if c.resident {
+            match self.sup.stop_run(id, c.generation, grace, cause).await {
                 Ok(status) => ended = Some(status),
+                // Not spawned yet: the Start that finds it cancelled ends
+                // it (before or right after its spawn).
+                Err(SupervisorError::NotFound(_) | SupervisorError::NotTheRun { .. }) => {}
                 Err(e) => tracing::warn!(instance_id = id, error = %e, "stop"),
             }
         }

@@ -86,11 +86,13 @@ impl Lease {
     }
 }
 
-/// A victim of a Start: who, of which workload, and the cause its stop
-/// reports.
+/// A victim of a Start: which run of whom, of which workload, and the
+/// cause its stop reports.
 #[derive(Debug)]
 pub(super) struct Eviction {
     pub(super) id: String,
+    /// The run chosen: its stop never ends a later run of the same id.
+    pub(super) generation: u64,
     pub(super) workload: String,
     pub(super) cause: String,
 }
@@ -102,8 +104,9 @@ pub(super) struct Admitted {
     /// The device indexes of the pools chosen for its any-of demands.
     pub(super) devices: Vec<u32>,
     pub(super) evictions: Vec<Eviction>,
-    /// Conflicting instances already being evicted for another start.
-    pub(super) wait_for: Vec<InstanceId>,
+    /// Conflicting runs (id, generation) already being evicted for
+    /// another start: this one waits for their release.
+    pub(super) wait_for: Vec<(String, u64)>,
     /// For each live pool the target needs: the bytes to see available
     /// again once the victims have exited.
     pub(super) recovery: Vec<(String, u64)>,
@@ -247,7 +250,12 @@ impl Books {
             .ledger
             .resident(id.as_str())
             .map_or_else(|| w.spec.clone(), |r| r.spec.clone());
-        let evictions = evictions(&b.ledger, &spec, id, &a.evict);
+        let evictions = evictions(&b, &spec, id, &a.evict);
+        let wait_for = a
+            .wait_for
+            .iter()
+            .filter_map(|w| Some((w.to_string(), b.records.get(w.as_str())?.generation)))
+            .collect();
         let recovery = recovery(&b.ledger, config, &spec, &a.evict);
         let devices = config.devices(&a.chosen);
         b.generation += 1;
@@ -268,7 +276,7 @@ impl Books {
             generation,
             devices,
             evictions,
-            wait_for: a.wait_for,
+            wait_for,
             recovery,
             forgotten,
         }))
@@ -390,11 +398,15 @@ impl Books {
         }
     }
 
-    /// Marks `id`'s current run as stopping.
-    pub(super) fn cancel(&self, id: &str) -> Option<Cancelled> {
+    /// Marks `id`'s current run as stopping; with `run`, only when that is
+    /// the current run (a stop decided for one run never ends the next).
+    pub(super) fn cancel(&self, id: &str, run: Option<u64>) -> Option<Cancelled> {
         let mut b = self.lock();
         let resident = b.ledger.resident(id).is_some();
-        let r = b.records.get_mut(id)?;
+        let r = b
+            .records
+            .get_mut(id)
+            .filter(|r| run.is_none_or(|g| g == r.generation))?;
         r.cancelled = true;
         Some(Cancelled {
             generation: r.generation,
@@ -466,14 +478,14 @@ impl Books {
 
     /// Resident instances no Stop asked for whose lease ran out by `now`,
     /// with the lease's length.
-    pub(super) fn leases_expired(&self, now: u64) -> Vec<(String, u64)> {
+    pub(super) fn leases_expired(&self, now: u64) -> Vec<(String, u64, u64)> {
         let b = self.lock();
         b.records
             .iter()
             .filter(|(id, r)| !r.cancelled && b.ledger.resident(id).is_some())
             .filter_map(|(id, r)| {
                 let lease = r.lease?;
-                (lease.until <= now).then(|| (id.clone(), lease.ms))
+                (lease.until <= now).then(|| (id.clone(), r.generation, lease.ms))
             })
             .collect()
     }
@@ -512,21 +524,24 @@ impl Books {
     }
 
     /// Resident, not cancelled instances of workloads with an idle TTL
-    /// that have gone unused (and unheld) for longer than it.
-    pub(super) fn idle(&self, now: u64) -> Vec<String> {
+    /// that have gone unused (and unheld) for longer than it, with their
+    /// current run.
+    pub(super) fn idle(&self, now: u64) -> Vec<(String, u64)> {
         let b = self.lock();
         b.records
             .iter()
             .filter(|(_, rec)| !rec.cancelled && rec.adopted.is_none_or(|a| a.manage))
-            .filter_map(|(id, rec)| Some((id, rec.workload.idle_ttl?)))
-            .filter(|(id, ttl)| {
+            .filter(|(id, rec)| {
+                let Some(ttl) = rec.workload.idle_ttl else {
+                    return false;
+                };
                 b.ledger.resident(id).is_some_and(|r| {
                     !r.evicting
                         && !r.held(now)
                         && now.saturating_sub(r.last_used) >= ttl.as_millis() as u64
                 })
             })
-            .map(|(id, _)| id.clone())
+            .map(|(id, rec)| (id.clone(), rec.generation))
             .collect()
     }
 
@@ -695,12 +710,8 @@ pub(super) fn plan_error(e: PlanError) -> ApiError {
 /// Each victim with the cause its stop reports: for which start, and in
 /// which of the target's pools it held memory (none: it was in the way of
 /// a group or exclusion rule).
-fn evictions(
-    ledger: &NodeState,
-    spec: &Spec,
-    id: &InstanceId,
-    victims: &[InstanceId],
-) -> Vec<Eviction> {
+fn evictions(b: &Inner, spec: &Spec, id: &InstanceId, victims: &[InstanceId]) -> Vec<Eviction> {
+    let ledger = &b.ledger;
     victims
         .iter()
         .map(|v| {
@@ -726,6 +737,7 @@ fn evictions(
             };
             Eviction {
                 id: v.to_string(),
+                generation: b.records.get(v.as_str()).map_or(0, |r| r.generation),
                 workload: resident.map_or_else(String::new, |r| r.spec.workload.to_string()),
                 cause,
             }

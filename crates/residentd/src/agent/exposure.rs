@@ -215,8 +215,8 @@ impl Agent {
             tracing::warn!(instance_id = %g.id, %addr, "listening beyond loopback under expose = \"loopback\"; stopping");
             self.metrics.exposed(&g.workload);
             let me = self.clone();
-            let id = g.id;
-            tokio::spawn(async move { me.stop_because(&id, None, Some(what)).await });
+            let (id, run) = (g.id, Some(g.generation));
+            tokio::spawn(async move { me.stop_because(&id, run, None, Some(what)).await });
         }
     }
 }

@@ -76,11 +76,11 @@ impl Agent {
     /// Runs every second: only instances of workloads with a TTL are
     /// looked at, so a node without TTLs does no per-instance work.
     fn expire_idle(self: &Arc<Self>) {
-        for id in self.books.idle(self.now_ms()) {
+        for (id, run) in self.books.idle(self.now_ms()) {
             tracing::info!(instance_id = %id, "idle TTL reached, stopping");
             let me = self.clone();
             let cause = Some("stopped after its idle TTL".to_string());
-            tokio::spawn(async move { me.stop_because(&id, None, cause).await });
+            tokio::spawn(async move { me.stop_because(&id, Some(run), None, cause).await });
         }
     }
 }
@@ -89,13 +89,13 @@ impl Agent {
     /// Stops instances whose owner's lease ran out (monotonic time, so a
     /// step of the wall clock changes nothing).
     fn expire_leases(self: &Arc<Self>) {
-        for (id, ms) in self.books.leases_expired(self.now_ms()) {
+        for (id, run, ms) in self.books.leases_expired(self.now_ms()) {
             tracing::info!(instance_id = %id, lease_ms = ms, "lease expired, stopping");
             let me = self.clone();
             let cause = Some(format!(
                 "LEASE_EXPIRED: its owner did not renew its lease of {ms} ms"
             ));
-            tokio::spawn(async move { me.stop_because(&id, None, cause).await });
+            tokio::spawn(async move { me.stop_because(&id, Some(run), None, cause).await });
         }
     }
 }

@@ -472,3 +472,71 @@ async fn kill_9_during_a_start_storm_leaves_no_orphan_and_reserves_once() {
     );
     assert!(list.iter().all(|i| i.state == pb::State::Ready as i32));
 }
+
+/// Starts, stops and placements of four ids from sixteen clients, with no
+/// pause between calls, in a pool that fits three: the same run is stopped
+/// by several calls at once, evicted while a Stop of it is under way, and
+/// started again as its last stop answers. Every call is answered within
+/// a bound (a stop racing its run's end once waited forever), and the
+/// books are straight at the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn contended_ids_get_every_call_answered() {
+    const CALLS: usize = 4000;
+    const CONTENDERS: usize = 16;
+    const BOUND: Duration = Duration::from_secs(20);
+    let seed = seed();
+    let mut d = Daemon::start(&(pool("ram", "10GB") + &sleeper("nap", "ram", 3, ""))).await;
+    let clients: Vec<_> = (0..CONTENDERS)
+        .map(|k| {
+            let socket = d.socket.clone();
+            let mut rng = Rng((seed ^ (k as u64 + 1).wrapping_mul(0x9E37_79B9)) | 1);
+            tokio::spawn(async move {
+                let mut c = resident_api::connect_unix(&socket).await.expect("connect");
+                let mut created = 0;
+                for _ in 0..CALLS / CONTENDERS {
+                    let id = format!("k{}", rng.below(4));
+                    let policy = [pb::Policy::Refuse, pb::Policy::Evict][rng.below(2)] as i32;
+                    let (what, answered) = match rng.below(3) {
+                        0 => {
+                            let mut req = start_req("nap", &id);
+                            req.on_full = policy;
+                            let call = tokio::time::timeout(BOUND, c.start(req)).await;
+                            created +=
+                                usize::from(matches!(&call, Ok(Ok(r)) if r.get_ref().created));
+                            ("start", call.map(|_| ()))
+                        }
+                        1 => {
+                            let req = pb::StopRequest {
+                                instance_id: id.clone(),
+                                grace_ms: 0,
+                            };
+                            let call = tokio::time::timeout(BOUND, c.stop(req)).await;
+                            ("stop", call.map(|_| ()))
+                        }
+                        _ => {
+                            let req = pb::PlaceRequest {
+                                workload: "nap".into(),
+                                on_full: policy,
+                            };
+                            let call = tokio::time::timeout(BOUND, c.place(req)).await;
+                            ("place", call.map(|_| ()))
+                        }
+                    };
+                    assert!(
+                        answered.is_ok(),
+                        "seed {seed}: a {what} of {id} was not answered within {BOUND:?}"
+                    );
+                }
+                created
+            })
+        })
+        .collect();
+    let mut created = 0;
+    for c in clients {
+        created += c.await.expect("a client panicked");
+    }
+    // Hundreds of runs were started (and so stopped or evicted): the
+    // contention this test is about happened.
+    assert!(created > 200, "seed {seed}: only {created} runs started");
+    check_books(&mut d, seed, 10 * GB).await;
+}

@@ -75,14 +75,17 @@ fn a_lease_lapses_unless_a_touch_renews_it_and_only_leased_residents_lapse() {
     leased("leased", 1_000);
     leased("unleased", 0);
     leased("cancelled", 1_000);
-    b.cancel("cancelled").expect("a record");
+    b.cancel("cancelled", None).expect("a record");
     assert!(b.leases_expired(999).is_empty(), "not yet");
     // A touch at 500 renews the lease for another 1000 ms.
     assert!(b.touch("leased", 500, Hold::For(0)));
     assert!(b.leases_expired(1_400).is_empty(), "renewed");
-    assert_eq!(b.leases_expired(1_500), [("leased".to_string(), 1_000)]);
-    // Released, it is no longer anyone's to stop.
     let generation = b.record("leased").expect("a record").generation;
+    assert_eq!(
+        b.leases_expired(1_500),
+        [("leased".to_string(), generation, 1_000)]
+    );
+    // Released, it is no longer anyone's to stop.
     assert!(b.release("leased", generation));
     assert!(b.leases_expired(u64::MAX).is_empty());
 }
@@ -91,7 +94,7 @@ fn a_lease_lapses_unless_a_touch_renews_it_and_only_leased_residents_lapse() {
 fn a_release_counts_only_for_the_run_it_names() {
     let (c, b) = (config(), Books::new(&config()));
     let first = generation_of(admit(&b, &c, "small", "a", Policy::Refuse));
-    assert!(b.cancel("a").is_some());
+    assert!(b.cancel("a", None).is_some());
     assert!(matches!(
         admit(&b, &c, "small", "a", Policy::Refuse),
         Ok(Decision::Stopping(_))
@@ -104,6 +107,33 @@ fn a_release_counts_only_for_the_run_it_names() {
     assert_eq!(b.resident_ids(), ["a"]);
     assert!(b.release("a", second));
     assert!(b.resident_ids().is_empty());
+}
+
+#[test]
+fn an_eviction_names_its_run_and_never_stops_the_next_run_of_that_id() {
+    let (c, b) = (config(), Books::new(&config()));
+    let victim = generation_of(admit(&b, &c, "big", "v", Policy::Refuse));
+    let Ok(Decision::Admitted(a)) = admit(&b, &c, "big", "x", Policy::Evict) else {
+        panic!("admitted by evicting v");
+    };
+    let chosen: Vec<(&str, u64)> = a
+        .evictions
+        .iter()
+        .map(|e| (e.id.as_str(), e.generation))
+        .collect();
+    assert_eq!(chosen, [("v", victim)]);
+    // The victim's run ends by another path (a Stop), and its id is
+    // started anew (evicting in turn) before the eviction's stop comes
+    // round.
+    assert!(b.release("v", victim));
+    let next = generation_of(admit(&b, &c, "big", "v", Policy::Evict));
+    assert!(
+        b.cancel("v", Some(victim)).is_none(),
+        "the chosen run has ended"
+    );
+    assert!(b.wanted("v", next), "the next run is untouched");
+    assert!(b.cancel("v", Some(next)).is_some());
+    assert!(!b.wanted("v", next));
 }
 
 #[derive(Debug, Clone)]
@@ -143,7 +173,7 @@ proptest! {
                     }
                 }
                 Op::Cancel(i) => {
-                    b.cancel(&format!("i{i}"));
+                    b.cancel(&format!("i{i}"), None);
                 }
                 Op::End(i, stale) => {
                     let id = format!("i{i}");
