@@ -317,8 +317,9 @@ impl Agent {
 
     /// As [`Agent::stop`], with the cause the ended run's message gives
     /// instead of "stopped" (an eviction, an idle TTL); with `run`, only
-    /// that run of `id` (the agent's own stops are decided for a run, and
-    /// NotFound when it has ended: they never end a later run).
+    /// that run of `id`: the agent's own stops are decided for a run, and
+    /// get NotFound once a later run of the id has replaced it, which they
+    /// never end.
     pub(super) async fn stop_because(
         &self,
         id: &str,
