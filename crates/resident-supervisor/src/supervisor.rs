@@ -494,3 +494,40 @@ async fn sample_memory(inner: Weak<Inner>, every: Duration) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cgroup::CgroupMode;
+
+    /// The race a stop once lost: its request lands in the run's channel
+    /// after the actor has taken its last one, and nobody reads it again.
+    /// Made here on purpose (a channel kept open and never read, the run
+    /// already ended): the stop answers with the ended run.
+    #[tokio::test]
+    async fn a_stop_whose_request_is_never_read_answers_with_the_ended_run() {
+        let (events, _events) = mpsc::unbounded_channel();
+        let config = SupervisorConfig {
+            cgroups: CgroupMode::Off,
+            ..SupervisorConfig::default()
+        };
+        let sup = Supervisor::new(config, events);
+        let mut spec = LaunchSpec::new("stranded", vec!["/bin/true".into()]);
+        spec.generation = 7;
+        let (shared, _status) = sup.shared(&spec, 0, None);
+        shared.transition(State::Exited, "ended".into(), |_| {});
+        let (stops, unread) = mpsc::channel(4);
+        let entry = Entry {
+            shared,
+            stops,
+            grace: Duration::from_secs(1),
+            adopted: false,
+        };
+        sup.table().insert("stranded".into(), entry);
+        let stop = sup.stop_run("stranded", 7, None, None);
+        let answer = tokio::time::timeout(Duration::from_secs(10), stop).await;
+        let status = answer.expect("answered").expect("the run");
+        assert_eq!((status.state, status.generation), (State::Exited, 7));
+        drop(unread);
+    }
+}
