@@ -489,22 +489,25 @@ pub struct Churn {
 
 /// A churn call's answer, or an error naming the call once it has waited
 /// [`CHURN_CALL_BOUND`]: a call the agent never answers fails the row
-/// instead of hanging the harness, and says how the agent (asked on a new
-/// connection) sees the instance then.
+/// instead of hanging the harness, and for a call on an instance (`id`)
+/// says how the agent (asked on a new connection) sees it then.
 async fn answered<T>(
     socket: &Path,
     what: &str,
-    id: &str,
+    id: Option<&str>,
     call: impl std::future::Future<Output = T>,
 ) -> anyhow::Result<T> {
     match tokio::time::timeout(CHURN_CALL_BOUND, call).await {
         Ok(answer) => Ok(answer),
-        Err(_) => {
-            let seen = seen_as(socket, id).await;
-            bail!(
-                "churn: {what} of '{id}' not answered within {CHURN_CALL_BOUND:?}; the agent sees it as {seen}"
-            )
-        }
+        Err(_) => match id {
+            Some(id) => {
+                let seen = seen_as(socket, id).await;
+                bail!(
+                    "churn: {what} of '{id}' not answered within {CHURN_CALL_BOUND:?}; the agent sees it as {seen}"
+                )
+            }
+            None => bail!("churn: a {what} not answered within {CHURN_CALL_BOUND:?}"),
+        },
     }
 }
 
@@ -563,7 +566,7 @@ pub async fn churn(socket: &Path, calls: usize, clients: usize) -> anyhow::Resul
                             wait_ready: false,
                             lease_ms: 0,
                         };
-                        match answered(&socket, "start", &id, c.start(req)).await? {
+                        match answered(&socket, "start", Some(&id), c.start(req)).await? {
                             Ok(r) if r.get_ref().created => admitted += 1,
                             Ok(_) => {}
                             Err(s) if s.code() == tonic::Code::ResourceExhausted => refused += 1,
@@ -581,7 +584,7 @@ pub async fn churn(socket: &Path, calls: usize, clients: usize) -> anyhow::Resul
                             instance_id: id.clone(),
                             grace_ms: 0,
                         };
-                        match answered(&socket, "stop", &id, c.stop(req)).await? {
+                        match answered(&socket, "stop", Some(&id), c.stop(req)).await? {
                             Ok(_) => {}
                             Err(s) if s.code() == tonic::Code::NotFound => {}
                             Err(s) => return Err(anyhow::anyhow!("stop: {s}")),
@@ -592,7 +595,7 @@ pub async fn churn(socket: &Path, calls: usize, clients: usize) -> anyhow::Resul
                             workload: "churn".into(),
                             on_full: policy,
                         };
-                        answered(&socket, "place", &id, c.place(req)).await??;
+                        answered(&socket, "Place call", None, c.place(req)).await??;
                     }
                 }
                 lat.push(t.elapsed());

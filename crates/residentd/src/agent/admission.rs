@@ -177,12 +177,11 @@ impl Agent {
             });
         }
         while let Some(result) = stops.join_next().await {
-            match result {
-                Ok(Err(ApiError::NotFound(_))) => {}
-                Ok(Err(e)) => {
-                    tracing::warn!(instance_id = %r.id, error = %e, "a victim could not be stopped")
-                }
-                _ => {}
+            // NotFound: the chosen run ended by another path meanwhile.
+            if let Ok(Err(e)) = result
+                && !matches!(e, ApiError::NotFound(_))
+            {
+                tracing::warn!(instance_id = %r.id, error = %e, "a victim could not be stopped");
             }
         }
         // Runs in the way that another start is evicting: their release
