@@ -16,6 +16,7 @@ use resident_core::{InstanceId, Policy};
 use resident_supervisor::{State, SupervisorError};
 
 use super::books::{Admitted, Decision};
+use super::queries::unspawned;
 use super::{Agent, Started};
 
 /// When a Start answers.
@@ -349,6 +350,9 @@ impl Agent {
                 Err(SupervisorError::NotFound(_) | SupervisorError::NotTheRun { .. }) => {}
                 Err(e) => tracing::warn!(instance_id = id, error = %e, "stop"),
             }
+        } else {
+            // Ended already: its last status, before a Start replaces it.
+            ended = self.sup.status(id);
         }
         // Released by the run's terminal event (or, for a run not yet
         // spawned, by the Start that finds it cancelled).
@@ -358,12 +362,19 @@ impl Agent {
             // The journal no longer lists it: a crash cannot bring it back.
             self.durable(change).await?;
         }
-        // The run this Stop ended, even when a Start has begun a new one
-        // of the same id meanwhile.
-        match ended.filter(|s| s.generation == c.generation) {
-            Some(status) => Ok(resident_api::instance(id, &c.spec, Some(&status))),
-            None => self.get(id),
+        // The run this Stop ended, never a new one that a Start has begun
+        // under the same id meanwhile.
+        let ended = ended
+            .or_else(|| self.sup.status(id))
+            .filter(|s| s.generation == c.generation);
+        if let Some(status) = ended {
+            return Ok(resident_api::instance(id, &c.spec, Some(&status)));
         }
+        // No process of the run: it was stopped before its spawn.
+        Ok(match self.books.record(id) {
+            Some(r) if r.generation == c.generation => self.view(id, &r),
+            _ => unspawned(id, &c.spec),
+        })
     }
 }
 

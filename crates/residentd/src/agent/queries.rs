@@ -17,11 +17,10 @@ impl Agent {
             .sup
             .status(id)
             .filter(|s| s.generation == record.generation);
-        let mut out = resident_api::instance(id, &record.spec, status.as_ref());
-        if status.is_none() && record.cancelled {
-            out.state = pb::State::Exited as i32;
-            out.message = "stopped before it was spawned".into();
-        }
+        let mut out = match status {
+            None if record.cancelled => unspawned(id, &record.spec),
+            _ => resident_api::instance(id, &record.spec, status.as_ref()),
+        };
         self.with_record(&mut out, record);
         out
     }
@@ -162,4 +161,13 @@ fn restart_needed(old: &resident_config::Config, new: &resident_config::Config) 
             format!("node.{key} changed: it takes effect at the next restart of the agent")
         })
         .collect()
+}
+
+/// A run of `id` that a Stop ended before its process was spawned.
+pub(super) fn unspawned(id: &str, spec: &resident_core::Spec) -> pb::Instance {
+    pb::Instance {
+        state: pb::State::Exited as i32,
+        message: "stopped before it was spawned".into(),
+        ..resident_api::instance(id, spec, None)
+    }
 }
