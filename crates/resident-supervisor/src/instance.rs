@@ -14,7 +14,7 @@ use tokio::time::{Instant, sleep, timeout};
 
 use crate::cgroup::{Cgroups, RunCgroup};
 use crate::child::Child;
-use crate::logs::{LogRing, Stream};
+use crate::logs::LogRing;
 use crate::spawn::{self, Ports, signal_group};
 use crate::spec::{LaunchSpec, Macros};
 use crate::status::{Exit, State, Status};
@@ -104,8 +104,8 @@ pub(crate) struct Actor {
     pub(crate) ports: Arc<Ports>,
     /// Where runs get their cgroups; `None`: process groups only.
     pub(crate) cgroups: Option<Arc<Cgroups>>,
-    /// The tasks reading the current run's stdout and stderr.
-    pub(crate) readers: Vec<tokio::task::JoinHandle<()>>,
+    /// The task reading the current run's stdout and stderr.
+    pub(crate) reader: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl Actor {
@@ -250,15 +250,10 @@ impl Actor {
         let start_ticks = child.start_ticks();
         self.shared.pgid.store(pgid, Ordering::Relaxed);
         self.shared.set_cgroup(cgroup.clone());
-        if let Some(out) = child.stdout.take() {
-            self.readers.push(tokio::spawn(
-                self.shared.logs.clone().capture(Stream::Stdout, out),
-            ));
-        }
-        if let Some(err) = child.stderr.take() {
-            self.readers.push(tokio::spawn(
-                self.shared.logs.clone().capture(Stream::Stderr, err),
-            ));
+        let (out, err) = (child.stdout.take(), child.stderr.take());
+        if out.is_some() || err.is_some() {
+            let logs = self.shared.logs.clone();
+            self.reader = Some(tokio::spawn(logs.capture(out, err)));
         }
         self.shared
             .transition(State::Starting, format!("spawned pid {pid}"), |s| {
@@ -300,18 +295,28 @@ impl Actor {
         self.shared.pgid.store(0, Ordering::Relaxed);
         self.shared.set_cgroup(None);
         let (Some(cg), Some(cgroups)) = (&run.cgroup, &self.cgroups) else {
-            self.shared.status.send_modify(|s| s.oom_killed = false);
+            self.set_oom_killed(false);
             return String::new();
         };
         let kills = if may_be_oom { cg.oom_kills() } else { 0 };
         let limit = cg.limit();
         cgroups.recycle(cg, run.cleared);
-        self.shared.status.send_modify(|s| s.oom_killed = kills > 0);
+        self.set_oom_killed(kills > 0);
         match (kills, limit) {
             (0, _) => String::new(),
             (_, Some(bytes)) => format!(", OOM-killed at its memory limit of {bytes} bytes"),
             (_, None) => ", OOM-killed".into(),
         }
+    }
+
+    /// Records whether the OOM killer ended the run, without a wake-up of
+    /// the status's watchers: the transition that follows every end of a
+    /// run (its terminal status, or BACKOFF) publishes it.
+    fn set_oom_killed(&self, oom_killed: bool) {
+        self.shared.status.send_if_modified(|s| {
+            s.oom_killed = oom_killed;
+            false
+        });
     }
 
     /// Ok once ready; otherwise how the run ended first.
@@ -356,10 +361,10 @@ impl Actor {
     /// an ended instance's log holds its last lines. The group is gone by
     /// now, so the pipes close unless something outside it holds them.
     async fn drain_logs(&mut self) {
-        for reader in self.readers.drain(..) {
-            if timeout(LOG_DRAIN, reader).await.is_err() {
-                tracing::warn!(instance_id = %self.spec.instance, "output still open after exit; not waiting for it");
-            }
+        if let Some(reader) = self.reader.take()
+            && timeout(LOG_DRAIN, reader).await.is_err()
+        {
+            tracing::warn!(instance_id = %self.spec.instance, "output still open after exit; not waiting for it");
         }
     }
 

@@ -146,21 +146,40 @@ impl LogRing {
         self.ring.lock().unwrap_or_else(|e| e.into_inner()).bytes
     }
 
-    /// Reads `pipe` to its end, line by line, into the ring. Nothing is
-    /// held for the pipe while it is quiet: the read buffer lives on the
-    /// stack of the call that drains what is ready.
-    pub async fn capture(self: Arc<Self>, stream: Stream, pipe: pipe::Receiver) {
-        let mut lines = Lines::new(self.limits.max_line);
+    /// Reads a run's stdout and stderr to their ends, line by line, into
+    /// the ring: one task for both pipes, so a run's end costs one wake-up
+    /// when both close together. Nothing is held for a pipe while it is
+    /// quiet: the read buffer lives on the stack of the call that drains
+    /// what is ready.
+    pub async fn capture(
+        self: Arc<Self>,
+        stdout: Option<pipe::Receiver>,
+        stderr: Option<pipe::Receiver>,
+    ) {
+        let mut pipes = [(Stream::Stdout, stdout), (Stream::Stderr, stderr)]
+            .map(|(stream, pipe)| (stream, pipe, Lines::new(self.limits.max_line)));
         loop {
-            if pipe.readable().await.is_err() {
-                break;
-            }
-            match self.drain_ready(&pipe, stream, &mut lines) {
-                Ok(true) => {}
-                Ok(false) | Err(_) => break,
+            let ready = match (&pipes[0].1, &pipes[1].1) {
+                (None, None) => break,
+                (Some(out), None) => out.readable().await,
+                (None, Some(err)) => err.readable().await,
+                (Some(out), Some(err)) => tokio::select! {
+                    r = out.readable() => r,
+                    r = err.readable() => r,
+                },
+            };
+            // Both are read: a pipe not ready costs nothing (tokio knows it
+            // is not, and makes no system call). When the wait itself
+            // failed (the runtime is going), what was read is kept.
+            for (stream, pipe, lines) in &mut pipes {
+                let Some(p) = pipe else { continue };
+                let open = matches!(self.drain_ready(p, *stream, lines), Ok(true));
+                if !open || ready.is_err() {
+                    lines.finish(&self, *stream);
+                    *pipe = None;
+                }
             }
         }
-        lines.finish(&self, stream);
     }
 
     /// Reads what `pipe` has now; false at its end.
@@ -284,6 +303,49 @@ mod tests {
         feed(&r, b"aaa\nbbb\nccc\n").await;
         assert_eq!(texts(r.tail(10)), ["bbb", "ccc"]);
         assert!(r.held_bytes() <= 6);
+    }
+
+    #[tokio::test]
+    async fn one_capture_reads_both_pipes_to_their_ends_whichever_closes_first() {
+        use tokio::io::AsyncWriteExt as _;
+        let r = ring(100, 1 << 20, 64);
+        let (mut out_tx, out_rx) = pipe::pipe().expect("pipe");
+        let (mut err_tx, err_rx) = pipe::pipe().expect("pipe");
+        let capture = tokio::spawn(r.clone().capture(Some(out_rx), Some(err_rx)));
+        err_tx.write_all(b"e1\ne2 unfinished").await.expect("write");
+        drop(err_tx);
+        // Read on with stderr closed: the capture goes on with stdout.
+        out_tx.write_all(b"o1\n").await.expect("write");
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            // Enabled before the look, so a line pushed in between wakes it.
+            let wrote = r.wrote().notified();
+            tokio::pin!(wrote);
+            wrote.as_mut().enable();
+            if r.tail(10).len() >= 3 {
+                break;
+            }
+            let waited = tokio::time::timeout_at(deadline, wrote).await;
+            assert!(waited.is_ok(), "lines not read: {:?}", r.tail(10));
+        }
+        out_tx.write_all(b"o2\n").await.expect("write");
+        drop(out_tx);
+        tokio::time::timeout(std::time::Duration::from_secs(10), capture)
+            .await
+            .expect("the capture ends when both pipes have")
+            .expect("capture");
+        let mut by_stream: Vec<(Stream, String)> =
+            r.tail(10).into_iter().map(|l| (l.stream, l.line)).collect();
+        by_stream.sort_by_key(|(s, _)| *s == Stream::Stderr);
+        assert_eq!(
+            by_stream,
+            [
+                (Stream::Stdout, "o1".to_string()),
+                (Stream::Stdout, "o2".to_string()),
+                (Stream::Stderr, "e1".to_string()),
+                (Stream::Stderr, "e2 unfinished".to_string()),
+            ]
+        );
     }
 
     #[tokio::test]

@@ -184,7 +184,7 @@ impl Supervisor {
                 stops: stops_rx,
                 ports: self.inner.ports.clone(),
                 cgroups: self.inner.cgroups.clone(),
-                readers: Vec::new(),
+                reader: None,
             };
             table.insert(
                 id.clone(),
@@ -303,7 +303,25 @@ impl Supervisor {
         grace: Option<Duration>,
         cause: Option<String>,
     ) -> Result<Status, SupervisorError> {
-        self.send_stop(id, Some(generation), grace, cause, false)
+        let stopping = self
+            .request_stop(id, Some(generation), grace, cause, false)
+            .await?;
+        Ok(stopping.ended().await)
+    }
+
+    /// As [`Supervisor::stop_run`], without waiting: the stop is under way
+    /// when this returns, and [`Stopping::ended`] gives the run's end. A
+    /// caller that learns of the end by another path (the agent, by the
+    /// release of the run's memory, which follows it) reads the end then,
+    /// without a wake-up of its own for each of the run's transitions.
+    pub async fn begin_stop_run(
+        &self,
+        id: &str,
+        generation: u64,
+        grace: Option<Duration>,
+        cause: Option<String>,
+    ) -> Result<Stopping, SupervisorError> {
+        self.request_stop(id, Some(generation), grace, cause, false)
             .await
     }
 
@@ -318,7 +336,23 @@ impl Supervisor {
         cause: Option<String>,
         detach: bool,
     ) -> Result<Status, SupervisorError> {
-        let (stops, mut status_rx, own_grace) = {
+        let stopping = self
+            .request_stop(id, generation, grace, cause, detach)
+            .await?;
+        Ok(stopping.ended().await)
+    }
+
+    /// Sends the stop request of [`Supervisor::send_stop`]; the run's end
+    /// is the returned handle's.
+    async fn request_stop(
+        &self,
+        id: &str,
+        generation: Option<u64>,
+        grace: Option<Duration>,
+        cause: Option<String>,
+        detach: bool,
+    ) -> Result<Stopping, SupervisorError> {
+        let (stops, status, own_grace) = {
             let table = self.table();
             let e = table
                 .get(id)
@@ -344,10 +378,7 @@ impl Supervisor {
         // drain), and a reply awaited from it would never come. A failed
         // send means the actor has ended, its run terminal already.
         let _ = stops.send(request).await;
-        let ended = status_rx.wait_for(|s| s.state.is_terminal()).await;
-        Ok(ended
-            .map(|s| s.clone())
-            .unwrap_or_else(|_| status_rx.borrow().clone()))
+        Ok(Stopping { status })
     }
 
     /// The status of one instance.
@@ -492,6 +523,24 @@ async fn sample_memory(inner: Weak<Inner>, every: Duration) {
                 });
             }
         }
+    }
+}
+
+/// A stop under way, from [`Supervisor::begin_stop_run`].
+#[derive(Debug)]
+pub struct Stopping {
+    /// The run's own status (each run has its own channel, so a later run
+    /// of the same id never shows here).
+    status: watch::Receiver<Status>,
+}
+
+impl Stopping {
+    /// The run's terminal status, once it has one.
+    pub async fn ended(mut self) -> Status {
+        let ended = self.status.wait_for(|s| s.state.is_terminal()).await;
+        ended
+            .map(|s| s.clone())
+            .unwrap_or_else(|_| self.status.borrow().clone())
     }
 }
 

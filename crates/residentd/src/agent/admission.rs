@@ -341,10 +341,14 @@ impl Agent {
                 None => format!("no instance '{id}'"),
             }));
         };
-        let mut ended = None;
+        let (mut stopping, mut ended) = (None, None);
         if c.resident {
-            match self.sup.stop_run(id, c.generation, grace, cause).await {
-                Ok(status) => ended = Some(status),
+            match self
+                .sup
+                .begin_stop_run(id, c.generation, grace, cause)
+                .await
+            {
+                Ok(s) => stopping = Some(s),
                 // Not spawned yet: the Start that finds it cancelled ends
                 // it (before or right after its spawn).
                 Err(SupervisorError::NotFound(_) | SupervisorError::NotTheRun { .. }) => {}
@@ -355,8 +359,13 @@ impl Agent {
             ended = self.sup.status(id);
         }
         // Released by the run's terminal event (or, for a run not yet
-        // spawned, by the Start that finds it cancelled).
+        // spawned, by the Start that finds it cancelled); the end is read
+        // after it, when it is there already: one wake-up for this stop,
+        // not one for each of the run's transitions as well.
         self.books.released(id, c.generation).await;
+        if let Some(s) = stopping {
+            ended = Some(s.ended().await);
+        }
         let change = self.persist();
         if self.config().node.durable_answers {
             // The journal no longer lists it: a crash cannot bring it back.
