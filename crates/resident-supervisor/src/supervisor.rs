@@ -303,10 +303,8 @@ impl Supervisor {
         grace: Option<Duration>,
         cause: Option<String>,
     ) -> Result<Status, SupervisorError> {
-        let stopping = self
-            .request_stop(id, Some(generation), grace, cause, false)
-            .await?;
-        Ok(stopping.ended().await)
+        self.send_stop(id, Some(generation), grace, cause, false)
+            .await
     }
 
     /// As [`Supervisor::stop_run`], without waiting: the stop is under way
