@@ -288,31 +288,19 @@ impl Supervisor {
     /// grace, SIGKILL) and answers once its process group is gone.
     /// Stopping an ended instance answers its status at once.
     pub async fn stop(&self, id: &str, grace: Option<Duration>) -> Result<Status, SupervisorError> {
-        self.send_stop(id, None, grace, None, false).await
+        self.send_stop(id, grace, false).await
     }
 
-    /// As [`Supervisor::stop`], for run `generation` of `id` only, with the
-    /// cause the ended run's reason gives instead of "stopped" (for
-    /// example an eviction and for whom). [`SupervisorError::NotTheRun`]
-    /// when `id`'s current run is another one (not spawned yet, or a later
-    /// run has replaced it): a stop meant for one run never ends the next.
-    pub async fn stop_run(
-        &self,
-        id: &str,
-        generation: u64,
-        grace: Option<Duration>,
-        cause: Option<String>,
-    ) -> Result<Status, SupervisorError> {
-        self.send_stop(id, Some(generation), grace, cause, false)
-            .await
-    }
-
-    /// As [`Supervisor::stop_run`], without waiting: the stop is under way
-    /// when this returns, and [`Stopping::ended`] gives the run's end. A
+    /// Stops run `generation` of `id` only, with the cause the ended
+    /// run's reason gives instead of "stopped" (for example an eviction and
+    /// for whom). [`SupervisorError::NotTheRun`] when `id`'s current run is
+    /// another one (not spawned yet, or a later run has replaced it): a
+    /// stop meant for one run never ends the next. The stop is under way
+    /// when this returns; [`Stopping::ended`] waits for the run's end. A
     /// caller that learns of the end by another path (the agent, by the
-    /// release of the run's memory, which follows it) reads the end then,
+    /// release of the run's memory, which follows it) reads it then,
     /// without a wake-up of its own for each of the run's transitions.
-    pub async fn begin_stop_run(
+    pub async fn stop_run(
         &self,
         id: &str,
         generation: u64,
@@ -324,24 +312,19 @@ impl Supervisor {
     }
 
     /// Sends a stop request (or, `detach`, a let-go for an adopted
-    /// process) to `id`'s current run, or to run `generation` only, and
-    /// waits until that run is terminal.
+    /// process) to `id`'s current run and waits until that run is terminal.
     async fn send_stop(
         &self,
         id: &str,
-        generation: Option<u64>,
         grace: Option<Duration>,
-        cause: Option<String>,
         detach: bool,
     ) -> Result<Status, SupervisorError> {
-        let stopping = self
-            .request_stop(id, generation, grace, cause, detach)
-            .await?;
+        let stopping = self.request_stop(id, None, grace, None, detach).await?;
         Ok(stopping.ended().await)
     }
 
-    /// Sends the stop request of [`Supervisor::send_stop`]; the run's end
-    /// is the returned handle's.
+    /// Sends a stop request to `id`'s current run, or to run `generation`
+    /// only; the run's end is the returned handle's.
     async fn request_stop(
         &self,
         id: &str,
@@ -450,7 +433,7 @@ impl Supervisor {
         let mut stops = JoinSet::new();
         for (id, adopted) in ids {
             let me = self.clone();
-            stops.spawn(async move { me.send_stop(&id, None, None, None, adopted).await });
+            stops.spawn(async move { me.send_stop(&id, None, adopted).await });
         }
         while stops.join_next().await.is_some() {}
         if let Some(cg) = &self.inner.cgroups {
@@ -524,7 +507,7 @@ async fn sample_memory(inner: Weak<Inner>, every: Duration) {
     }
 }
 
-/// A stop under way, from [`Supervisor::begin_stop_run`].
+/// A stop under way, from [`Supervisor::stop_run`].
 #[derive(Debug)]
 pub struct Stopping {
     /// The run's own status (each run has its own channel, so a later run
@@ -571,9 +554,10 @@ mod tests {
             adopted: false,
         };
         sup.table().insert("stranded".into(), entry);
-        let stop = sup.stop_run("stranded", 7, None, None);
+        let stopping = sup.stop_run("stranded", 7, None, None).await;
+        let stop = stopping.expect("the run").ended();
         let answer = tokio::time::timeout(Duration::from_secs(10), stop).await;
-        let status = answer.expect("answered").expect("the run");
+        let status = answer.expect("answered");
         assert_eq!((status.state, status.generation), (State::Exited, 7));
         drop(unread);
     }

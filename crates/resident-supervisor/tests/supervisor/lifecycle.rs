@@ -393,7 +393,8 @@ async fn a_stop_for_one_run_never_ends_the_next_run_of_the_same_id() {
     let mut first = child("again", &["forever"]);
     first.generation = 1;
     h.sup.start(first).await.expect("starts");
-    h.sup.stop_run("again", 1, None, None).await.expect("stops");
+    let stopping = h.sup.stop_run("again", 1, None, None).await;
+    stopping.expect("stops").ended().await;
     let mut next = child("again", &["forever"]);
     next.generation = 2;
     let pid = h.sup.start(next).await.expect("starts").pid.expect("a pid") as i32;
@@ -408,7 +409,8 @@ async fn a_stop_for_one_run_never_ends_the_next_run_of_the_same_id() {
     );
     assert!(alive(pid));
     assert_eq!(h.sup.status("again").expect("listed").generation, 2);
-    let stopped = h.sup.stop_run("again", 2, None, None).await.expect("stops");
+    let stopping = h.sup.stop_run("again", 2, None, None).await;
+    let stopped = stopping.expect("stops").ended().await;
     assert_eq!((stopped.state, stopped.generation), (State::Exited, 2));
     assert!(!alive(pid));
 }
@@ -428,7 +430,10 @@ async fn every_one_of_many_stops_racing_a_runs_end_is_answered() {
             .map(|_| {
                 let sup = h.sup.clone();
                 tokio::spawn(async move {
-                    let stop = sup.stop_run("raced", round, None, None);
+                    let stop = async {
+                        let stopping = sup.stop_run("raced", round, None, None).await?;
+                        Ok::<_, resident_supervisor::SupervisorError>(stopping.ended().await)
+                    };
                     tokio::time::timeout(Duration::from_secs(20), stop).await
                 })
             })

@@ -253,7 +253,9 @@ impl Agent {
         if !self.books.wanted(id, generation) {
             // A Stop came while it was being spawned; the Stop waits for
             // this run's end, which this stop brings.
-            let _ = self.sup.stop_run(id, generation, None, None).await;
+            if let Ok(stopping) = self.sup.stop_run(id, generation, None, None).await {
+                stopping.ended().await;
+            }
             return Err(ApiError::Aborted(format!(
                 "instance '{id}' was stopped while it was being spawned"
             )));
@@ -343,11 +345,7 @@ impl Agent {
         };
         let (mut stopping, mut ended) = (None, None);
         if c.resident {
-            match self
-                .sup
-                .begin_stop_run(id, c.generation, grace, cause)
-                .await
-            {
+            match self.sup.stop_run(id, c.generation, grace, cause).await {
                 Ok(s) => stopping = Some(s),
                 // Not spawned yet: the Start that finds it cancelled ends
                 // it (before or right after its spawn).
