@@ -19,12 +19,12 @@ use std::os::unix::ffi::OsStrExt as _;
 use std::os::unix::process::ExitStatusExt as _;
 use std::path::{Path, PathBuf};
 use std::process::ExitStatus;
+use std::sync::Arc;
 
 use nix::libc;
 use nix::sys::signal::{SigSet, SigmaskHow, pthread_sigmask};
 use nix::sys::wait::{Id, WaitPidFlag, WaitStatus, waitid};
 use tokio::io::unix::AsyncFd;
-use tokio::net::unix::pipe;
 
 /// Stack for the child between clone and exec: it only makes syscalls.
 const CHILD_STACK: usize = 64 << 10;
@@ -39,6 +39,8 @@ pub struct Prepared {
     user: Option<(u32, u32)>,
     /// `cgroup.procs` of each cgroup the child joins before it execs.
     cgroups: Vec<OwnedFd>,
+    /// Where its stdout and stderr go (`/dev/null` when not set).
+    output: Option<[Arc<OwnedFd>; 2]>,
     /// Whether the child sets its OOM score adjustment back to 0: only
     /// when the agent's own is not 0 (or cannot be read), since the child
     /// inherits it. Left alone, the child never looks up its `/proc/PID`,
@@ -117,6 +119,7 @@ impl Prepared {
             cwd,
             user,
             cgroups: Vec::new(),
+            output: None,
             reset_oom: crate::procfs::own_oom_score_adj() != Some(0),
         })
     }
@@ -125,16 +128,18 @@ impl Prepared {
     pub fn join_cgroups(&mut self, procs: Vec<OwnedFd>) {
         self.cgroups = procs;
     }
+
+    /// Has the child write its stdout and stderr to these.
+    pub fn output_to(&mut self, [stdout, stderr]: [Arc<OwnedFd>; 2]) {
+        self.output = Some([stdout, stderr]);
+    }
 }
 
-/// The raw result of a clone: pid, start time and the parent's ends of
-/// the pipes.
+/// The raw result of a clone: pid and start time.
 #[derive(Debug)]
 pub struct Spawned {
     pid: libc::pid_t,
     start_ticks: Option<u64>,
-    stdout: OwnedFd,
-    stderr: OwnedFd,
 }
 
 fn pipe_cloexec() -> io::Result<(OwnedFd, OwnedFd)> {
@@ -144,23 +149,25 @@ fn pipe_cloexec() -> io::Result<(OwnedFd, OwnedFd)> {
 /// Clones and execs. Blocks the calling thread until the child has exec'd
 /// (or failed to): call it from the long-lived spawner thread only.
 pub fn clone_exec(p: &Prepared) -> io::Result<Spawned> {
-    let (out_r, out_w) = pipe_cloexec()?;
-    let (err_r, err_w) = pipe_cloexec()?;
     let (report_r, report_w) = pipe_cloexec()?;
     let devnull = nix::fcntl::open(
         "/dev/null",
-        nix::fcntl::OFlag::O_RDONLY | nix::fcntl::OFlag::O_CLOEXEC,
+        nix::fcntl::OFlag::O_RDWR | nix::fcntl::OFlag::O_CLOEXEC,
         nix::sys::stat::Mode::empty(),
     )
     .map_err(io::Error::from)?;
+    let [stdout, stderr] = match &p.output {
+        Some([out, err]) => [out.as_raw_fd(), err.as_raw_fd()],
+        None => [devnull.as_raw_fd(); 2],
+    };
     let mut argv: Vec<*const libc::c_char> = p.argv.iter().map(|a| a.as_ptr()).collect();
     argv.push(std::ptr::null());
     let mut envp: Vec<*const libc::c_char> = p.envp.iter().map(|e| e.as_ptr()).collect();
     envp.push(std::ptr::null());
     let fds = ChildFds {
         stdin: devnull.as_raw_fd(),
-        stdout: out_w.as_raw_fd(),
-        stderr: err_w.as_raw_fd(),
+        stdout,
+        stderr,
         report: report_w.as_raw_fd(),
         cgroups: [0, 1].map(|i| p.cgroups.get(i).map_or(-1, |f| f.as_raw_fd())),
     };
@@ -193,7 +200,7 @@ pub fn clone_exec(p: &Prepared) -> io::Result<Spawned> {
     let after_clone = boottime_ns();
     pthread_sigmask(SigmaskHow::SIG_SETMASK, Some(&before), None).map_err(io::Error::from)?;
     let pid = cloned.map_err(io::Error::from)?;
-    drop((out_w, err_w, report_w, devnull));
+    drop((report_w, devnull));
     // The report pipe is empty and closed by exec when it succeeded;
     // otherwise the child wrote its errno before exiting.
     let mut errno = [0u8; 4];
@@ -205,8 +212,6 @@ pub fn clone_exec(p: &Prepared) -> io::Result<Spawned> {
     Ok(Spawned {
         pid: pid.as_raw(),
         start_ticks: start_ticks(before_clone, after_clone),
-        stdout: out_r,
-        stderr: err_r,
     })
 }
 
@@ -383,17 +388,13 @@ unsafe fn child_main(
     fail(fds)
 }
 
-/// A running child: its pid, a pidfd for its exit, and its output pipes.
+/// A running child: its pid and a pidfd for its exit.
 #[derive(Debug)]
 pub struct Child {
     pid: u32,
     start_ticks: Option<u64>,
     pidfd: AsyncFd<OwnedFd>,
     status: Option<ExitStatus>,
-    /// Its standard output, until taken.
-    pub stdout: Option<pipe::Receiver>,
-    /// Its standard error, until taken.
-    pub stderr: Option<pipe::Receiver>,
 }
 
 impl Child {
@@ -416,8 +417,6 @@ impl Child {
             start_ticks: s.start_ticks,
             pidfd,
             status: None,
-            stdout: Some(pipe::Receiver::from_owned_fd(s.stdout)?),
-            stderr: Some(pipe::Receiver::from_owned_fd(s.stderr)?),
         })
     }
 

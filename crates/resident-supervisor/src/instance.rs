@@ -2,6 +2,7 @@
 //! or exit, restart with backoff. It is the only writer of the instance's
 //! status, so its transitions are published in order.
 
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::Duration;
@@ -9,12 +10,13 @@ use std::time::Duration;
 use nix::errno::Errno;
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
-use tokio::sync::{mpsc, watch};
+use tokio::net::unix::pipe;
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::{Instant, sleep, timeout};
 
 use crate::cgroup::{Cgroups, RunCgroup};
 use crate::child::Child;
-use crate::logs::LogRing;
+use crate::logs::{LogRing, OutputPipes, PipeSpares};
 use crate::spawn::{self, Ports, signal_group};
 use crate::spec::{LaunchSpec, Macros};
 use crate::status::{Exit, State, Status};
@@ -104,8 +106,20 @@ pub(crate) struct Actor {
     pub(crate) ports: Arc<Ports>,
     /// Where runs get their cgroups; `None`: process groups only.
     pub(crate) cgroups: Option<Arc<Cgroups>>,
-    /// The task reading the current run's stdout and stderr.
-    pub(crate) reader: Option<tokio::task::JoinHandle<()>>,
+    /// Where runs get their output pipes.
+    pub(crate) pipes: Arc<PipeSpares>,
+    /// The current run's output.
+    pub(crate) output: Option<RunOutput>,
+}
+
+/// A run's output while it runs: the task reading it, the signal that has
+/// the task read what is left and hand the pipes back, and the agent's
+/// copies of the write ends (dropped when the pipes are not to be reused,
+/// so that the task reads to end of file).
+pub(crate) struct RunOutput {
+    reader: tokio::task::JoinHandle<Option<[pipe::Receiver; 2]>>,
+    flush: oneshot::Sender<()>,
+    writers: [Arc<OwnedFd>; 2],
 }
 
 impl Actor {
@@ -212,10 +226,19 @@ impl Actor {
             role: &spec.role,
         };
         let program = spec.argv.first().cloned().unwrap_or_default();
+        let pipes = match self.pipes.take() {
+            Ok(pipes) => pipes,
+            Err(e) => {
+                let reason = format!("cannot make the output pipes of {program:?}: {e}");
+                self.finish(State::Failed, reason, None);
+                return None;
+            }
+        };
         let cgroup = match self.make_cgroup().await {
             Ok(cg) => cg,
             Err(e) => {
                 let reason = format!("cannot make the cgroup of {program:?}: {e}");
+                self.pipes.put(pipes);
                 self.finish(State::Failed, reason, None);
                 return None;
             }
@@ -224,18 +247,22 @@ impl Actor {
             if let Some(cg) = &cgroup {
                 cmd.join_cgroups(cg.procs_files()?);
             }
+            cmd.output_to(pipes.writers());
             Ok(cmd)
         });
         let spawned = match prepared {
             Ok(cmd) => spawn::spawn(cmd).await,
             Err(e) => Err(e),
         };
-        let mut child = match spawned {
+        let child = match spawned {
             Ok(child) => child,
             Err(e) => {
                 if let (Some(cg), Some(cgroups)) = (cgroup, &self.cgroups) {
                     cgroups.recycle(&cg, false);
                 }
+                // Nothing ran: a child that failed before exec writes
+                // only to its report pipe, and is reaped by now.
+                self.pipes.put(pipes);
                 self.finish(
                     State::Failed,
                     format!("cannot start {program:?}: {e}"),
@@ -250,11 +277,14 @@ impl Actor {
         let start_ticks = child.start_ticks();
         self.shared.pgid.store(pgid, Ordering::Relaxed);
         self.shared.set_cgroup(cgroup.clone());
-        let (out, err) = (child.stdout.take(), child.stderr.take());
-        if out.is_some() || err.is_some() {
-            let logs = self.shared.logs.clone();
-            self.reader = Some(tokio::spawn(logs.capture(out, err)));
-        }
+        let ([out, err], writers) = pipes.split();
+        let (flush, flushed) = oneshot::channel();
+        let reader = tokio::spawn(self.shared.logs.clone().capture(out, err, flushed));
+        self.output = Some(RunOutput {
+            reader,
+            flush,
+            writers,
+        });
         self.shared
             .transition(State::Starting, format!("spawned pid {pid}"), |s| {
                 s.pid = Some(pid);
@@ -291,7 +321,10 @@ impl Actor {
     /// when the run's end rules the OOM killer out, and its counters are
     /// not read.
     async fn end_run(&mut self, run: &Run, may_be_oom: bool) -> String {
-        self.drain_logs().await;
+        // Emptied, a cgroup shows that no process of the run can still
+        // write to its pipes (only a privileged one could have moved out
+        // of it), so they can serve another run.
+        self.drain_logs(run.cleared && run.cgroup.is_some()).await;
         self.shared.pgid.store(0, Ordering::Relaxed);
         self.shared.set_cgroup(None);
         let (Some(cg), Some(cgroups)) = (&run.cgroup, &self.cgroups) else {
@@ -358,13 +391,38 @@ impl Actor {
     }
 
     /// Waits (bounded) until the run's output is read to its end, so that
-    /// an ended instance's log holds its last lines. The group is gone by
-    /// now, so the pipes close unless something outside it holds them.
-    async fn drain_logs(&mut self) {
-        if let Some(reader) = self.reader.take()
-            && timeout(LOG_DRAIN, reader).await.is_err()
-        {
-            tracing::warn!(instance_id = %self.spec.instance, "output still open after exit; not waiting for it");
+    /// an ended instance's log holds its last lines. With `reusable` (no
+    /// process of the run can be left to write), the capture reads what
+    /// the pipes hold and hands them back, and they go to the spares.
+    /// Otherwise the agent lets go of its write ends: the group is gone by
+    /// now, so the pipes reach their end unless something outside it
+    /// holds them.
+    async fn drain_logs(&mut self, reusable: bool) {
+        let Some(RunOutput {
+            reader,
+            flush,
+            writers,
+        }) = self.output.take()
+        else {
+            return;
+        };
+        let writers = if reusable {
+            let _ = flush.send(());
+            Some(writers)
+        } else {
+            drop((flush, writers));
+            None
+        };
+        match timeout(LOG_DRAIN, reader).await {
+            Ok(Ok(Some(readers))) => {
+                if let Some(writers) = writers {
+                    self.pipes.put(OutputPipes::join(readers, writers));
+                }
+            }
+            Ok(_) => {}
+            Err(_) => {
+                tracing::warn!(instance_id = %self.spec.instance, "output still open after exit; not waiting for it");
+            }
         }
     }
 

@@ -2,12 +2,24 @@
 //! ring (for `tail`) and broadcast to followers. Over-long lines are split,
 //! invalid UTF-8 is replaced, and a child that floods its pipes costs the
 //! agent no more memory than the ring's bound.
+//!
+//! A run writes into [`OutputPipes`], whose write ends the agent keeps a
+//! copy of for as long as the run lasts. A run's output ends one of two
+//! ways. When nothing of the run can be left to write (its cgroup was
+//! emptied), the capture is told to read what the pipes hold and stop
+//! (`flush`), and the pipes, empty and still open, go to [`PipeSpares`]
+//! for a later run: a stop then tears no pipe down and a start makes none.
+//! Otherwise (process groups only, or leftovers that outlived the run) the
+//! agent drops its write ends and the capture reads to end of file, as
+//! long as anything still writes.
 
 use std::collections::VecDeque;
+use std::io;
+use std::os::fd::{AsFd as _, OwnedFd};
 use std::sync::{Arc, Mutex};
 
 use tokio::net::unix::pipe;
-use tokio::sync::broadcast;
+use tokio::sync::{broadcast, oneshot};
 
 /// Which pipe a line came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -146,27 +158,53 @@ impl LogRing {
         self.ring.lock().unwrap_or_else(|e| e.into_inner()).bytes
     }
 
-    /// Reads a run's stdout and stderr to their ends, line by line, into
-    /// the ring: one task for both pipes, so a run's end costs one wake-up
-    /// when both close together. Nothing is held for a pipe while it is
-    /// quiet: the read buffer lives on the stack of the call that drains
-    /// what is ready.
+    /// Reads a run's stdout and stderr, line by line, into the ring: one
+    /// task for both pipes. It ends at end of file on both, or when
+    /// `flush` fires: then it reads what the pipes hold now (with a system
+    /// call, not trusting readiness the reactor may not have seen yet),
+    /// ends each pipe's last line, and hands both pipes back for another
+    /// run. A dropped `flush` means none will come: read to end of file.
+    /// Nothing is held for a pipe while it is quiet: the read buffer lives
+    /// on the stack of the call that drains what is ready.
     pub async fn capture(
         self: Arc<Self>,
-        stdout: Option<pipe::Receiver>,
-        stderr: Option<pipe::Receiver>,
-    ) {
+        stdout: pipe::Receiver,
+        stderr: pipe::Receiver,
+        flush: oneshot::Receiver<()>,
+    ) -> Option<[pipe::Receiver; 2]> {
         let mut pipes = [(Stream::Stdout, stdout), (Stream::Stderr, stderr)]
-            .map(|(stream, pipe)| (stream, pipe, Lines::new(self.limits.max_line)));
+            .map(|(stream, pipe)| (stream, Some(pipe), Lines::new(self.limits.max_line)));
+        let mut flush = Some(flush);
         loop {
-            let ready = match (&pipes[0].1, &pipes[1].1) {
-                (None, None) => break,
-                (Some(out), None) => out.readable().await,
-                (None, Some(err)) => err.readable().await,
-                (Some(out), Some(err)) => tokio::select! {
-                    r = out.readable() => r,
-                    r = err.readable() => r,
+            let readable = async {
+                match (&pipes[0].1, &pipes[1].1) {
+                    (None, None) => None,
+                    (Some(out), None) => Some(out.readable().await),
+                    (None, Some(err)) => Some(err.readable().await),
+                    (Some(out), Some(err)) => Some(tokio::select! {
+                        r = out.readable() => r,
+                        r = err.readable() => r,
+                    }),
+                }
+            };
+            let flushed = async {
+                match flush.as_mut() {
+                    Some(f) => f.await.is_ok(),
+                    None => std::future::pending().await,
+                }
+            };
+            let ready = tokio::select! {
+                ready = readable => match ready {
+                    Some(ready) => ready,
+                    None => return None,
                 },
+                asked = flushed => {
+                    flush = None;
+                    if asked {
+                        return self.read_out(pipes);
+                    }
+                    continue;
+                }
             };
             // Both are read: a pipe not ready costs nothing (tokio knows it
             // is not, and makes no system call). When the wait itself
@@ -178,6 +216,40 @@ impl LogRing {
                     lines.finish(&self, *stream);
                     *pipe = None;
                 }
+            }
+        }
+    }
+
+    /// Reads everything the pipes hold now and ends each one's last line;
+    /// the pipes back when both are still open (no end of file, no error).
+    fn read_out(
+        &self,
+        pipes: [(Stream, Option<pipe::Receiver>, Lines); 2],
+    ) -> Option<[pipe::Receiver; 2]> {
+        let [out, err] = pipes.map(|(stream, pipe, mut lines)| {
+            let pipe = pipe.filter(|p| matches!(self.drain_now(p, stream, &mut lines), Ok(true)));
+            lines.finish(self, stream);
+            pipe
+        });
+        Some([out?, err?])
+    }
+
+    /// Reads `pipe` until it is empty, with a system call per read; false
+    /// at its end.
+    fn drain_now(
+        &self,
+        pipe: &pipe::Receiver,
+        stream: Stream,
+        lines: &mut Lines,
+    ) -> io::Result<bool> {
+        let mut chunk = [0u8; CHUNK];
+        loop {
+            match nix::unistd::read(pipe.as_fd(), &mut chunk) {
+                Ok(0) => return Ok(false),
+                Ok(n) => lines.feed(self, stream, &chunk[..n]),
+                Err(nix::errno::Errno::EAGAIN) => return Ok(true),
+                Err(nix::errno::Errno::EINTR) => {}
+                Err(e) => return Err(e.into()),
             }
         }
     }
@@ -206,6 +278,92 @@ impl LogRing {
         let mut lines = Lines::new(self.limits.max_line);
         lines.feed(self, stream, bytes);
         lines.finish(self, stream);
+    }
+}
+
+/// The two pipes a run writes its output into: the agent's read ends
+/// (registered with the runtime) and its own copies of the write ends,
+/// which the child gets as stdout and stderr. The copies keep a pipe open
+/// between its writers, so that one pipe can serve run after run.
+#[derive(Debug)]
+pub struct OutputPipes {
+    stdout: pipe::Receiver,
+    stderr: pipe::Receiver,
+    writers: [Arc<OwnedFd>; 2],
+}
+
+impl OutputPipes {
+    /// Two new pipes (within a runtime).
+    pub fn new() -> io::Result<Self> {
+        let make = || -> io::Result<(pipe::Receiver, Arc<OwnedFd>)> {
+            let (r, w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
+            Ok((pipe::Receiver::from_owned_fd(r)?, Arc::new(w)))
+        };
+        let (stdout, out_w) = make()?;
+        let (stderr, err_w) = make()?;
+        Ok(Self {
+            stdout,
+            stderr,
+            writers: [out_w, err_w],
+        })
+    }
+
+    /// The write ends, for stdout and stderr.
+    pub fn writers(&self) -> [Arc<OwnedFd>; 2] {
+        self.writers.clone()
+    }
+
+    /// The read ends, and the write ends apart: what a run's capture reads
+    /// and what the agent holds meanwhile.
+    pub fn split(self) -> ([pipe::Receiver; 2], [Arc<OwnedFd>; 2]) {
+        ([self.stdout, self.stderr], self.writers)
+    }
+
+    /// Whole again, from what `split` gave.
+    pub fn join([stdout, stderr]: [pipe::Receiver; 2], writers: [Arc<OwnedFd>; 2]) -> Self {
+        Self {
+            stdout,
+            stderr,
+            writers,
+        }
+    }
+}
+
+/// Emptied pipes kept for later runs, at most `bound` pairs.
+#[derive(Debug)]
+pub struct PipeSpares {
+    spares: Mutex<Vec<OutputPipes>>,
+    bound: usize,
+}
+
+impl PipeSpares {
+    /// No spares yet; at most `bound` kept.
+    pub fn new(bound: usize) -> Self {
+        Self {
+            spares: Mutex::new(Vec::new()),
+            bound,
+        }
+    }
+
+    fn spares(&self) -> std::sync::MutexGuard<'_, Vec<OutputPipes>> {
+        self.spares.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A spare pair, or new pipes.
+    pub fn take(&self) -> io::Result<OutputPipes> {
+        match self.spares().pop() {
+            Some(pipes) => Ok(pipes),
+            None => OutputPipes::new(),
+        }
+    }
+
+    /// Keeps `pipes` for a later run, which only pipes no process can
+    /// still write to may be (past the bound they are closed).
+    pub fn put(&self, pipes: OutputPipes) {
+        let mut spares = self.spares();
+        if spares.len() < self.bound {
+            spares.push(pipes);
+        }
     }
 }
 
@@ -311,7 +469,9 @@ mod tests {
         let r = ring(100, 1 << 20, 64);
         let (mut out_tx, out_rx) = pipe::pipe().expect("pipe");
         let (mut err_tx, err_rx) = pipe::pipe().expect("pipe");
-        let capture = tokio::spawn(r.clone().capture(Some(out_rx), Some(err_rx)));
+        // No flush will come: the capture reads to the end of both.
+        let (_, flushed) = oneshot::channel();
+        let capture = tokio::spawn(r.clone().capture(out_rx, err_rx, flushed));
         err_tx.write_all(b"e1\ne2 unfinished").await.expect("write");
         drop(err_tx);
         // Read on with stderr closed: the capture goes on with stdout.
@@ -330,10 +490,14 @@ mod tests {
         }
         out_tx.write_all(b"o2\n").await.expect("write");
         drop(out_tx);
-        tokio::time::timeout(std::time::Duration::from_secs(10), capture)
+        let handed_back = tokio::time::timeout(std::time::Duration::from_secs(10), capture)
             .await
             .expect("the capture ends when both pipes have")
             .expect("capture");
+        assert!(
+            handed_back.is_none(),
+            "pipes at their end are not handed back"
+        );
         let mut by_stream: Vec<(Stream, String)> =
             r.tail(10).into_iter().map(|l| (l.stream, l.line)).collect();
         by_stream.sort_by_key(|(s, _)| *s == Stream::Stderr);
@@ -346,6 +510,94 @@ mod tests {
                 (Stream::Stderr, "e2 unfinished".to_string()),
             ]
         );
+    }
+
+    /// Waits until the ring holds `n` lines.
+    async fn lines(r: &LogRing, n: usize) {
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            // Enabled before the look, so a line pushed in between wakes it.
+            let wrote = r.wrote().notified();
+            tokio::pin!(wrote);
+            wrote.as_mut().enable();
+            if r.tail(usize::MAX).len() >= n {
+                return;
+            }
+            let waited = tokio::time::timeout_at(deadline, wrote).await;
+            assert!(waited.is_ok(), "not {n} lines: {:?}", r.tail(10));
+        }
+    }
+
+    #[tokio::test]
+    async fn a_flushed_capture_reads_what_is_left_and_hands_the_pipes_to_the_next_run() {
+        let spares = PipeSpares::new(1);
+        let first = ring(100, 1 << 20, 64);
+        let pipes = spares.take().expect("pipes");
+        let [out_w, err_w] = pipes.writers();
+        let ([out, err], writers) = pipes.split();
+        let (flush, flushed) = oneshot::channel();
+        let capture = tokio::spawn(first.clone().capture(out, err, flushed));
+        // What a run wrote, read while it runs...
+        nix::unistd::write(&*out_w, b"seen\n").expect("write");
+        lines(&first, 1).await;
+        // ...and what it wrote last, maybe unseen by the reactor yet, with
+        // a last line that has no newline: the flush reads both.
+        nix::unistd::write(&*out_w, b"last\npartial").expect("write");
+        nix::unistd::write(&*err_w, b"err tail").expect("write");
+        flush.send(()).expect("the capture waits for the flush");
+        let readers = tokio::time::timeout(std::time::Duration::from_secs(10), capture)
+            .await
+            .expect("a flushed capture ends")
+            .expect("capture")
+            .expect("open pipes are handed back");
+        let mut got: Vec<(Stream, String)> = first
+            .tail(10)
+            .into_iter()
+            .map(|l| (l.stream, l.line))
+            .collect();
+        got.sort_by_key(|(s, _)| *s == Stream::Stderr);
+        assert_eq!(
+            got,
+            [
+                (Stream::Stdout, "seen".to_string()),
+                (Stream::Stdout, "last".to_string()),
+                (Stream::Stdout, "partial".to_string()),
+                (Stream::Stderr, "err tail".to_string()),
+            ]
+        );
+        // The same pipes, spare, then a new run's: it reads only its own.
+        spares.put(OutputPipes::join(readers, writers));
+        let again = spares.take().expect("the spare");
+        let [out_w2, _] = again.writers();
+        assert!(Arc::ptr_eq(&out_w, &out_w2), "the spare pair is reused");
+        let second = ring(100, 1 << 20, 64);
+        let ([out, err], _writers) = again.split();
+        let (_flush, flushed) = oneshot::channel();
+        let _capture = tokio::spawn(second.clone().capture(out, err, flushed));
+        nix::unistd::write(&*out_w2, b"next run\n").expect("write");
+        lines(&second, 1).await;
+        assert_eq!(texts(second.tail(10)), ["next run"]);
+    }
+
+    #[tokio::test]
+    async fn spares_past_the_bound_are_closed() {
+        let spares = PipeSpares::new(1);
+        let (a, b) = (
+            OutputPipes::new().expect("a"),
+            OutputPipes::new().expect("b"),
+        );
+        let [a_w, _] = a.writers();
+        let [b_w, _] = b.writers();
+        spares.put(a);
+        spares.put(b);
+        let kept = spares.take().expect("the spare");
+        let [kept_w, _] = kept.writers();
+        assert!(Arc::ptr_eq(&kept_w, &a_w));
+        // The pair past the bound was dropped: its write end is ours alone.
+        assert_eq!(Arc::strong_count(&b_w), 1);
+        let fresh = spares.take().expect("new pipes once none is spare");
+        let [fresh_w, _] = fresh.writers();
+        assert!(!Arc::ptr_eq(&fresh_w, &a_w));
     }
 
     #[tokio::test]

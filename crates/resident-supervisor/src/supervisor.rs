@@ -13,10 +13,14 @@ use tokio::task::JoinSet;
 use crate::adopted::{AdoptActor, Adoption, Watched};
 use crate::cgroup::{CgroupMode, Cgroups};
 use crate::instance::{Actor, Shared, StopRequest};
-use crate::logs::{LogLimits, LogRing};
+use crate::logs::{LogLimits, LogRing, PipeSpares};
 use crate::spawn::Ports;
 use crate::spec::LaunchSpec;
 use crate::status::{State, Status};
+
+/// Pairs of emptied output pipes kept for later runs (as many as emptied
+/// cgroups are: only a run whose cgroup was emptied hands its pipes back).
+const PIPE_SPARES: usize = 256;
 
 /// Settings that apply to every instance.
 #[derive(Debug, Clone, Copy)]
@@ -94,6 +98,8 @@ struct Inner {
     events: mpsc::UnboundedSender<Status>,
     closing: std::sync::atomic::AtomicBool,
     cgroups: Option<Arc<Cgroups>>,
+    /// Emptied output pipes, kept for later runs.
+    pipes: Arc<PipeSpares>,
 }
 
 /// The log of `id`'s ended run, to continue; an error while it is live.
@@ -143,6 +149,7 @@ impl Supervisor {
             events,
             closing: std::sync::atomic::AtomicBool::new(false),
             cgroups,
+            pipes: Arc::new(PipeSpares::new(PIPE_SPARES)),
         });
         tokio::spawn(sample_memory(Arc::downgrade(&inner), config.sample_every));
         Self { inner }
@@ -184,7 +191,8 @@ impl Supervisor {
                 stops: stops_rx,
                 ports: self.inner.ports.clone(),
                 cgroups: self.inner.cgroups.clone(),
-                reader: None,
+                pipes: self.inner.pipes.clone(),
+                output: None,
             };
             table.insert(
                 id.clone(),

@@ -1,7 +1,8 @@
 //! Per-instance cgroups on the real machine: a process that leaves its
 //! group (`setsid()`) is still stopped with its instance, a run over its
-//! memory limit is OOM-killed and reported, and the cgroups a killed agent
-//! left are cleared by the next one.
+//! memory limit is OOM-killed and reported, the cgroups a killed agent
+//! left are cleared by the next one, and a run's output pipes serve a
+//! later run only when its emptied cgroup shows nothing can still write.
 
 use std::time::Duration;
 
@@ -59,11 +60,75 @@ async fn without_cgroups_an_escaped_helper_survives() {
     assert!(escaped, "the helper leads a session of its own");
     h.sup.stop("runner", None).await.expect("stops");
     let survived = alive(escapee);
+    // The escapee still holds the run's stdout: the next run gets a pipe
+    // of its own, so nothing the escapee writes lands in another's log.
+    let held = output_pipe(escapee);
+    let next = h
+        .sup
+        .start(child("next", &["forever"]))
+        .await
+        .expect("starts");
+    let next_pipe = output_pipe(next.pid.expect("a pid") as i32);
     let _ = nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(escapee),
         nix::sys::signal::Signal::SIGKILL,
     );
+    h.sup.stop("next", None).await.expect("stops");
     assert!(survived, "process groups alone cannot contain a setsid()");
+    assert_ne!(
+        held, next_pipe,
+        "a pipe an escapee holds went to another run"
+    );
+}
+
+/// The pipe a process's stdout is (`pipe:[INODE]`).
+fn output_pipe(pid: i32) -> String {
+    let link =
+        std::fs::read_link(format!("/proc/{pid}/fd/1")).expect("the stdout of a live process");
+    link.display().to_string()
+}
+
+#[tokio::test]
+async fn an_emptied_runs_pipes_serve_the_next_run_with_its_own_lines_only() {
+    if !cgroups_usable() {
+        return;
+    }
+    let h = with_cgroups(CgroupMode::Auto);
+    let first = h
+        .sup
+        .start(child(
+            "first",
+            &["print=first out", "eprint=first err", "forever"],
+        ))
+        .await
+        .expect("starts");
+    let first_pipe = output_pipe(first.pid.expect("a pid") as i32);
+    logged_line(&h.sup, "first", "first out").await;
+    logged_line(&h.sup, "first", "first err").await;
+    h.sup.stop("first", None).await.expect("stops");
+    // Another instance, started after the first's cgroup emptied: it
+    // writes into the same pipe, and its log holds its own lines alone.
+    let second = h
+        .sup
+        .start(child("second", &["print=second out", "forever"]))
+        .await
+        .expect("starts");
+    let second_pipe = output_pipe(second.pid.expect("a pid") as i32);
+    logged_line(&h.sup, "second", "second out").await;
+    h.sup.stop("second", None).await.expect("stops");
+    assert!(first_pipe.starts_with("pipe:"), "{first_pipe}");
+    assert_eq!(first_pipe, second_pipe, "an emptied run's pipe is reused");
+    let lines: Vec<String> = h
+        .sup
+        .logs("second")
+        .expect("a log")
+        .tail(50)
+        .into_iter()
+        .map(|l| l.line)
+        .collect();
+    assert_eq!(lines, ["second out"]);
+    let first_lines = h.sup.logs("first").expect("a log").tail(50).len();
+    assert_eq!(first_lines, 2, "the first run's log gained nothing later");
 }
 
 #[tokio::test]
