@@ -258,13 +258,23 @@ fn main() -> anyhow::Result<()> {
         return readiness::serve_loading(loading_ms.parse()?);
     }
     if let [flag, socket, rounds, ctl @ ..] = args.as_slice()
-        && flag == "--stop-storm"
+        && (flag == "--stop-storm" || flag == "--start-storm")
     {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .enable_all()
             .build()?;
         let ctl = ctl.first().map(Path::new);
-        return rt.block_on(measure::stop_storm(Path::new(socket), rounds.parse()?, ctl));
+        let phase = if flag == "--stop-storm" {
+            measure::Storm::Stop
+        } else {
+            measure::Storm::Start
+        };
+        return rt.block_on(measure::storm(
+            Path::new(socket),
+            phase,
+            rounds.parse()?,
+            ctl,
+        ));
     }
     let quick = args.iter().any(|a| a == "--quick");
     let supervisord = args

@@ -339,15 +339,30 @@ async fn stop_all(c: &Client, ids: &[String]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `resident-bench --stop-storm SOCKET ROUNDS [PERF_CTL_FIFO]`: the stop of
-/// 100 of the start/stop rows, against an agent already running on
-/// `socket` (the bench's config: workload `trivial`), for profiling. Each
-/// round starts 100 side by side, then stops them side by side with perf
-/// enabled through its control FIFO (`perf record --control
-/// fifo:CTL,ACK -D -1 -p AGENT_PID`) during the stops only; prints the
-/// median stop. `perf stat -e probe_libc:malloc` (after `perf probe -x
-/// LIBC malloc`) counts the agent's allocations per stop the same way.
-pub async fn stop_storm(socket: &Path, rounds: usize, ctl: Option<&Path>) -> anyhow::Result<()> {
+/// Which phase of a storm is measured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Storm {
+    /// The start of 100.
+    Start,
+    /// The stop of 100.
+    Stop,
+}
+
+/// `resident-bench --stop-storm SOCKET ROUNDS [PERF_CTL_FIFO]` (or
+/// `--start-storm`): the stop (or start) of 100 of the start/stop rows,
+/// against an agent already running on `socket` (the bench's config:
+/// workload `trivial`), for profiling. Each round starts 100 side by side,
+/// then stops them side by side, with perf enabled through its control
+/// FIFO (`perf record --control fifo:CTL,ACK -D -1 -p AGENT_PID`) during
+/// the measured phase only; prints that phase's median. `perf stat -e
+/// probe_libc:malloc` (after `perf probe -x LIBC malloc`) counts the
+/// agent's allocations per stop the same way.
+pub async fn storm(
+    socket: &Path,
+    phase: Storm,
+    rounds: usize,
+    ctl: Option<&Path>,
+) -> anyhow::Result<()> {
     let perf = |command: &str| -> anyhow::Result<()> {
         if let Some(path) = ctl {
             use std::io::Write as _;
@@ -357,17 +372,30 @@ pub async fn stop_storm(socket: &Path, rounds: usize, ctl: Option<&Path>) -> any
         Ok(())
     };
     let c = crate::connect(socket).await?;
-    let mut stops = Vec::with_capacity(rounds);
+    let mut took = Vec::with_capacity(rounds);
     for round in 0..rounds {
         let ids: Vec<String> = (0..100).map(|i| format!("storm{round}-{i}")).collect();
-        start_all(&c, &ids).await?;
-        perf("enable")?;
-        let t = Instant::now();
-        stop_all(&c, &ids).await?;
-        stops.push(t.elapsed());
-        perf("disable")?;
+        for what in [Storm::Start, Storm::Stop] {
+            let measured = what == phase;
+            if measured {
+                perf("enable")?;
+            }
+            let t = Instant::now();
+            match what {
+                Storm::Start => start_all(&c, &ids).await?,
+                Storm::Stop => stop_all(&c, &ids).await?,
+            }
+            if measured {
+                took.push(t.elapsed());
+                perf("disable")?;
+            }
+        }
     }
-    println!("stop 100: median {:?} over {rounds} rounds", median(stops));
+    let what = match phase {
+        Storm::Start => "start",
+        Storm::Stop => "stop",
+    };
+    println!("{what} 100: median {:?} over {rounds} rounds", median(took));
     Ok(())
 }
 
