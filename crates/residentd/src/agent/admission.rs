@@ -263,7 +263,14 @@ impl Agent {
         if r.wait_ready {
             self.ready_or_failed(id, generation).await?;
         }
-        self.get(id)
+        // The answer is this run: by now a Stop may have ended it and
+        // another Start begun a newer one, which the id's record names.
+        match self.books.record(id).filter(|r| r.generation == generation) {
+            Some(record) => Ok(self.view(id, &record)),
+            None => Err(ApiError::Aborted(format!(
+                "instance '{id}' was stopped while it was being started"
+            ))),
+        }
     }
 
     /// Waits until run `generation` of `id` is READY; Err when it ended

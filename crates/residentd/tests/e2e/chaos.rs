@@ -478,8 +478,9 @@ async fn kill_9_during_a_start_storm_leaves_no_orphan_and_reserves_once() {
 /// by several calls at once, evicted while a Stop of it is under way, and
 /// started again as its last stop answers. Every call is answered within
 /// a bound (a stop racing its run's end once waited forever), every Stop
-/// answers with the run it ended (once, with a run begun after it), and
-/// the books are straight at the end.
+/// answers with the run it ended (once, with a run begun after it), every
+/// Start that created a run with that run (spawned, never a newer one
+/// still pending), and the books are straight at the end.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn contended_ids_get_every_call_answered() {
     const CALLS: usize = 4000;
@@ -505,6 +506,13 @@ async fn contended_ids_get_every_call_answered() {
                             if let Ok(Ok(r)) = &call {
                                 seen.created += usize::from(r.get_ref().created);
                                 seen.evicted += r.get_ref().evicted.len();
+                                // The run it made, spawned by the answer;
+                                // never a newer one not spawned yet.
+                                let i = r.get_ref().instance.clone().unwrap_or_default();
+                                assert!(
+                                    !r.get_ref().created || i.started_unix_ms != 0,
+                                    "seed {seed}: a Start of {id} answered {i:?}"
+                                );
                             }
                             ("start", call.map(|_| ()))
                         }
