@@ -476,18 +476,7 @@ mod tests {
         drop(err_tx);
         // Read on with stderr closed: the capture goes on with stdout.
         out_tx.write_all(b"o1\n").await.expect("write");
-        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
-        loop {
-            // Enabled before the look, so a line pushed in between wakes it.
-            let wrote = r.wrote().notified();
-            tokio::pin!(wrote);
-            wrote.as_mut().enable();
-            if r.tail(10).len() >= 3 {
-                break;
-            }
-            let waited = tokio::time::timeout_at(deadline, wrote).await;
-            assert!(waited.is_ok(), "lines not read: {:?}", r.tail(10));
-        }
+        lines(&r, 3).await;
         out_tx.write_all(b"o2\n").await.expect("write");
         drop(out_tx);
         let handed_back = tokio::time::timeout(std::time::Duration::from_secs(10), capture)
@@ -498,11 +487,8 @@ mod tests {
             handed_back.is_none(),
             "pipes at their end are not handed back"
         );
-        let mut by_stream: Vec<(Stream, String)> =
-            r.tail(10).into_iter().map(|l| (l.stream, l.line)).collect();
-        by_stream.sort_by_key(|(s, _)| *s == Stream::Stderr);
         assert_eq!(
-            by_stream,
+            by_stream(&r),
             [
                 (Stream::Stdout, "o1".to_string()),
                 (Stream::Stdout, "o2".to_string()),
@@ -510,6 +496,18 @@ mod tests {
                 (Stream::Stderr, "e2 unfinished".to_string()),
             ]
         );
+    }
+
+    /// The ring's lines with their pipe, stdout's first (the order between
+    /// two pipes is the reader's, each pipe's own is kept).
+    fn by_stream(r: &LogRing) -> Vec<(Stream, String)> {
+        let mut lines: Vec<(Stream, String)> = r
+            .tail(100)
+            .into_iter()
+            .map(|l| (l.stream, l.line))
+            .collect();
+        lines.sort_by_key(|(s, _)| *s == Stream::Stderr);
+        lines
     }
 
     /// Waits until the ring holds `n` lines.
@@ -550,14 +548,8 @@ mod tests {
             .expect("a flushed capture ends")
             .expect("capture")
             .expect("open pipes are handed back");
-        let mut got: Vec<(Stream, String)> = first
-            .tail(10)
-            .into_iter()
-            .map(|l| (l.stream, l.line))
-            .collect();
-        got.sort_by_key(|(s, _)| *s == Stream::Stderr);
         assert_eq!(
-            got,
+            by_stream(&first),
             [
                 (Stream::Stdout, "seen".to_string()),
                 (Stream::Stdout, "last".to_string()),
