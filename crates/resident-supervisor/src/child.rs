@@ -39,8 +39,8 @@ pub struct Prepared {
     user: Option<(u32, u32)>,
     /// `cgroup.procs` of each cgroup the child joins before it execs.
     cgroups: Vec<OwnedFd>,
-    /// Where its stdout and stderr go (`/dev/null` when not set).
-    output: Option<[Arc<OwnedFd>; 2]>,
+    /// The write ends its stdout and stderr go to.
+    output: [Arc<OwnedFd>; 2],
     /// Whether the child sets its OOM score adjustment back to 0: only
     /// when the agent's own is not 0 (or cannot be read), since the child
     /// inherits it. Left alone, the child never looks up its `/proc/PID`,
@@ -80,12 +80,14 @@ pub fn resolve(program: &str, path: Option<&str>) -> io::Result<PathBuf> {
 
 impl Prepared {
     /// Prepares `argv` with environment `env` (the complete environment of
-    /// the child); the program is looked up on the child's `PATH`.
+    /// the child), writing its stdout and stderr to `output`; the program
+    /// is looked up on the child's `PATH`.
     pub fn new(
         argv: &[String],
         env: &[(String, String)],
         cwd: Option<&Path>,
         user: Option<(u32, u32)>,
+        output: [Arc<OwnedFd>; 2],
     ) -> io::Result<Self> {
         let Some(program) = argv.first() else {
             return Err(io::Error::new(
@@ -119,7 +121,7 @@ impl Prepared {
             cwd,
             user,
             cgroups: Vec::new(),
-            output: None,
+            output,
             reset_oom: crate::procfs::own_oom_score_adj() != Some(0),
         })
     }
@@ -127,11 +129,6 @@ impl Prepared {
     /// Has the child join the cgroups whose `cgroup.procs` these are.
     pub fn join_cgroups(&mut self, procs: Vec<OwnedFd>) {
         self.cgroups = procs;
-    }
-
-    /// Has the child write its stdout and stderr to these.
-    pub fn output_to(&mut self, [stdout, stderr]: [Arc<OwnedFd>; 2]) {
-        self.output = Some([stdout, stderr]);
     }
 }
 
@@ -152,22 +149,18 @@ pub fn clone_exec(p: &Prepared) -> io::Result<Spawned> {
     let (report_r, report_w) = pipe_cloexec()?;
     let devnull = nix::fcntl::open(
         "/dev/null",
-        nix::fcntl::OFlag::O_RDWR | nix::fcntl::OFlag::O_CLOEXEC,
+        nix::fcntl::OFlag::O_RDONLY | nix::fcntl::OFlag::O_CLOEXEC,
         nix::sys::stat::Mode::empty(),
     )
     .map_err(io::Error::from)?;
-    let [stdout, stderr] = match &p.output {
-        Some([out, err]) => [out.as_raw_fd(), err.as_raw_fd()],
-        None => [devnull.as_raw_fd(); 2],
-    };
     let mut argv: Vec<*const libc::c_char> = p.argv.iter().map(|a| a.as_ptr()).collect();
     argv.push(std::ptr::null());
     let mut envp: Vec<*const libc::c_char> = p.envp.iter().map(|e| e.as_ptr()).collect();
     envp.push(std::ptr::null());
     let fds = ChildFds {
         stdin: devnull.as_raw_fd(),
-        stdout,
-        stderr,
+        stdout: p.output[0].as_raw_fd(),
+        stderr: p.output[1].as_raw_fd(),
         report: report_w.as_raw_fd(),
         cgroups: [0, 1].map(|i| p.cgroups.get(i).map_or(-1, |f| f.as_raw_fd())),
     };

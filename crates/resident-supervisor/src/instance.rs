@@ -243,11 +243,10 @@ impl Actor {
                 return None;
             }
         };
-        let prepared = command(spec, &macros).and_then(|mut cmd| {
+        let prepared = command(spec, &macros, pipes.writers()).and_then(|mut cmd| {
             if let Some(cg) = &cgroup {
                 cmd.join_cgroups(cg.procs_files()?);
             }
-            cmd.output_to(pipes.writers());
             Ok(cmd)
         });
         let spawned = match prepared {
@@ -406,13 +405,14 @@ impl Actor {
         else {
             return;
         };
-        let writers = if reusable {
+        if reusable {
             let _ = flush.send(());
-            Some(writers)
         } else {
-            drop((flush, writers));
-            None
-        };
+            drop(flush);
+        }
+        // Not reusable: the write ends go here, so the capture reads to
+        // end of file.
+        let writers = reusable.then_some(writers);
         match timeout(LOG_DRAIN, reader).await {
             Ok(Ok(Some(readers))) => {
                 if let Some(writers) = writers {

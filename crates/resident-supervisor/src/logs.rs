@@ -211,7 +211,7 @@ impl LogRing {
             // failed (the runtime is going), what was read is kept.
             for (stream, pipe, lines) in &mut pipes {
                 let Some(p) = pipe else { continue };
-                let open = matches!(self.drain_ready(p, *stream, lines), Ok(true));
+                let open = matches!(self.drain(|b| p.try_read(b), *stream, lines), Ok(true));
                 if !open || ready.is_err() {
                     lines.finish(&self, *stream);
                     *pipe = None;
@@ -227,47 +227,33 @@ impl LogRing {
         pipes: [(Stream, Option<pipe::Receiver>, Lines); 2],
     ) -> Option<[pipe::Receiver; 2]> {
         let [out, err] = pipes.map(|(stream, pipe, mut lines)| {
-            let pipe = pipe.filter(|p| matches!(self.drain_now(p, stream, &mut lines), Ok(true)));
+            let pipe = pipe.filter(|p| {
+                // A system call per read: the reactor may not have seen
+                // the last writes yet.
+                let read = |b: &mut [u8]| nix::unistd::read(p.as_fd(), b).map_err(io::Error::from);
+                matches!(self.drain(read, stream, &mut lines), Ok(true))
+            });
             lines.finish(self, stream);
             pipe
         });
         Some([out?, err?])
     }
 
-    /// Reads `pipe` until it is empty, with a system call per read; false
-    /// at its end.
-    fn drain_now(
+    /// Feeds what `read` gives until the pipe behind it is empty (would
+    /// block); false at its end.
+    fn drain(
         &self,
-        pipe: &pipe::Receiver,
+        mut read: impl FnMut(&mut [u8]) -> io::Result<usize>,
         stream: Stream,
         lines: &mut Lines,
     ) -> io::Result<bool> {
         let mut chunk = [0u8; CHUNK];
         loop {
-            match nix::unistd::read(pipe.as_fd(), &mut chunk) {
+            match read(&mut chunk) {
                 Ok(0) => return Ok(false),
                 Ok(n) => lines.feed(self, stream, &chunk[..n]),
-                Err(nix::errno::Errno::EAGAIN) => return Ok(true),
-                Err(nix::errno::Errno::EINTR) => {}
-                Err(e) => return Err(e.into()),
-            }
-        }
-    }
-
-    /// Reads what `pipe` has now; false at its end.
-    fn drain_ready(
-        &self,
-        pipe: &pipe::Receiver,
-        stream: Stream,
-        lines: &mut Lines,
-    ) -> std::io::Result<bool> {
-        let mut chunk = [0u8; CHUNK];
-        loop {
-            match pipe.try_read(&mut chunk) {
-                Ok(0) => return Ok(false),
-                Ok(n) => lines.feed(self, stream, &chunk[..n]),
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(true),
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(true),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(e),
             }
         }
@@ -287,8 +273,7 @@ impl LogRing {
 /// between its writers, so that one pipe can serve run after run.
 #[derive(Debug)]
 pub struct OutputPipes {
-    stdout: pipe::Receiver,
-    stderr: pipe::Receiver,
+    readers: [pipe::Receiver; 2],
     writers: [Arc<OwnedFd>; 2],
 }
 
@@ -302,8 +287,7 @@ impl OutputPipes {
         let (stdout, out_w) = make()?;
         let (stderr, err_w) = make()?;
         Ok(Self {
-            stdout,
-            stderr,
+            readers: [stdout, stderr],
             writers: [out_w, err_w],
         })
     }
@@ -316,16 +300,12 @@ impl OutputPipes {
     /// The read ends, and the write ends apart: what a run's capture reads
     /// and what the agent holds meanwhile.
     pub fn split(self) -> ([pipe::Receiver; 2], [Arc<OwnedFd>; 2]) {
-        ([self.stdout, self.stderr], self.writers)
+        (self.readers, self.writers)
     }
 
     /// Whole again, from what `split` gave.
-    pub fn join([stdout, stderr]: [pipe::Receiver; 2], writers: [Arc<OwnedFd>; 2]) -> Self {
-        Self {
-            stdout,
-            stderr,
-            writers,
-        }
+    pub fn join(readers: [pipe::Receiver; 2], writers: [Arc<OwnedFd>; 2]) -> Self {
+        Self { readers, writers }
     }
 }
 

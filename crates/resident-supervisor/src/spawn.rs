@@ -12,7 +12,8 @@
 use std::collections::HashSet;
 use std::io;
 use std::net::{Ipv4Addr, TcpListener};
-use std::sync::{Mutex, OnceLock, mpsc};
+use std::os::fd::OwnedFd;
+use std::sync::{Arc, Mutex, OnceLock, mpsc};
 
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
@@ -43,8 +44,12 @@ fn spawner() -> &'static Mutex<mpsc::Sender<Job>> {
 
 /// Prepares the command for `spec` with `macros` applied: argv, and an
 /// environment of PATH, HOME, LANG and `pass_env` from the agent's, then
-/// the workload's own.
-pub fn command(spec: &LaunchSpec, macros: &Macros<'_>) -> io::Result<Prepared> {
+/// the workload's own; its stdout and stderr go to `output`.
+pub fn command(
+    spec: &LaunchSpec,
+    macros: &Macros<'_>,
+    output: [Arc<OwnedFd>; 2],
+) -> io::Result<Prepared> {
     let argv: Vec<String> = spec.argv.iter().map(|a| macros.expand(a)).collect();
     let mut env: Vec<(String, String)> = Vec::new();
     for name in ALWAYS_PASSED
@@ -60,7 +65,7 @@ pub fn command(spec: &LaunchSpec, macros: &Macros<'_>) -> io::Result<Prepared> {
         env.retain(|(name, _)| name != k);
         env.push((k.clone(), macros.expand(v)));
     }
-    Prepared::new(&argv, &env, spec.cwd.as_deref(), spec.user)
+    Prepared::new(&argv, &env, spec.cwd.as_deref(), spec.user, output)
 }
 
 /// Spawns on the spawner thread (which the parent-death signal is tied
