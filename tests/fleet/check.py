@@ -21,6 +21,25 @@ from residentd import fleet, pb
 GB = 1_000_000_000
 
 
+def stopped(pid, within_s=10.0):
+    """Waits until every thread of `pid` is in the stopped state: kill()
+    returns before a SIGSTOP takes hold, and a thread still running may
+    answer one more request."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:  # a thread that ended meanwhile
+                pass
+        if states and all(s == "T" for s in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop within {within_s} s: {states}")
+
+
 def main():
     setup = json.loads(sys.argv[1])
     agents = setup["agents"]
@@ -122,6 +141,7 @@ def main():
     # A hung agent is skipped at the deadline, not waited for.
     os.kill(setup["stop_pid"], signal.SIGSTOP)
     try:
+        stopped(setup["stop_pid"])
         began = time.monotonic()
         ranking = fleet.place(endpoints, "m1", deadline_s=1.0)
         took = time.monotonic() - began
