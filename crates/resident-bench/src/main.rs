@@ -258,17 +258,12 @@ fn main() -> anyhow::Result<()> {
         return readiness::serve_loading(loading_ms.parse()?);
     }
     if let [flag, socket, rounds, ctl @ ..] = args.as_slice()
-        && (flag == "--stop-storm" || flag == "--start-storm")
+        && let Some(phase) = measure::Storm::from_flag(flag)
     {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .enable_all()
             .build()?;
         let ctl = ctl.first().map(Path::new);
-        let phase = if flag == "--stop-storm" {
-            measure::Storm::Stop
-        } else {
-            measure::Storm::Start
-        };
         return rt.block_on(measure::storm(
             Path::new(socket),
             phase,

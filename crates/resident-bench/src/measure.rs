@@ -339,17 +339,54 @@ async fn stop_all(c: &Client, ids: &[String]) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Places `workload` 100 times side by side: the agent's cost of an RPC
+/// that does almost nothing (a dry run of one admission).
+async fn place_all(c: &Client, n: usize) -> anyhow::Result<()> {
+    let places: Vec<_> = (0..n)
+        .map(|_| {
+            let mut c = c.clone();
+            let req = pb::PlaceRequest {
+                workload: "trivial".into(),
+                on_full: 0,
+            };
+            tokio::spawn(async move { c.place(req).await })
+        })
+        .collect();
+    for p in places {
+        if !p.await??.into_inner().admitted {
+            bail!("a Place of `trivial` was not admitted");
+        }
+    }
+    Ok(())
+}
+
 /// Which phase of a storm is measured.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Storm {
     /// The start of 100.
     Start,
+    /// 100 Place calls while the 100 run: the RPC alone, for comparison.
+    Place,
     /// The stop of 100.
     Stop,
 }
 
+impl Storm {
+    /// The phase a command-line flag names (`--start-storm`,
+    /// `--place-storm`, `--stop-storm`).
+    pub fn from_flag(flag: &str) -> Option<Self> {
+        match flag {
+            "--start-storm" => Some(Self::Start),
+            "--place-storm" => Some(Self::Place),
+            "--stop-storm" => Some(Self::Stop),
+            _ => None,
+        }
+    }
+}
+
 /// `resident-bench --stop-storm SOCKET ROUNDS [PERF_CTL_FIFO]` (or
-/// `--start-storm`): the stop (or start) of 100 of the start/stop rows,
+/// `--start-storm`, `--place-storm`): the stop (or start) of 100 of the
+/// start/stop rows (or 100 Place calls between them, the RPC alone),
 /// against an agent already running on `socket` (the bench's config:
 /// workload `trivial`), for profiling. Each round starts 100 side by side,
 /// then stops them side by side, with perf enabled through its control
@@ -373,29 +410,37 @@ pub async fn storm(
     };
     let c = crate::connect(socket).await?;
     let mut took = Vec::with_capacity(rounds);
+    let mut client_cpu = Duration::ZERO;
     for round in 0..rounds {
         let ids: Vec<String> = (0..100).map(|i| format!("storm{round}-{i}")).collect();
-        for what in [Storm::Start, Storm::Stop] {
+        for what in [Storm::Start, Storm::Place, Storm::Stop] {
             let measured = what == phase;
             if measured {
                 perf("enable")?;
             }
-            let t = Instant::now();
+            let (t, cpu) = (Instant::now(), own_cpu());
             match what {
                 Storm::Start => start_all(&c, &ids).await?,
+                Storm::Place => place_all(&c, ids.len()).await?,
                 Storm::Stop => stop_all(&c, &ids).await?,
             }
             if measured {
                 took.push(t.elapsed());
+                client_cpu += own_cpu().saturating_sub(cpu);
                 perf("disable")?;
             }
         }
     }
     let what = match phase {
         Storm::Start => "start",
+        Storm::Place => "place",
         Storm::Stop => "stop",
     };
-    println!("{what} 100: median {:?} over {rounds} rounds", median(took));
+    println!(
+        "{what} 100: median {:?} over {rounds} rounds; this client's CPU {:?} per round",
+        median(took),
+        client_cpu / u32::try_from(rounds.max(1)).unwrap_or(u32::MAX)
+    );
     Ok(())
 }
 

@@ -7,6 +7,13 @@
 //!
 //! Everything the child needs is prepared in the parent; the child, which
 //! shares the parent's memory until it execs, only makes system calls.
+//! It also starts on the parent's descriptor table (`CLONE_FILES`) and
+//! first takes one of its own holding only the low descriptors it needs
+//! (`close_range` with `CLOSE_RANGE_UNSHARE`; they sit in slots each
+//! spawner thread keeps low from its first spawn), so a spawn does not copy,
+//! then close at exec, every descriptor of an agent that holds several
+//! per instance; nothing of the agent's but the three streams crosses
+//! the exec.
 //! The parent blocks every signal around the clone, so no handler of the
 //! agent runs in the child; the child resets every handler to the default
 //! and unblocks just before exec. Each system call has its own `unsafe`
@@ -144,26 +151,46 @@ fn pipe_cloexec() -> io::Result<(OwnedFd, OwnedFd)> {
 }
 
 /// Clones and execs. Blocks the calling thread until the child has exec'd
-/// (or failed to): call it from the long-lived spawner thread only.
+/// (or failed to): call it from a long-lived spawner thread only.
 pub fn clone_exec(p: &Prepared) -> io::Result<Spawned> {
+    SLOTS.with_borrow_mut(|slots| {
+        let slots = match slots {
+            Some(s) => s,
+            None => slots.insert(Slots::new()?),
+        };
+        clone_exec_with(p, slots)
+    })
+}
+
+fn clone_exec_with(p: &Prepared, slots: &mut Slots) -> io::Result<Spawned> {
     let (report_r, report_w) = pipe_cloexec()?;
-    let devnull = nix::fcntl::open(
-        "/dev/null",
-        nix::fcntl::OFlag::O_RDONLY | nix::fcntl::OFlag::O_CLOEXEC,
-        nix::sys::stat::Mode::empty(),
-    )
-    .map_err(io::Error::from)?;
     let mut argv: Vec<*const libc::c_char> = p.argv.iter().map(|a| a.as_ptr()).collect();
     argv.push(std::ptr::null());
     let mut envp: Vec<*const libc::c_char> = p.envp.iter().map(|e| e.as_ptr()).collect();
     envp.push(std::ptr::null());
-    let fds = ChildFds {
-        stdin: devnull.as_raw_fd(),
-        stdout: p.output[0].as_raw_fd(),
-        stderr: p.output[1].as_raw_fd(),
-        report: report_w.as_raw_fd(),
-        cgroups: [0, 1].map(|i| p.cgroups.get(i).map_or(-1, |f| f.as_raw_fd())),
+    // What the child needs, in this thread's low slots; the child keeps
+    // only descriptors below `keep_below`.
+    let placed = slots.place([
+        Some(&*p.output[0]),
+        Some(&*p.output[1]),
+        Some(&report_w),
+        p.cgroups.first(),
+        p.cgroups.get(1),
+    ])?;
+    let mut fds = ChildFds {
+        stdin: placed.slots.null.as_raw_fd(),
+        stdout: placed.fd(0),
+        stderr: placed.fd(1),
+        report: placed.fd(2),
+        cgroups: [placed.fd(3), placed.fd(4)],
+        keep_below: 0,
     };
+    fds.keep_below = [fds.stdin, fds.stdout, fds.stderr, fds.report]
+        .into_iter()
+        .chain(fds.cgroups)
+        .max()
+        .unwrap_or(2)
+        + 1;
     let parent = nix::unistd::getpid().as_raw();
     let program = p.program.as_ptr();
     let cwd = p.cwd.as_ref().map_or(std::ptr::null(), |c| c.as_ptr());
@@ -177,7 +204,14 @@ pub fn clone_exec(p: &Prepared) -> io::Result<Spawned> {
         // prepared above, which the parent keeps alive while suspended.
         unsafe { child_main(parent, program, argv.as_ptr(), envp.as_ptr(), cwd, who, fds) }
     });
-    let flags = nix::sched::CloneFlags::CLONE_VM | nix::sched::CloneFlags::CLONE_VFORK;
+    // CLONE_FILES: the child starts on the agent's descriptor table and
+    // takes a small one of its own as its first step, instead of the
+    // kernel copying the whole table at the clone (and exec closing every
+    // copy): a spawn costs the same however many descriptors the agent
+    // holds (several per instance).
+    let flags = nix::sched::CloneFlags::CLONE_VM
+        | nix::sched::CloneFlags::CLONE_VFORK
+        | nix::sched::CloneFlags::CLONE_FILES;
     // Every signal blocked across the clone, as posix_spawn does: a
     // handler of the agent must never run in the child, which shares its
     // memory. The child unblocks once it has reset every handler.
@@ -192,8 +226,11 @@ pub fn clone_exec(p: &Prepared) -> io::Result<Spawned> {
     let cloned = unsafe { nix::sched::clone(child, &mut stack, flags, Some(libc::SIGCHLD)) };
     let after_clone = boottime_ns();
     pthread_sigmask(SigmaskHow::SIG_SETMASK, Some(&before), None).map_err(io::Error::from)?;
+    // The slots let go of the spawn's descriptors first: the report
+    // pipe's end comes only once no copy of its write end is left.
+    drop(placed);
     let pid = cloned.map_err(io::Error::from)?;
-    drop((report_w, devnull));
+    drop(report_w);
     // The report pipe is empty and closed by exec when it succeeded;
     // otherwise the child wrote its errno before exiting.
     let mut errno = [0u8; 4];
@@ -206,6 +243,89 @@ pub fn clone_exec(p: &Prepared) -> io::Result<Spawned> {
         pid: pid.as_raw(),
         start_ticks: start_ticks(before_clone, after_clone),
     })
+}
+
+/// Low descriptor numbers a spawner thread holds for what its children
+/// need, taken at its first spawn (while the agent's table is still
+/// small) and kept: a descriptor opened later takes the lowest free
+/// number, which in a busy agent's table is at its top. Between spawns
+/// every slot holds `/dev/null`.
+#[derive(Debug)]
+struct Slots {
+    /// `/dev/null`: the child's stdin, and what the other slots hold when
+    /// idle.
+    null: OwnedFd,
+    /// For stdout, stderr, the report pipe and two `cgroup.procs` files.
+    held: Vec<OwnedFd>,
+}
+
+impl Slots {
+    fn new() -> io::Result<Self> {
+        let null = nix::fcntl::open(
+            "/dev/null",
+            nix::fcntl::OFlag::O_RDONLY | nix::fcntl::OFlag::O_CLOEXEC,
+            nix::sys::stat::Mode::empty(),
+        )
+        .map_err(io::Error::from)?;
+        let held = (0..5)
+            .map(|_| null.try_clone())
+            .collect::<io::Result<_>>()?;
+        Ok(Self { null, held })
+    }
+
+    /// Puts each of `fds` (in order: stdout, stderr, report, cgroups) in
+    /// a slot; the slots go back to `/dev/null` when the returned guard is
+    /// dropped.
+    fn place(&mut self, fds: [Option<&OwnedFd>; 5]) -> io::Result<Placed<'_>> {
+        let mut placed = Placed {
+            slots: self,
+            used: [false; 5],
+        };
+        for (i, fd) in fds.into_iter().enumerate() {
+            if let Some(fd) = fd {
+                let slot = &mut placed.slots.held[i];
+                nix::unistd::dup3(fd, slot, nix::fcntl::OFlag::O_CLOEXEC)
+                    .map_err(io::Error::from)?;
+                placed.used[i] = true;
+            }
+        }
+        Ok(placed)
+    }
+}
+
+/// The slots while a spawn uses them.
+struct Placed<'a> {
+    slots: &'a mut Slots,
+    used: [bool; 5],
+}
+
+impl Placed<'_> {
+    /// Slot `i`'s number while it is in use, else -1.
+    fn fd(&self, i: usize) -> RawFd {
+        if self.used[i] {
+            self.slots.held[i].as_raw_fd()
+        } else {
+            -1
+        }
+    }
+}
+
+impl Drop for Placed<'_> {
+    fn drop(&mut self) {
+        let Slots { null, held } = &mut *self.slots;
+        for (slot, used) in held.iter_mut().zip(self.used) {
+            // Nothing of the spawn stays open in a slot (a pipe's write
+            // end would keep its reader from ever seeing the end).
+            if used {
+                let _ = nix::unistd::dup3(&*null, slot, nix::fcntl::OFlag::O_CLOEXEC);
+            }
+        }
+    }
+}
+
+thread_local! {
+    /// This spawner thread's slots, once it has spawned.
+    static SLOTS: std::cell::RefCell<Option<Slots>> = const { std::cell::RefCell::new(None) };
 }
 
 /// `CLOCK_BOOTTIME` in nanoseconds: the clock of a process's start time.
@@ -243,6 +363,9 @@ struct ChildFds {
     report: RawFd,
     /// `cgroup.procs` files to write `0` (this process) to; -1: none.
     cgroups: [RawFd; 2],
+    /// One above the highest of the above: the child's own table holds
+    /// the agent's descriptors below this only.
+    keep_below: RawFd,
 }
 
 /// The child between clone and exec. It shares the parent's memory, so it
@@ -273,6 +396,24 @@ unsafe fn child_main(
         // parent's (no atexit handlers, no flushing of shared buffers).
         unsafe { libc::_exit(127) }
     };
+    // First a descriptor table of its own, before any descriptor is
+    // touched: until then it is the agent's (CLONE_FILES). Only the
+    // descriptors below `keep_below` are copied into it.
+    // SAFETY: close_range with integer arguments; with UNSHARE it acts on
+    // this process's new table only.
+    let own_table = unsafe {
+        libc::syscall(
+            libc::SYS_close_range,
+            fds.keep_below,
+            u32::MAX,
+            libc::CLOSE_RANGE_UNSHARE,
+        )
+    } == 0;
+    // Before Linux 5.9 (no close_range): a copy of the whole table.
+    // SAFETY: unshare of this process's descriptor table.
+    if !own_table && unsafe { libc::unshare(libc::CLONE_FILES) } != 0 {
+        return fail(fds);
+    }
     // A server starts with default dispositions: handlers would be the
     // parent's code, and ignored signals (Rust ignores SIGPIPE) would stay
     // ignored through exec.
@@ -311,11 +452,25 @@ unsafe fn child_main(
         }
     }
     for (from, to) in [(fds.stdin, 0), (fds.stdout, 1), (fds.stderr, 2)] {
-        // SAFETY: dup2 of descriptors the parent opened.
+        // SAFETY: dup2 of descriptors the parent opened, in this process's
+        // own table.
         if unsafe { libc::dup2(from, to) } < 0 {
             return fail(fds);
         }
     }
+    // Nothing else of the agent's crosses the exec, even a descriptor
+    // opened without close-on-exec; the report pipe closes there too,
+    // which tells the parent the exec happened. Before Linux 5.11 this
+    // fails, and only the agent's close-on-exec flags apply.
+    // SAFETY: close_range with integer arguments, on this process's table.
+    unsafe {
+        libc::syscall(
+            libc::SYS_close_range,
+            3u32,
+            u32::MAX,
+            libc::CLOSE_RANGE_CLOEXEC,
+        )
+    };
     // SAFETY: chdir to a NUL-terminated path the parent prepared.
     if !cwd.is_null() && unsafe { libc::chdir(cwd) } != 0 {
         return fail(fds);
@@ -463,5 +618,38 @@ impl Drop for Child {
                 tracing::error!(pid = self.pid, "a live child was dropped unreaped");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_spawns_descriptors_sit_in_low_slots_and_leave_none_behind() {
+        let mut slots = Slots::new().expect("slots");
+        let highest_slot = slots.held.iter().map(|f| f.as_raw_fd()).max();
+        // A busy agent: the pipe comes after many descriptors.
+        let file = std::fs::File::open("/dev/null").expect("open");
+        let _many: Vec<_> = (0..100).map(|_| file.try_clone().expect("dup")).collect();
+        let (read, write) = pipe_cloexec().expect("pipe");
+        {
+            let placed = slots.place([Some(&write), None, None, None, None]);
+            let placed = placed.expect("placed");
+            assert!(placed.fd(0) < write.as_raw_fd() && Some(placed.fd(0)) <= highest_slot);
+            assert_eq!(placed.fd(1), -1, "an unused slot is not handed out");
+            // The slot is the pipe's write end while placed.
+            nix::unistd::write(&placed.slots.held[0], b"x").expect("write via the slot");
+        }
+        // Once the spawn is done no copy of the write end is left: with
+        // the original closed, the reader sees the end.
+        drop(write);
+        let mut buf = [0u8; 4];
+        assert_eq!(nix::unistd::read(&read, &mut buf).expect("read"), 1);
+        assert_eq!(
+            nix::unistd::read(&read, &mut buf).expect("read"),
+            0,
+            "end of file"
+        );
     }
 }

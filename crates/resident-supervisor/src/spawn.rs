@@ -3,11 +3,11 @@
 //! `child.rs` for the clone itself: own process group, parent-death
 //! signal), and the signals that stop its group.
 //!
-//! Why a thread of our own: `PR_SET_PDEATHSIG` fires when the *thread* that
+//! Why threads of our own: `PR_SET_PDEATHSIG` fires when the *thread* that
 //! created the child exits, not the process. Spawning from a tokio blocking
 //! thread (which the pool prunes when idle) would kill healthy children. The
-//! spawner thread lives as long as the agent, so the signal fires exactly
-//! when the agent dies.
+//! spawner threads (a few, so that spawns overlap) live as long as the
+//! agent, so the signal fires exactly when the agent dies.
 
 use std::collections::HashSet;
 use std::io;
@@ -27,16 +27,36 @@ const ALWAYS_PASSED: [&str; 3] = ["PATH", "HOME", "LANG"];
 
 type Job = Box<dyn FnOnce() + Send>;
 
+/// How many spawner threads share the spawns. A spawn holds its thread
+/// from the clone until the child has exec'd, most of it waiting for the
+/// child to be scheduled and for the exec: with several, one child's wait
+/// does not hold up the next spawn (a storm of starts on a busy machine).
+const SPAWNERS: usize = 4;
+
 fn spawner() -> &'static Mutex<mpsc::Sender<Job>> {
     static SPAWNER: OnceLock<Mutex<mpsc::Sender<Job>>> = OnceLock::new();
     SPAWNER.get_or_init(|| {
         let (tx, rx) = mpsc::channel::<Job>();
-        // The thread ends only with the process (the sender is static).
-        let spawned = std::thread::Builder::new()
-            .name("resident-spawner".into())
-            .spawn(move || rx.iter().for_each(|job| job()));
-        if let Err(e) = spawned {
-            tracing::error!(error = %e, "cannot start the spawner thread; spawns will fail");
+        let rx = Arc::new(Mutex::new(rx));
+        // The threads end only with the process (the sender is static).
+        for n in 0..SPAWNERS {
+            let rx = rx.clone();
+            let spawned = std::thread::Builder::new()
+                .name(format!("resident-spawn{n}"))
+                .spawn(move || {
+                    loop {
+                        // One thread waits on the queue at a time; the lock
+                        // is let go before the job runs.
+                        let job = rx.lock().unwrap_or_else(|e| e.into_inner()).recv();
+                        match job {
+                            Ok(job) => job(),
+                            Err(_) => return,
+                        }
+                    }
+                });
+            if let Err(e) = spawned {
+                tracing::error!(error = %e, "cannot start a spawner thread");
+            }
         }
         Mutex::new(tx)
     })
@@ -68,7 +88,7 @@ pub fn command(
     Prepared::new(&argv, &env, spec.cwd.as_deref(), spec.user, output)
 }
 
-/// Spawns on the spawner thread (which the parent-death signal is tied
+/// Spawns on a spawner thread (which the parent-death signal is tied
 /// to) and wraps the child for the current runtime.
 pub async fn spawn(prepared: Prepared) -> io::Result<Child> {
     let (tx, rx) = oneshot::channel();

@@ -16,6 +16,7 @@
 //! - `flood=MBPS,SECS`: write MBPS megabytes per second of lines to stdout
 //! - `print=TEXT`: print TEXT to stdout, `eprint=TEXT` to stderr
 //! - `env=NAME`: print `NAME=value` (or `NAME unset`)
+//! - `fds`: print `fds` and the numbers of its open descriptors
 //! - `forever`: sleep until killed
 //!
 //! Written with std only, so it starts in a millisecond.
@@ -45,6 +46,7 @@ fn main() {
             "flood" => flood(value),
             "print" => println!("{value}"),
             "eprint" => eprintln!("{value}"),
+            "fds" => println!("fds {}", open_fds()),
             "env" => match std::env::var(value) {
                 Ok(v) => println!("{value}={v}"),
                 Err(_) => println!("{value} unset"),
@@ -141,4 +143,23 @@ fn flood(value: &str) {
         }
     }
     let _ = writeln!(out, "flood done {n}");
+}
+
+/// The numbers of this process's open descriptors, space-separated, in
+/// order (the one that reads the directory left out).
+fn open_fds() -> String {
+    let Ok(dir) = std::fs::read_dir("/proc/self/fd") else {
+        return "unreadable".into();
+    };
+    let mut fds: Vec<u32> = dir
+        .flatten()
+        .filter(|e| {
+            // The directory's own descriptor links to the directory.
+            std::fs::read_link(e.path())
+                .is_ok_and(|target| !target.to_string_lossy().ends_with("/fd"))
+        })
+        .filter_map(|e| e.file_name().to_str()?.parse().ok())
+        .collect();
+    fds.sort_unstable();
+    fds.iter().map(u32::to_string).collect::<Vec<_>>().join(" ")
 }

@@ -220,6 +220,38 @@ async fn environment_is_cleared_and_macros_expand() {
 }
 
 #[tokio::test]
+async fn a_child_holds_its_three_streams_and_nothing_else_of_the_agent() {
+    let mut h = Harness::new();
+    // An agent with many descriptors open, one of them without
+    // close-on-exec (nix's dup sets no flag): the run's output pipes are
+    // made after them, so they sit above the numbers a child keeps.
+    let file = std::fs::File::open("/proc/self/status").expect("open");
+    let many: Vec<std::fs::File> = (0..80)
+        .map(|_| file.try_clone().expect("a descriptor"))
+        .collect();
+    let leaky = nix::unistd::dup(&file).expect("dup");
+    let spec = child("fds", &["fds", "eprint=to stderr", "exit=0"]);
+    h.sup.start(spec).await.expect("starts");
+    h.until("fds", State::Exited).await;
+    let lines: Vec<String> = h
+        .sup
+        .logs("fds")
+        .expect("a log")
+        .tail(10)
+        .into_iter()
+        .map(|l| l.line)
+        .collect();
+    // Both streams reached the agent through their pipes.
+    assert!(lines.iter().any(|l| l == "to stderr"), "{lines:?}");
+    assert!(
+        lines.iter().any(|l| l == "fds 0 1 2"),
+        "only stdin, stdout and stderr, not {} nor any of {}: {lines:?}",
+        std::os::fd::AsRawFd::as_raw_fd(&leaky),
+        many.len(),
+    );
+}
+
+#[tokio::test]
 async fn starting_a_live_instance_twice_is_refused() {
     let h = Harness::new();
     h.sup
