@@ -553,6 +553,27 @@ async fn startstop_rows(
             base_samples[1].push(run.stop);
         }
     }
+    // How a start scales with what the agent already holds: the same
+    // start with five times as many instances resident (each holds its
+    // pidfd, output pipes and cgroup files open), on this build and, side
+    // by side, on the baseline.
+    let crowd: Vec<String> = (0..5 * plan.children)
+        .map(|i| format!("crowd-{i}"))
+        .collect();
+    let mut crowded: [Vec<Duration>; 2] = Default::default();
+    let agents = [
+        Some((&with_cgroups, &mut a)),
+        baseline.as_ref().zip(base.as_mut()),
+    ];
+    for (k, (server, c)) in agents.into_iter().flatten().enumerate() {
+        measure::start_all(c, &crowd).await?;
+        for round in 0..plan.start_rounds {
+            let run =
+                measure::agent_startstop(c, server.pid(), plan.children, 10_000 + round).await?;
+            crowded[k].push(run.start);
+        }
+        measure::stop_all(c, &crowd).await?;
+    }
     let [
         floor_start,
         floor_stop,
@@ -589,7 +610,24 @@ async fn startstop_rows(
             "<= 2x floor, < supervisord",
         ));
     }
+    let [crowded, base_crowded] = crowded;
+    let crowded_start = measure::median(crowded);
+    let many = 5 * n;
+    table.push(Row::latency(
+        format!("start {n} with {many} resident vs with none (cgroups)"),
+        crowded_start,
+        cg_start,
+        None,
+        "<= 1.5x",
+    ));
     if baseline.is_some() {
+        table.push(Row::latency(
+            format!("start {n} with {many} resident (cgroups) vs the baseline build"),
+            crowded_start,
+            measure::median(base_crowded),
+            None,
+            "",
+        ));
         let [base_start, base_stop] = base_samples.map(measure::median);
         for (what, ours, theirs) in [
             ("start", cg_start, base_start),

@@ -301,7 +301,7 @@ pub async fn agent_startstop(
 }
 
 /// Starts `ids` (workload `trivial`) side by side; each must answer READY.
-async fn start_all(c: &Client, ids: &[String]) -> anyhow::Result<()> {
+pub async fn start_all(c: &Client, ids: &[String]) -> anyhow::Result<()> {
     let starts: Vec<_> = ids
         .iter()
         .map(|id| {
@@ -321,7 +321,7 @@ async fn start_all(c: &Client, ids: &[String]) -> anyhow::Result<()> {
 }
 
 /// Stops `ids` side by side.
-async fn stop_all(c: &Client, ids: &[String]) -> anyhow::Result<()> {
+pub async fn stop_all(c: &Client, ids: &[String]) -> anyhow::Result<()> {
     let stops: Vec<_> = ids
         .iter()
         .map(|id| {
