@@ -10,7 +10,7 @@
 //! It also starts on the parent's descriptor table (`CLONE_FILES`) and
 //! first takes one of its own holding only the low descriptors it needs
 //! (`close_range` with `CLOSE_RANGE_UNSHARE`; they sit in slots each
-//! spawner thread keeps low from its first spawn), so a spawn does not copy,
+//! spawner thread takes when it starts), so a spawn does not copy,
 //! then close at exec, every descriptor of an agent that holds several
 //! per instance; nothing of the agent's but the three streams crosses
 //! the exec.
@@ -153,12 +153,22 @@ fn pipe_cloexec() -> io::Result<(OwnedFd, OwnedFd)> {
 /// Clones and execs. Blocks the calling thread until the child has exec'd
 /// (or failed to): call it from a long-lived spawner thread only.
 pub fn clone_exec(p: &Prepared) -> io::Result<Spawned> {
+    reserve_slots()?;
+    SLOTS.with_borrow_mut(|slots| match slots {
+        Some(s) => clone_exec_with(p, s),
+        None => Err(io::Error::other("this thread has no spawn slots")),
+    })
+}
+
+/// Takes this thread's low slots for its children's descriptors, unless
+/// it has them: a spawner thread calls it as soon as it starts, while
+/// the agent's table is small.
+pub fn reserve_slots() -> io::Result<()> {
     SLOTS.with_borrow_mut(|slots| {
-        let slots = match slots {
-            Some(s) => s,
-            None => slots.insert(Slots::new()?),
-        };
-        clone_exec_with(p, slots)
+        if slots.is_none() {
+            *slots = Some(Slots::new()?);
+        }
+        Ok(())
     })
 }
 
@@ -246,8 +256,8 @@ fn clone_exec_with(p: &Prepared, slots: &mut Slots) -> io::Result<Spawned> {
 }
 
 /// Low descriptor numbers a spawner thread holds for what its children
-/// need, taken at its first spawn (while the agent's table is still
-/// small) and kept: a descriptor opened later takes the lowest free
+/// need, taken when it starts (while the agent's table is still small)
+/// and kept: a descriptor opened later takes the lowest free
 /// number, which in a busy agent's table is at its top. Between spawns
 /// every slot holds `/dev/null`.
 #[derive(Debug)]

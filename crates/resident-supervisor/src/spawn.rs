@@ -44,6 +44,11 @@ fn spawner() -> &'static Mutex<mpsc::Sender<Job>> {
             let spawned = std::thread::Builder::new()
                 .name(format!("resident-spawn{n}"))
                 .spawn(move || {
+                    // Low descriptor numbers for its children, while the
+                    // table is small (a failure is tried again at a spawn).
+                    if let Err(e) = crate::child::reserve_slots() {
+                        tracing::warn!(error = %e, "a spawner thread has no spawn slots yet");
+                    }
                     loop {
                         // One thread waits on the queue at a time; the lock
                         // is let go before the job runs.
