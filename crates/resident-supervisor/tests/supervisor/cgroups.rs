@@ -118,14 +118,7 @@ async fn an_emptied_runs_pipes_serve_the_next_run_with_its_own_lines_only() {
     h.sup.stop("second", None).await.expect("stops");
     assert!(first_pipe.starts_with("pipe:"), "{first_pipe}");
     assert_eq!(first_pipe, second_pipe, "an emptied run's pipe is reused");
-    let lines: Vec<String> = h
-        .sup
-        .logs("second")
-        .expect("a log")
-        .tail(50)
-        .into_iter()
-        .map(|l| l.line)
-        .collect();
+    let lines = h.lines("second", 50);
     assert_eq!(lines, ["second out"]);
     let first_lines = h.sup.logs("first").expect("a log").tail(50).len();
     assert_eq!(first_lines, 2, "the first run's log gained nothing later");

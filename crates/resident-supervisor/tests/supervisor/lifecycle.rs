@@ -210,8 +210,7 @@ async fn environment_is_cleared_and_macros_expand() {
     spec.env.insert("WHO".into(), "${INSTANCE}:${PORT}".into());
     let port = h.sup.start(spec).await.expect("starts").port;
     h.until("envy", State::Exited).await;
-    let logs = h.sup.logs("envy").expect("a log");
-    let lines: Vec<String> = logs.tail(10).into_iter().map(|l| l.line).collect();
+    let lines = h.lines("envy", 10);
     assert!(lines[0].starts_with("PATH="), "PATH is kept: {lines:?}");
     // cargo sets CARGO for the test; the cleared environment drops it.
     assert_eq!(lines[1], "CARGO unset");
@@ -233,14 +232,7 @@ async fn a_child_holds_its_three_streams_and_nothing_else_of_the_agent() {
     let spec = child("fds", &["fds", "eprint=to stderr", "exit=0"]);
     h.sup.start(spec).await.expect("starts");
     h.until("fds", State::Exited).await;
-    let lines: Vec<String> = h
-        .sup
-        .logs("fds")
-        .expect("a log")
-        .tail(10)
-        .into_iter()
-        .map(|l| l.line)
-        .collect();
+    let lines = h.lines("fds", 10);
     // Both streams reached the agent through their pipes.
     assert!(lines.iter().any(|l| l == "to stderr"), "{lines:?}");
     assert!(
@@ -312,14 +304,7 @@ async fn run_as_drops_to_the_user_and_its_group_only() {
     spec.user = Some((65534, 65534));
     h.sup.start(spec).await.expect("starts");
     h.until("nobody", State::Exited).await;
-    let lines: Vec<String> = h
-        .sup
-        .logs("nobody")
-        .expect("a log")
-        .tail(3)
-        .into_iter()
-        .map(|l| l.line)
-        .collect();
+    let lines = h.lines("nobody", 3);
     assert_eq!(
         lines,
         ["65534", "65534", "65534"],
@@ -382,8 +367,7 @@ async fn a_child_starts_with_default_dispositions_and_no_signal_blocked() {
     spec.argv = argv.iter().map(|s| s.to_string()).collect();
     h.sup.start(spec).await.expect("starts");
     h.until("signals", State::Exited).await;
-    let logs = h.sup.logs("signals").expect("a log");
-    let lines: Vec<String> = logs.tail(10).into_iter().map(|l| l.line).collect();
+    let lines = h.lines("signals", 10);
     assert_eq!(
         lines,
         ["SigBlk:\t0000000000000000", "SigIgn:\t0000000000000000"],

@@ -40,6 +40,12 @@ impl Harness {
         }
     }
 
+    /// The last `n` lines of `id`'s log, oldest first.
+    pub fn lines(&self, id: &str, n: usize) -> Vec<String> {
+        let logs = self.sup.logs(id).expect("a log");
+        logs.tail(n).into_iter().map(|l| l.line).collect()
+    }
+
     /// Waits (bounded) for the next event of `id` in `state` after the one
     /// the last `until` for `id` returned; returns it.
     pub async fn until(&mut self, id: &str, state: State) -> Status {
