@@ -12,8 +12,10 @@
 //! (`close_range` with `CLOSE_RANGE_UNSHARE`; they sit in slots each
 //! spawner thread takes when it starts), so a spawn does not copy,
 //! then close at exec, every descriptor of an agent that holds several
-//! per instance; nothing of the agent's but the three streams crosses
-//! the exec.
+//! per instance; it then closes the rest of what was copied, so from
+//! Linux 5.9 nothing of the agent's but the three streams crosses the
+//! exec, even a descriptor opened without close-on-exec (before, the
+//! agent's close-on-exec flags decide).
 //! The parent blocks every signal around the clone, so no handler of the
 //! agent runs in the child; the child resets every handler to the default
 //! and unblocks just before exec. Each system call has its own `unsafe`
@@ -193,14 +195,22 @@ fn clone_exec_with(p: &Prepared, slots: &mut Slots) -> io::Result<Spawned> {
         stderr: placed.fd(1),
         report: placed.fd(2),
         cgroups: [placed.fd(3), placed.fd(4)],
+        own: [-1; 6],
         keep_below: 0,
     };
-    fds.keep_below = [fds.stdin, fds.stdout, fds.stderr, fds.report]
-        .into_iter()
-        .chain(fds.cgroups)
-        .max()
-        .unwrap_or(2)
-        + 1;
+    let mut own = [
+        fds.stdin,
+        fds.stdout,
+        fds.stderr,
+        fds.report,
+        fds.cgroups[0],
+        fds.cgroups[1],
+    ];
+    own.sort_unstable();
+    fds.own = own;
+    // A multiple of 64: kernels before 5.18 (without its fix backported)
+    // copy a table cut elsewhere with the bitmap of its last word short.
+    fds.keep_below = (own[5].max(2) + 64) / 64 * 64;
     let parent = nix::unistd::getpid().as_raw();
     let program = p.program.as_ptr();
     let cwd = p.cwd.as_ref().map_or(std::ptr::null(), |c| c.as_ptr());
@@ -326,15 +336,23 @@ impl Drop for Placed<'_> {
         for (slot, used) in held.iter_mut().zip(self.used) {
             // Nothing of the spawn stays open in a slot (a pipe's write
             // end would keep its reader from ever seeing the end).
-            if used {
-                let _ = nix::unistd::dup3(&*null, slot, nix::fcntl::OFlag::O_CLOEXEC);
+            if used && nix::unistd::dup3(&*null, slot, nix::fcntl::OFlag::O_CLOEXEC).is_err() {
+                // Not seen in practice (the slot is open): the slot is
+                // given up rather than left holding the spawn's end.
+                match null.try_clone() {
+                    Ok(fresh) => *slot = fresh,
+                    Err(e) => {
+                        tracing::error!(error = %e, "a spawn slot cannot be reset; aborting rather than keep a child's pipe open");
+                        std::process::abort();
+                    }
+                }
             }
         }
     }
 }
 
 thread_local! {
-    /// This spawner thread's slots, once it has spawned.
+    /// This spawner thread's slots, taken as it starts.
     static SLOTS: std::cell::RefCell<Option<Slots>> = const { std::cell::RefCell::new(None) };
 }
 
@@ -373,7 +391,9 @@ struct ChildFds {
     report: RawFd,
     /// `cgroup.procs` files to write `0` (this process) to; -1: none.
     cgroups: [RawFd; 2],
-    /// One above the highest of the above: the child's own table holds
+    /// The above, in order (-1 for each cgroup not joined).
+    own: [RawFd; 6],
+    /// Above the highest of the above: the child's own table starts with
     /// the agent's descriptors below this only.
     keep_below: RawFd,
 }
@@ -424,6 +444,21 @@ unsafe fn child_main(
     if !own_table && unsafe { libc::unshare(libc::CLONE_FILES) } != 0 {
         return fail(fds);
     }
+    // Of what was copied, only its own: the slots of other spawner
+    // threads sit among these (a copy of another spawn's report pipe
+    // would keep that spawn waiting until this child execs), and so may a
+    // descriptor of the agent opened without close-on-exec.
+    let mut next = 0;
+    for fd in fds.own.into_iter().filter(|fd| *fd >= 0) {
+        if fd > next {
+            // SAFETY: close_range with integer arguments, on this
+            // process's own table.
+            unsafe { libc::syscall(libc::SYS_close_range, next as u32, (fd - 1) as u32, 0u32) };
+        }
+        next = fd + 1;
+    }
+    // SAFETY: as above.
+    unsafe { libc::syscall(libc::SYS_close_range, next as u32, u32::MAX, 0u32) };
     // A server starts with default dispositions: handlers would be the
     // parent's code, and ignored signals (Rust ignores SIGPIPE) would stay
     // ignored through exec.
@@ -468,19 +503,6 @@ unsafe fn child_main(
             return fail(fds);
         }
     }
-    // Nothing else of the agent's crosses the exec, even a descriptor
-    // opened without close-on-exec; the report pipe closes there too,
-    // which tells the parent the exec happened. Before Linux 5.11 this
-    // fails, and only the agent's close-on-exec flags apply.
-    // SAFETY: close_range with integer arguments, on this process's table.
-    unsafe {
-        libc::syscall(
-            libc::SYS_close_range,
-            3u32,
-            u32::MAX,
-            libc::CLOSE_RANGE_CLOEXEC,
-        )
-    };
     // SAFETY: chdir to a NUL-terminated path the parent prepared.
     if !cwd.is_null() && unsafe { libc::chdir(cwd) } != 0 {
         return fail(fds);
@@ -638,28 +660,74 @@ mod tests {
     #[test]
     fn a_spawns_descriptors_sit_in_low_slots_and_leave_none_behind() {
         let mut slots = Slots::new().expect("slots");
-        let highest_slot = slots.held.iter().map(|f| f.as_raw_fd()).max();
         // A busy agent: the pipe comes after many descriptors.
         let file = std::fs::File::open("/dev/null").expect("open");
         let _many: Vec<_> = (0..100).map(|_| file.try_clone().expect("dup")).collect();
-        let (read, write) = pipe_cloexec().expect("pipe");
+        let (read, write) =
+            nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC | nix::fcntl::OFlag::O_NONBLOCK)
+                .expect("pipe");
         {
             let placed = slots.place([Some(&write), None, None, None, None]);
             let placed = placed.expect("placed");
-            assert!(placed.fd(0) < write.as_raw_fd() && Some(placed.fd(0)) <= highest_slot);
+            assert!(
+                placed.fd(0) < write.as_raw_fd(),
+                "the slot is below the pipe"
+            );
             assert_eq!(placed.fd(1), -1, "an unused slot is not handed out");
             // The slot is the pipe's write end while placed.
             nix::unistd::write(&placed.slots.held[0], b"x").expect("write via the slot");
         }
         // Once the spawn is done no copy of the write end is left: with
-        // the original closed, the reader sees the end.
+        // the original closed, the reader sees the end (a copy left in
+        // the slot would answer EAGAIN, not end of file).
         drop(write);
         let mut buf = [0u8; 4];
-        assert_eq!(nix::unistd::read(&read, &mut buf).expect("read"), 1);
-        assert_eq!(
-            nix::unistd::read(&read, &mut buf).expect("read"),
-            0,
-            "end of file"
-        );
+        assert_eq!(nix::unistd::read(&read, &mut buf), Ok(1));
+        assert_eq!(nix::unistd::read(&read, &mut buf), Ok(0), "end of file");
+    }
+
+    /// On a thread of its own, as a spawner: a descriptor without
+    /// close-on-exec opened before the thread takes its slots (so below
+    /// them, and copied into the child's first table), then a child that
+    /// says whether it holds that number.
+    fn spawn_beside_a_leaky_descriptor() -> Option<String> {
+        std::thread::spawn(|| {
+            let file = std::fs::File::open("/dev/null").expect("open");
+            // nix's dup sets no close-on-exec.
+            let leaky = nix::unistd::dup(&file).expect("dup");
+            reserve_slots().expect("slots");
+            let highest = SLOTS.with_borrow(|s| {
+                let s = s.as_ref().expect("slots");
+                s.held.iter().chain([&s.null]).map(|f| f.as_raw_fd()).max()
+            });
+            if highest.is_none_or(|h| h < leaky.as_raw_fd()) {
+                // A hole below it took a slot: not the case under test.
+                return None;
+            }
+            let (read, write) = pipe_cloexec().expect("pipe");
+            let write = Arc::new(write);
+            let n = leaky.as_raw_fd();
+            let script = format!("[ -e /proc/$$/fd/{n} ] && echo leaked || echo clean");
+            let argv = ["/bin/sh".to_string(), "-c".into(), script];
+            let p =
+                Prepared::new(&argv, &[], None, None, [write.clone(), write]).expect("prepared");
+            let spawned = clone_exec(&p).expect("spawned");
+            drop(p);
+            let pid = nix::unistd::Pid::from_raw(spawned.pid);
+            nix::sys::wait::waitpid(pid, None).expect("reaped");
+            let mut out = String::new();
+            std::io::Read::read_to_string(&mut std::fs::File::from(read), &mut out).expect("read");
+            Some(out)
+        })
+        .join()
+        .expect("the thread")
+    }
+
+    #[test]
+    fn a_descriptor_without_close_on_exec_below_the_slots_stays_out() {
+        let said = (0..20)
+            .find_map(|_| spawn_beside_a_leaky_descriptor())
+            .expect("a leaky descriptor below the slots within 20 tries");
+        assert_eq!(said.trim(), "clean");
     }
 }

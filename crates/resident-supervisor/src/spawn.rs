@@ -1,5 +1,5 @@
 //! Starting a child: the command prepared from a `LaunchSpec` (argv,
-//! cleared environment, macros), cloned from one long-lived thread (see
+//! cleared environment, macros), cloned from a few long-lived threads (see
 //! `child.rs` for the clone itself: own process group, parent-death
 //! signal), and the signals that stop its group.
 //!
@@ -91,6 +91,13 @@ pub fn command(
         env.push((k.clone(), macros.expand(v)));
     }
     Prepared::new(&argv, &env, spec.cwd.as_deref(), spec.user, output)
+}
+
+/// Starts the spawner threads now, while the agent's descriptor table is
+/// small (each takes low slots for its children's descriptors as it
+/// starts); the first spawn would start them otherwise.
+pub fn start_spawners() {
+    spawner();
 }
 
 /// Spawns on a spawner thread (which the parent-death signal is tied

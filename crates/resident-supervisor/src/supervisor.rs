@@ -137,6 +137,7 @@ impl Supervisor {
     /// A supervisor publishing transitions on `events`. Must be called
     /// within a tokio runtime (it starts the memory sampler).
     pub fn new(config: SupervisorConfig, events: mpsc::UnboundedSender<Status>) -> Self {
+        crate::spawn::start_spawners();
         let cgroups = Cgroups::setup(config.cgroups).map(Arc::new);
         tracing::info!(
             "instances are contained by {}",

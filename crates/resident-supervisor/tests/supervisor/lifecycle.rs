@@ -223,13 +223,13 @@ async fn a_child_holds_its_three_streams_and_nothing_else_of_the_agent() {
     let mut h = Harness::new();
     // An agent with many descriptors open, one of them without
     // close-on-exec (nix's dup sets no flag): the run's output pipes are
-    // made after them, so they sit above the numbers a child keeps.
+    // made after them.
     let file = std::fs::File::open("/proc/self/status").expect("open");
-    let many: Vec<std::fs::File> = (0..80)
+    let many: Vec<std::fs::File> = (0..300)
         .map(|_| file.try_clone().expect("a descriptor"))
         .collect();
     let leaky = nix::unistd::dup(&file).expect("dup");
-    let spec = child("fds", &["fds", "eprint=to stderr", "exit=0"]);
+    let spec = child("fds", &["fds", "fdsize", "eprint=to stderr", "exit=0"]);
     h.sup.start(spec).await.expect("starts");
     h.until("fds", State::Exited).await;
     let lines = h.lines("fds", 10);
@@ -240,6 +240,18 @@ async fn a_child_holds_its_three_streams_and_nothing_else_of_the_agent() {
         "only stdin, stdout and stderr, not {} nor any of {}: {lines:?}",
         std::os::fd::AsRawFd::as_raw_fd(&leaky),
         many.len(),
+    );
+    // The child's table was never a copy of the agent's large one (exec
+    // keeps a table's size).
+    let agent = fd_table_size(std::process::id());
+    let size: u64 = lines
+        .iter()
+        .find_map(|l| l.strip_prefix("fdsize ")?.parse().ok())
+        .expect("an fdsize line");
+    assert!(agent >= 512, "the agent's table holds {agent}");
+    assert!(
+        size < agent,
+        "the child's table holds {size}, the agent's {agent}"
     );
 }
 

@@ -124,6 +124,14 @@ pub fn child(id: &str, steps: &[&str]) -> LaunchSpec {
     spec
 }
 
+/// The size of process `pid`'s descriptor table (`FDSize` in its
+/// status).
+pub fn fd_table_size(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("a status");
+    let line = status.lines().find_map(|l| l.strip_prefix("FDSize:"));
+    line.and_then(|n| n.trim().parse().ok()).expect("FDSize")
+}
+
 /// Polls `check` until it holds or `bound` passes; returns whether it held.
 pub async fn eventually<F, Fut>(bound: Duration, mut check: F) -> bool
 where
