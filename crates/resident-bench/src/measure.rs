@@ -300,18 +300,33 @@ pub async fn agent_startstop(
     })
 }
 
+/// Makes each of `requests` with `call` on a clone of `c`, all side by
+/// side; their answers, in order.
+async fn side_by_side<Q, A, Fut>(
+    c: &Client,
+    requests: impl IntoIterator<Item = Q>,
+    call: impl Fn(Client, Q) -> Fut,
+) -> anyhow::Result<Vec<A>>
+where
+    Fut: std::future::Future<Output = Result<tonic::Response<A>, tonic::Status>> + Send + 'static,
+    A: Send + 'static,
+{
+    let calls: Vec<_> = requests
+        .into_iter()
+        .map(|q| tokio::spawn(call(c.clone(), q)))
+        .collect();
+    let mut answers = Vec::with_capacity(calls.len());
+    for call in calls {
+        answers.push(call.await??.into_inner());
+    }
+    Ok(answers)
+}
+
 /// Starts `ids` (workload `trivial`) side by side; each must answer READY.
 pub async fn start_all(c: &Client, ids: &[String]) -> anyhow::Result<()> {
-    let starts: Vec<_> = ids
-        .iter()
-        .map(|id| {
-            let mut c = c.clone();
-            let req = crate::start("trivial", id);
-            tokio::spawn(async move { c.start(req).await })
-        })
-        .collect();
-    for s in starts {
-        let r = s.await??.into_inner();
+    let requests = ids.iter().map(|id| crate::start("trivial", id));
+    let answers = side_by_side(c, requests, |mut c, q| async move { c.start(q).await }).await?;
+    for r in answers {
         let state = r.instance.map(|i| i.state);
         if state != Some(pb::State::Ready as i32) {
             bail!("a start did not end READY: {state:?}");
@@ -322,40 +337,25 @@ pub async fn start_all(c: &Client, ids: &[String]) -> anyhow::Result<()> {
 
 /// Stops `ids` side by side.
 pub async fn stop_all(c: &Client, ids: &[String]) -> anyhow::Result<()> {
-    let stops: Vec<_> = ids
-        .iter()
-        .map(|id| {
-            let mut c = c.clone();
-            let req = pb::StopRequest {
-                instance_id: id.clone(),
-                grace_ms: 0,
-            };
-            tokio::spawn(async move { c.stop(req).await })
-        })
-        .collect();
-    for s in stops {
-        s.await??;
-    }
+    let requests = ids.iter().map(|id| pb::StopRequest {
+        instance_id: id.clone(),
+        grace_ms: 0,
+    });
+    side_by_side(c, requests, |mut c, q| async move { c.stop(q).await }).await?;
     Ok(())
 }
 
-/// Places `workload` 100 times side by side: the agent's cost of an RPC
-/// that does almost nothing (a dry run of one admission).
+/// Places `trivial` `n` times side by side: the agent's cost of an RPC
+/// answered from its books alone (no process, no journal), though its
+/// Placement lists every pool's holders.
 async fn place_all(c: &Client, n: usize) -> anyhow::Result<()> {
-    let places: Vec<_> = (0..n)
-        .map(|_| {
-            let mut c = c.clone();
-            let req = pb::PlaceRequest {
-                workload: "trivial".into(),
-                on_full: 0,
-            };
-            tokio::spawn(async move { c.place(req).await })
-        })
-        .collect();
-    for p in places {
-        if !p.await??.into_inner().admitted {
-            bail!("a Place of `trivial` was not admitted");
-        }
+    let requests = (0..n).map(|_| pb::PlaceRequest {
+        workload: "trivial".into(),
+        on_full: 0,
+    });
+    let answers = side_by_side(c, requests, |mut c, q| async move { c.place(q).await }).await?;
+    if answers.iter().any(|p| !p.admitted) {
+        bail!("a Place of `trivial` was not admitted");
     }
     Ok(())
 }
@@ -365,7 +365,8 @@ async fn place_all(c: &Client, n: usize) -> anyhow::Result<()> {
 pub enum Storm {
     /// The start of 100.
     Start,
-    /// 100 Place calls while the 100 run: the RPC alone, for comparison.
+    /// 100 Place calls while the 100 run: an RPC with no process or
+    /// journal behind it, for comparison.
     Place,
     /// The stop of 100.
     Stop,
@@ -386,7 +387,8 @@ impl Storm {
 
 /// `resident-bench --stop-storm SOCKET ROUNDS [PERF_CTL_FIFO]` (or
 /// `--start-storm`, `--place-storm`): the stop (or start) of 100 of the
-/// start/stop rows (or 100 Place calls between them, the RPC alone),
+/// start/stop rows (or 100 Place calls between them, no process or
+/// journal behind them),
 /// against an agent already running on `socket` (the bench's config:
 /// workload `trivial`), for profiling. Each round starts 100 side by side,
 /// then stops them side by side, with perf enabled through its control

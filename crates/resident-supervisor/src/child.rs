@@ -155,23 +155,14 @@ fn pipe_cloexec() -> io::Result<(OwnedFd, OwnedFd)> {
 /// Clones and execs. Blocks the calling thread until the child has exec'd
 /// (or failed to): call it from a long-lived spawner thread only.
 pub fn clone_exec(p: &Prepared) -> io::Result<Spawned> {
-    reserve_slots()?;
-    SLOTS.with_borrow_mut(|slots| match slots {
-        Some(s) => clone_exec_with(p, s),
-        None => Err(io::Error::other("this thread has no spawn slots")),
-    })
+    SLOTS.with_borrow_mut(|slots| clone_exec_with(p, Slots::of(slots)?))
 }
 
 /// Takes this thread's low slots for its children's descriptors, unless
 /// it has them: a spawner thread calls it as soon as it starts, while
 /// the agent's table is small.
 pub fn reserve_slots() -> io::Result<()> {
-    SLOTS.with_borrow_mut(|slots| {
-        if slots.is_none() {
-            *slots = Some(Slots::new()?);
-        }
-        Ok(())
-    })
+    SLOTS.with_borrow_mut(|slots| Slots::of(slots).map(drop))
 }
 
 fn clone_exec_with(p: &Prepared, slots: &mut Slots) -> io::Result<Spawned> {
@@ -189,28 +180,11 @@ fn clone_exec_with(p: &Prepared, slots: &mut Slots) -> io::Result<Spawned> {
         p.cgroups.first(),
         p.cgroups.get(1),
     ])?;
-    let mut fds = ChildFds {
-        stdin: placed.slots.null.as_raw_fd(),
-        stdout: placed.fd(0),
-        stderr: placed.fd(1),
-        report: placed.fd(2),
-        cgroups: [placed.fd(3), placed.fd(4)],
-        own: [-1; 6],
-        keep_below: 0,
-    };
-    let mut own = [
-        fds.stdin,
-        fds.stdout,
-        fds.stderr,
-        fds.report,
-        fds.cgroups[0],
-        fds.cgroups[1],
-    ];
-    own.sort_unstable();
-    fds.own = own;
-    // A multiple of 64: kernels before 5.18 (without its fix backported)
-    // copy a table cut elsewhere with the bitmap of its last word short.
-    fds.keep_below = (own[5].max(2) + 64) / 64 * 64;
+    let fds = ChildFds::new(
+        [placed.slots.null.as_raw_fd(), placed.fd(0), placed.fd(1)],
+        placed.fd(2),
+        [placed.fd(3), placed.fd(4)],
+    );
     let parent = nix::unistd::getpid().as_raw();
     let program = p.program.as_ptr();
     let cwd = p.cwd.as_ref().map_or(std::ptr::null(), |c| c.as_ptr());
@@ -280,6 +254,14 @@ struct Slots {
 }
 
 impl Slots {
+    /// The slots in `slot`, taken first if it is empty.
+    fn of(slot: &mut Option<Slots>) -> io::Result<&mut Slots> {
+        match slot {
+            Some(s) => Ok(s),
+            None => Ok(slot.insert(Slots::new()?)),
+        }
+    }
+
     fn new() -> io::Result<Self> {
         let null = nix::fcntl::open(
             "/dev/null",
@@ -396,6 +378,25 @@ struct ChildFds {
     /// Above the highest of the above: the child's own table starts with
     /// the agent's descriptors below this only.
     keep_below: RawFd,
+}
+
+impl ChildFds {
+    fn new([stdin, stdout, stderr]: [RawFd; 3], report: RawFd, cgroups: [RawFd; 2]) -> Self {
+        let mut own = [stdin, stdout, stderr, report, cgroups[0], cgroups[1]];
+        own.sort_unstable();
+        Self {
+            stdin,
+            stdout,
+            stderr,
+            report,
+            cgroups,
+            own,
+            // A multiple of 64: kernels before 5.18 (without its fix
+            // backported) copy a table cut elsewhere with the bitmap of
+            // its last word short.
+            keep_below: (own[5].max(2) + 64) / 64 * 64,
+        }
+    }
 }
 
 /// The child between clone and exec. It shares the parent's memory, so it

@@ -17,7 +17,6 @@
 //! - `print=TEXT`: print TEXT to stdout, `eprint=TEXT` to stderr
 //! - `env=NAME`: print `NAME=value` (or `NAME unset`)
 //! - `fds`: print `fds` and the numbers of its open descriptors
-//! - `fdsize`: print `fdsize` and the size of its descriptor table
 //! - `forever`: sleep until killed
 //!
 //! Written with std only, so it starts in a millisecond.
@@ -48,11 +47,6 @@ fn main() {
             "print" => println!("{value}"),
             "eprint" => eprintln!("{value}"),
             "fds" => println!("fds {}", open_fds()),
-            "fdsize" => {
-                let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-                let size = status.lines().find_map(|l| l.strip_prefix("FDSize:"));
-                println!("fdsize {}", size.unwrap_or("unreadable").trim());
-            }
             "env" => match std::env::var(value) {
                 Ok(v) => println!("{value}={v}"),
                 Err(_) => println!("{value} unset"),

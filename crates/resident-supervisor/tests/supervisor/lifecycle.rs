@@ -220,7 +220,7 @@ async fn environment_is_cleared_and_macros_expand() {
 
 #[tokio::test]
 async fn a_child_holds_its_three_streams_and_nothing_else_of_the_agent() {
-    let mut h = Harness::new();
+    let h = Harness::new();
     // An agent with many descriptors open, one of them without
     // close-on-exec (nix's dup sets no flag): the run's output pipes are
     // made after them.
@@ -229,10 +229,16 @@ async fn a_child_holds_its_three_streams_and_nothing_else_of_the_agent() {
         .map(|_| file.try_clone().expect("a descriptor"))
         .collect();
     let leaky = nix::unistd::dup(&file).expect("dup");
-    let spec = child("fds", &["fds", "fdsize", "eprint=to stderr", "exit=0"]);
-    h.sup.start(spec).await.expect("starts");
-    h.until("fds", State::Exited).await;
+    let spec = child("fds", &["fds", "eprint=to stderr", "forever"]);
+    let pid = h.sup.start(spec).await.expect("starts").pid.expect("a pid");
+    let printed = eventually(PATIENCE, || async { h.lines("fds", 10).len() == 2 }).await;
     let lines = h.lines("fds", 10);
+    assert!(printed, "{lines:?}");
+    // The child's table was never a copy of the agent's large one (exec
+    // keeps a table's size).
+    let agent = fd_table_size(std::process::id());
+    let size = fd_table_size(pid);
+    h.sup.stop("fds", None).await.expect("stops");
     // Both streams reached the agent through their pipes.
     assert!(lines.iter().any(|l| l == "to stderr"), "{lines:?}");
     assert!(
@@ -241,13 +247,6 @@ async fn a_child_holds_its_three_streams_and_nothing_else_of_the_agent() {
         std::os::fd::AsRawFd::as_raw_fd(&leaky),
         many.len(),
     );
-    // The child's table was never a copy of the agent's large one (exec
-    // keeps a table's size).
-    let agent = fd_table_size(std::process::id());
-    let size: u64 = lines
-        .iter()
-        .find_map(|l| l.strip_prefix("fdsize ")?.parse().ok())
-        .expect("an fdsize line");
     assert!(agent >= 512, "the agent's table holds {agent}");
     assert!(
         size < agent,
