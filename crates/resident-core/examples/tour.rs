@@ -83,7 +83,7 @@ fn main() {
             .free
             .map_or("unbounded".to_string(), |f| Gb(f).to_string());
         println!("pool {}: {} used, {free} free", p.name, Gb(p.used));
-        for h in p.holders {
+        for h in node.holders(p.name.as_str()) {
             println!("  {:<12} {:<12} {}", h.instance_id, h.role, Gb(h.bytes));
         }
     }

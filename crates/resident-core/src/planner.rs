@@ -103,6 +103,12 @@ impl PoolFigures {
             used += u128::from(r.footprint(name));
             touched += u128::from(r.touched(name));
         }
+        Self::new(pool, used, touched)
+    }
+
+    /// The figures of `pool` whose residents declare `used` bytes and
+    /// have touched `touched` of them (measured, capped at declared).
+    pub(crate) fn new(pool: &Pool, used: u128, touched: u128) -> Self {
         let live = match (pool.config.live, pool.available) {
             (true, Some(available)) => Some(Live {
                 available,

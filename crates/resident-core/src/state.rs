@@ -92,7 +92,8 @@ impl Resident {
     }
 }
 
-/// A pool's figures as the `Node` RPC shows them.
+/// A pool's figures as the `Node` RPC and a `Placement` show them (who
+/// holds the memory is [`NodeState::holders`], which a refusal names).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PoolStatus {
     /// The pool.
@@ -105,8 +106,6 @@ pub struct PoolStatus {
     pub used: u64,
     /// `effective - used`, saturating; `None` when unbounded.
     pub free: Option<u64>,
-    /// Who holds memory there, in id order.
-    pub holders: Vec<Holder>,
 }
 
 /// The result of a successful `admit`.
@@ -381,23 +380,39 @@ impl NodeState {
         planner::PoolFigures::of(self, p).effective()
     }
 
-    /// Figures of every pool, in name order.
+    /// Figures of every pool, in name order: one pass over the residents
+    /// (each adds to the pools it asks of), not one per pool. Every
+    /// `Place` and `Node` answer carries these.
     pub fn pools(&self) -> Vec<PoolStatus> {
-        self.pools.values().map(|p| self.pool_status(p)).collect()
-    }
-
-    fn pool_status(&self, p: &Pool) -> PoolStatus {
-        let name = &p.config.name;
-        let effective = planner::PoolFigures::of(self, p).effective();
-        let used = self.used(name.as_str());
-        PoolStatus {
-            name: name.clone(),
-            budget: p.config.budget,
-            effective,
-            used,
-            free: effective.map(|e| e.saturating_sub(used)),
-            holders: self.holders(name.as_str()),
+        let names: Vec<&PoolName> = self.pools.keys().collect();
+        // Declared and touched bytes per pool, in `names` order.
+        let mut sums = vec![(0u128, 0u128); names.len()];
+        for r in self.residents.values() {
+            for (pool, demand) in &r.spec.demand {
+                let Ok(i) = names.binary_search(&pool) else {
+                    continue;
+                };
+                let declared = demand.footprint();
+                let measured = r.measured.get(pool).copied().unwrap_or(0);
+                sums[i].0 += u128::from(declared);
+                sums[i].1 += u128::from(measured.min(declared));
+            }
         }
+        self.pools
+            .values()
+            .zip(sums)
+            .map(|(p, (used, touched))| {
+                let effective = planner::PoolFigures::new(p, used, touched).effective();
+                let used = u64::try_from(used).unwrap_or(u64::MAX);
+                PoolStatus {
+                    name: p.config.name.clone(),
+                    budget: p.config.budget,
+                    effective,
+                    used,
+                    free: effective.map(|e| e.saturating_sub(used)),
+                }
+            })
+            .collect()
     }
 
     /// Residents with bytes in `pool`, in id order.

@@ -328,6 +328,29 @@ proptest! {
                 Op::Reading { pool: p, gb } => { n.set_available(POOLS[p], gb.map(|g| g * GB)); }
                 Op::Tick { ms } => now += ms,
             }
+            check_pools(&n);
         }
+    }
+}
+
+/// The figures every `Place` and `Node` answer carries (`pools()`, one
+/// pass over the residents) against each pool summed on its own.
+fn check_pools(n: &NodeState) {
+    let figures = n.pools();
+    let names: Vec<&str> = figures.iter().map(|f| f.name.as_str()).collect();
+    assert_eq!(names, POOLS, "every configured pool, in name order");
+    for f in &figures {
+        let p = f.name.as_str();
+        let used = n
+            .residents()
+            .map(|r| r.footprint(p))
+            .fold(0, u64::saturating_add);
+        assert_eq!(f.used, used, "pool {p}: used");
+        assert_eq!(f.effective, n.effective_budget(p), "pool {p}: effective");
+        assert_eq!(
+            f.free,
+            f.effective.map(|e| e.saturating_sub(used)),
+            "pool {p}: free"
+        );
     }
 }

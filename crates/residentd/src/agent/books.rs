@@ -16,7 +16,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use resident_api::{ApiError, pb};
 use resident_config::{Config, Workload};
-use resident_core::{AdmitError, InstanceId, NodeState, Plan, PlanError, Policy, PoolName, Spec};
+use resident_core::{
+    AdmitError, InstanceId, NodeState, Plan, PlanError, Policy, PoolName, PoolStatus, Spec,
+};
 use resident_supervisor::Adoption;
 use tokio::sync::oneshot;
 
@@ -456,7 +458,8 @@ impl Books {
 
     /// The pools as they are.
     pub(super) fn pools(&self) -> Vec<pb::PoolStatus> {
-        pool_statuses(&self.lock().ledger)
+        let b = self.lock();
+        pool_statuses(&b.ledger, &b.ledger.pools())
     }
 
     /// Records a use of `id` and renews its lease; false when it holds no
@@ -611,7 +614,8 @@ pub(super) struct Readings {
 /// be placed, each victim with what it holds, and what the start would
 /// leave free.
 fn placement(ledger: &NodeState, plan: &Plan, spec: &Spec) -> pb::Placement {
-    let mut out = resident_api::placement(plan, pool_statuses(ledger));
+    let pools = ledger.pools();
+    let mut out = resident_api::placement(plan, pool_statuses(ledger, &pools));
     let (evict, concrete): (&[InstanceId], Spec) = match plan {
         Plan::Admit { evict, chosen, .. } => (evict, spec.concrete(chosen)),
         Plan::Existing => (&[], spec.clone()),
@@ -642,23 +646,25 @@ fn placement(ledger: &NodeState, plan: &Plan, spec: &Spec) -> pb::Placement {
         .demand
         .keys()
         .filter_map(|pool| {
-            let budget = ledger.effective_budget(pool.as_str())?;
+            let figures = pools.iter().find(|p| p.name == *pool)?;
+            let budget = figures.effective?;
             let freed: u64 = victims.iter().map(|v| v.footprint(pool.as_str())).sum();
             let taken = if existing {
                 0
             } else {
                 spec.footprint(pool.as_str())
             };
-            let used = ledger.used(pool.as_str()).saturating_sub(freed);
+            let used = figures.used.saturating_sub(freed);
             Some(budget.saturating_sub(used).saturating_sub(taken))
         })
         .min();
     out
 }
 
-fn pool_statuses(ledger: &NodeState) -> Vec<pb::PoolStatus> {
-    ledger
-        .pools()
+/// `pools` (the ledger's figures) as the API shows them, with each live
+/// pool's last reading.
+fn pool_statuses(ledger: &NodeState, pools: &[PoolStatus]) -> Vec<pb::PoolStatus> {
+    pools
         .iter()
         .map(|p| resident_api::pool_status(p, ledger.available(p.name.as_str())))
         .collect()
