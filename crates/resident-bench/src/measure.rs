@@ -346,8 +346,8 @@ pub async fn stop_all(c: &Client, ids: &[String]) -> anyhow::Result<()> {
 }
 
 /// Places `trivial` `n` times side by side: the agent's cost of an RPC
-/// answered from its books alone (no process, no journal), though its
-/// Placement lists every pool's holders.
+/// answered from its books alone (no process, no journal), with every
+/// pool's figures in its Placement.
 async fn place_all(c: &Client, n: usize) -> anyhow::Result<()> {
     let requests = (0..n).map(|_| pb::PlaceRequest {
         workload: "trivial".into(),
