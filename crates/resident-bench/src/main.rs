@@ -379,8 +379,8 @@ async fn place_rows(plan: &Plan, residentd: &Path, table: &mut Table) -> anyhow:
     }
     for &clients in plan.place_clients {
         // Alternate, so drift of the machine hits both alike.
-        let ours = measure::place(&agent.socket, clients, plan.place_secs).await?;
-        let base = measure::place(&floor.socket, clients, plan.place_secs).await?;
+        let ours = measure::place(&agent.socket, agent.pid(), clients, plan.place_secs).await?;
+        let base = measure::place(&floor.socket, floor.pid(), clients, plan.place_secs).await?;
         table.push(Row::latency(
             format!("Place p50, {clients} clients"),
             ours.p50,
@@ -401,6 +401,26 @@ async fn place_rows(plan: &Plan, residentd: &Path, table: &mut Table) -> anyhow:
             base.per_sec,
             ">= 0.7x floor",
         ));
+        // Beside the median: the mean (the clients over the rate, in a
+        // closed loop), which does not depend on how evenly a server
+        // shares its time among its clients, and what a call costs each
+        // server in CPU.
+        table.push(Row::latency(
+            format!("Place mean, {clients} clients"),
+            ours.mean,
+            base.mean,
+            None,
+            "",
+        ));
+        if let (Some(ours), Some(base)) = (ours.server_cpu, base.server_cpu) {
+            table.push(Row::latency(
+                format!("Place: the server's CPU per call, {clients} clients"),
+                ours,
+                base,
+                None,
+                "",
+            ));
+        }
     }
     Ok(())
 }

@@ -25,26 +25,37 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[i.min(sorted.len() - 1)]
 }
 
-/// Latency and rate of a batch of calls.
+/// Latency and rate of a batch of calls, and what they cost the server.
 #[derive(Debug, Clone, Copy)]
 pub struct Calls {
     pub p50: Duration,
     pub p99: Duration,
+    /// The mean: with every client calling in a closed loop, the number
+    /// of clients over the rate, however the server shares its time out
+    /// among them (a server that serves a few clients first and lets the
+    /// rest wait has a low median and the same mean).
+    pub mean: Duration,
     pub per_sec: f64,
+    /// The server's CPU time per call (`None` when it could not be read).
+    pub server_cpu: Option<Duration>,
 }
 
-fn summarize(mut lat: Vec<Duration>, elapsed: Duration) -> Calls {
+fn summarize(mut lat: Vec<Duration>, elapsed: Duration, server: Option<Duration>) -> Calls {
     lat.sort();
+    let n = u32::try_from(lat.len().max(1)).unwrap_or(u32::MAX);
     Calls {
         p50: percentile(&lat, 0.5),
         p99: percentile(&lat, 0.99),
+        mean: lat.iter().sum::<Duration>() / n,
         per_sec: lat.len() as f64 / elapsed.as_secs_f64(),
+        server_cpu: server.map(|cpu| cpu / n),
     }
 }
 
 /// Place from `clients` connections of their own, each calling in a loop
-/// for `secs` after a short warm-up.
-pub async fn place(socket: &Path, clients: usize, secs: f64) -> anyhow::Result<Calls> {
+/// for `secs` after a short warm-up, against the server `server` (its
+/// pid, whose CPU time the measured calls are charged).
+pub async fn place(socket: &Path, server: i32, clients: usize, secs: f64) -> anyhow::Result<Calls> {
     let mut conns = Vec::new();
     for _ in 0..clients {
         conns.push(resident_api::connect_unix(socket).await?);
@@ -81,8 +92,28 @@ pub async fn place(socket: &Path, clients: usize, secs: f64) -> anyhow::Result<C
         }
     };
     run(secs / 5.0).await?;
+    let cpu0 = process_cpu(server);
     let (lat, elapsed) = run(secs).await?;
-    Ok(summarize(lat, elapsed))
+    let spent = process_cpu(server)
+        .zip(cpu0)
+        .map(|(after, before)| after.saturating_sub(before));
+    Ok(summarize(lat, elapsed, spent))
+}
+
+/// The CPU time of process `pid`, user and system, of every thread it has
+/// had (a thread's time stays counted after it ends, unlike its
+/// `schedstat`), in clock ticks (10 ms here: over a few seconds of calls,
+/// a fraction of a per cent).
+fn process_cpu(pid: i32) -> Option<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The fields after the command name, which may hold spaces: state is
+    // the first, utime and stime the 12th and 13th.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let mut fields = rest.split_whitespace().skip(11);
+    let utime: u64 = fields.next()?.parse().ok()?;
+    let stime: u64 = fields.next()?.parse().ok()?;
+    let tick = Duration::from_secs(1) / clock_ticks_per_sec();
+    Some(tick * u32::try_from(utime + stime).ok()?)
 }
 
 /// CPU time spent during a phase: by the whole machine (every core,
@@ -685,7 +716,7 @@ pub async fn churn(socket: &Path, calls: usize, clients: usize) -> anyhow::Resul
         admitted += a;
         refused += r;
     }
-    let s = summarize(lat, t0.elapsed());
+    let s = summarize(lat, t0.elapsed(), None);
     Ok(Churn {
         per_sec: s.per_sec,
         p99: s.p99,
