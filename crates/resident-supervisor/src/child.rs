@@ -249,9 +249,13 @@ struct Slots {
     /// `/dev/null`: the child's stdin, and what the other slots hold when
     /// idle.
     null: OwnedFd,
-    /// For stdout, stderr, the report pipe and two `cgroup.procs` files.
+    /// [`HELD`] of them, in the order `place` fills them.
     held: Vec<OwnedFd>,
 }
+
+/// How many slots a spawn fills besides `/dev/null`: stdout, stderr, the
+/// report pipe and two `cgroup.procs` files.
+const HELD: usize = 5;
 
 impl Slots {
     /// The slots in `slot`, taken first if it is empty.
@@ -269,7 +273,7 @@ impl Slots {
             nix::sys::stat::Mode::empty(),
         )
         .map_err(io::Error::from)?;
-        let held = (0..5)
+        let held = (0..HELD)
             .map(|_| null.try_clone())
             .collect::<io::Result<_>>()?;
         Ok(Self { null, held })
@@ -278,10 +282,10 @@ impl Slots {
     /// Puts each of `fds` (in order: stdout, stderr, report, cgroups) in
     /// a slot; the slots go back to `/dev/null` when the returned guard is
     /// dropped.
-    fn place(&mut self, fds: [Option<&OwnedFd>; 5]) -> io::Result<Placed<'_>> {
+    fn place(&mut self, fds: [Option<&OwnedFd>; HELD]) -> io::Result<Placed<'_>> {
         let mut placed = Placed {
             slots: self,
-            used: [false; 5],
+            used: [false; HELD],
         };
         for (i, fd) in fds.into_iter().enumerate() {
             if let Some(fd) = fd {
@@ -298,7 +302,7 @@ impl Slots {
 /// The slots while a spawn uses them.
 struct Placed<'a> {
     slots: &'a mut Slots,
-    used: [bool; 5],
+    used: [bool; HELD],
 }
 
 impl Placed<'_> {
@@ -394,7 +398,7 @@ impl ChildFds {
             // A multiple of 64: kernels before 5.18 (without its fix
             // backported) copy a table cut elsewhere with the bitmap of
             // its last word short.
-            keep_below: (own[5].max(2) + 64) / 64 * 64,
+            keep_below: (own[own.len() - 1].max(2) + 64) / 64 * 64,
         }
     }
 }
