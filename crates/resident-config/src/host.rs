@@ -123,6 +123,22 @@ impl Lookups {
         crate::gguf::read(Path::new(path)).map_err(|e| format!("{path}: {e}"))
     }
 
+    /// The user called `name`, as `run_as` names it: one this agent can
+    /// run children as. Elsewhere, as `user`.
+    pub(crate) fn run_as(self, name: &str) -> Result<User, String> {
+        let user = self.user(name)?;
+        if !self.local() {
+            return Ok(user);
+        }
+        let agent = Agent {
+            uid: nix::unistd::geteuid().as_raw(),
+            gid: nix::unistd::getegid().as_raw(),
+            can_change_user: can_change_user(),
+        };
+        agent.can_run_as(&user)?;
+        Ok(user)
+    }
+
     /// Whether the agent, this process, runs as root.
     pub(crate) fn agent_is_root(self) -> bool {
         self.local() && nix::unistd::geteuid().is_root()
@@ -159,5 +175,94 @@ impl Lookups {
             ));
         }
         Ok(())
+    }
+}
+
+/// Who the agent is, as far as running a child as another user goes.
+#[derive(Debug, Clone, Copy)]
+struct Agent {
+    uid: u32,
+    gid: u32,
+    /// Whether it holds CAP_SETUID and CAP_SETGID.
+    can_change_user: bool,
+}
+
+impl Agent {
+    /// Whether children can run as `user`: as the agent itself (no change
+    /// is made), or as anyone when the agent may change identity.
+    fn can_run_as(self, user: &User) -> Result<(), String> {
+        if (user.uid, user.gid) == (self.uid, self.gid) || self.can_change_user {
+            return Ok(());
+        }
+        Err(format!(
+            "the agent runs as uid {} (gid {}) and cannot run children as {:?} \
+             (uid {}, gid {}): that needs root or CAP_SETUID and CAP_SETGID; \
+             set run_as to the agent's own user or leave it out",
+            self.uid, self.gid, user.name, user.uid, user.gid
+        ))
+    }
+}
+
+/// Whether this process holds CAP_SETUID and CAP_SETGID (its effective
+/// set, from `/proc/self/status`); where that cannot be read, whether it
+/// is root.
+fn can_change_user() -> bool {
+    const CAP_SETGID: u32 = 6;
+    const CAP_SETUID: u32 = 7;
+    let effective = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            let line = status.lines().find_map(|l| l.strip_prefix("CapEff:"))?;
+            u64::from_str_radix(line.trim(), 16).ok()
+        });
+    match effective {
+        Some(caps) => caps & (1 << CAP_SETGID) != 0 && caps & (1 << CAP_SETUID) != 0,
+        None => nix::unistd::geteuid().is_root(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(agent: (u32, u32, bool), user: (u32, u32), fits: bool) {
+        let agent = Agent {
+            uid: agent.0,
+            gid: agent.1,
+            can_change_user: agent.2,
+        };
+        let user = User {
+            name: "llm".into(),
+            uid: user.0,
+            gid: user.1,
+        };
+        let said = agent.can_run_as(&user);
+        assert_eq!(said.is_ok(), fits, "{agent:?} as {user:?}: {said:?}");
+        if let Err(e) = said {
+            assert!(e.contains("\"llm\" (uid"), "{e}");
+            assert!(e.contains(&format!("uid {}", agent.uid)), "{e}");
+        }
+    }
+
+    #[test]
+    fn children_run_as_the_agent_itself_or_anyone_when_it_may_change_user() {
+        // The packaged unit: User=residentd, run_as = "residentd".
+        check((998, 998, false), (998, 998), true);
+        check((998, 998, false), (1000, 1000), false);
+        // Same uid, another primary group: setgid needs the privilege too.
+        check((998, 998, false), (998, 100), false);
+        check((0, 0, true), (1000, 1000), true);
+        check((0, 0, true), (0, 0), true);
+        // An unprivileged agent given the capabilities (AmbientCapabilities=).
+        check((998, 998, true), (1000, 1000), true);
+    }
+
+    #[test]
+    fn this_process_reads_its_own_capabilities() {
+        // The kernel's own answer: setting this thread's supplementary
+        // groups to what they are changes nothing, and needs CAP_SETGID.
+        let groups = nix::unistd::getgroups().expect("getgroups");
+        let may = nix::unistd::setgroups(&groups).is_ok();
+        assert_eq!(can_change_user(), may, "CapEff read against setgroups");
     }
 }

@@ -128,7 +128,7 @@ impl Prepared {
             argv,
             envp,
             cwd,
-            user,
+            user: user.filter(|&target| target != own_identity()),
             cgroups: Vec::new(),
             output,
             reset_oom: crate::procfs::own_oom_score_adj() != Some(0),
@@ -139,6 +139,17 @@ impl Prepared {
     pub fn join_cgroups(&mut self, procs: Vec<OwnedFd>) {
         self.cgroups = procs;
     }
+}
+
+/// The agent's own effective uid and gid. A child to run as exactly these
+/// needs no identity change, and an unprivileged agent could not make one
+/// (setgroups needs CAP_SETGID even to name its own group), so it keeps
+/// the agent's identity, supplementary groups included.
+fn own_identity() -> (u32, u32) {
+    (
+        nix::unistd::geteuid().as_raw(),
+        nix::unistd::getegid().as_raw(),
+    )
 }
 
 /// The raw result of a clone: pid and start time.

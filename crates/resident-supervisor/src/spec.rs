@@ -94,7 +94,9 @@ pub struct LaunchSpec {
     pub pass_env: Vec<String>,
     /// Working directory; the agent's when `None`.
     pub cwd: Option<PathBuf>,
-    /// Run as this uid and gid (supplementary groups are dropped).
+    /// Run as this uid and gid (supplementary groups are dropped); the
+    /// agent's own uid and gid leave the child as the agent is, with its
+    /// supplementary groups.
     pub user: Option<(u32, u32)>,
     /// How readiness is probed.
     pub readiness: Readiness,

@@ -95,8 +95,9 @@ fn spanned_str(s: &Spanned<String>) -> &str {
     s.get_ref().as_str()
 }
 
+/// A `run_as` user: one the agent can run children as.
 fn user(src: &Source<'_>, u: &Spanned<String>, key: &str, host: Lookups) -> Result<User> {
-    host.user(u.get_ref())
+    host.run_as(u.get_ref())
         .map_err(|m| src.err(u.span(), key, m))
 }
 

@@ -1,9 +1,12 @@
 //! The packaged systemd unit passes `systemd-analyze verify` without a word
 //! (its drop-in too, where systemd is new enough for it), and the
 //! children of an agent that protects itself from the OOM killer do not
-//! inherit that protection.
+//! inherit that protection; the packaged config, run by an unprivileged
+//! agent as the unit runs it, starts a model as that same user.
 
 use std::process::Command;
+
+use resident_api::pb;
 
 use crate::support::*;
 
@@ -130,38 +133,130 @@ async fn children_do_not_inherit_the_agents_oom_protection() {
     );
 }
 
-#[test]
-fn the_packaged_config_runs_models_as_a_dedicated_user() {
-    let path = workspace().join("systemd/residentd.toml");
-    let text = std::fs::read_to_string(&path).expect("the packaged config");
-    let unit = workspace().join("systemd/residentd.service");
-    let unit = std::fs::read_to_string(&unit).expect("the unit");
-    assert!(unit.contains("User=residentd"));
-    assert!(text.contains("run_as = \"residentd\""));
-    assert!(text.contains("socket_group = \"residentd\""));
-    // The residentd user and group exist only where the agent is installed;
-    // validate the rest with an account every machine has.
-    let root = nix::unistd::Group::from_gid(0.into())
+/// The packaged config for an agent in `dir`: its paths moved into `dir`,
+/// its user and socket group `user`'s (the packaged `residentd` exists
+/// only where the package is installed), its example workload replaced by
+/// one that runs here.
+fn packaged_config_in(dir: &std::path::Path, user: &nix::unistd::User) -> String {
+    let text = std::fs::read_to_string(workspace().join("systemd/residentd.toml"))
+        .expect("the packaged config");
+    for key in [
+        "run_as = \"residentd\"",
+        "socket_group = \"residentd\"",
+        "listen = \"unix:///run/residentd/residentd.sock\"",
+        "state_dir = \"/var/lib/residentd\"",
+    ] {
+        assert!(text.contains(key), "the packaged config sets {key}");
+    }
+    let group = nix::unistd::Group::from_gid(user.gid)
         .ok()
         .flatten()
-        .expect("group 0")
+        .expect("the user's group")
         .name;
-    let here = text
-        .replace("run_as = \"residentd\"", "run_as = \"nobody\"")
+    let node = text
+        .split("[[workload]]")
+        .next()
+        .expect("the node and pools");
+    node.replace("\"residentd\"", &format!("\"{}\"", user.name))
         .replace(
-            "socket_group = \"residentd\"",
-            &format!("socket_group = \"{root}\""),
-        );
-    let c = resident_config::parse(&path, &here).expect("the packaged config is valid");
-    assert_eq!(
-        c.node.run_as.as_ref().map(|u| u.name.as_str()),
-        Some("nobody")
-    );
+            "\"unix:///run/residentd/residentd.sock\"",
+            &format!("\"unix://{}/agent.sock\"", dir.display()),
+        )
+        .replace(
+            "\"/var/lib/residentd\"",
+            &format!("\"{}/state\"", dir.display()),
+        )
+        .replace(
+            &format!("socket_group = \"{}\"", user.name),
+            &format!("socket_group = \"{group}\""),
+        )
+        + &sleeper("coder", "ram", 1, "")
+}
+
+/// The uid a live process runs as (the real one, from `/proc/PID/status`).
+fn uid_of(pid: u32) -> u32 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    let line = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .expect("a Uid line");
+    line.split_whitespace()
+        .next()
+        .and_then(|u| u.parse().ok())
+        .expect("a uid")
+}
+
+#[tokio::test]
+async fn the_packaged_node_starts_a_model_as_its_own_unprivileged_user() {
+    let unit =
+        std::fs::read_to_string(workspace().join("systemd/residentd.service")).expect("the unit");
+    assert!(unit.contains("User=residentd") && unit.contains("Group=residentd"));
+    if !nix::unistd::geteuid().is_root() {
+        return skip("starting the agent as another user needs root");
+    }
+    // The unit's user stands in as `nobody`: an unprivileged account with a
+    // group of its own, as the package's system user is.
+    let user = nix::unistd::User::from_name("nobody")
+        .ok()
+        .flatten()
+        .expect("user nobody");
+    let dir = tempfile::tempdir().expect("tempdir");
+    nix::unistd::chown(dir.path(), Some(user.uid), Some(user.gid)).expect("chown");
+    let text = packaged_config_in(dir.path(), &user);
+    std::fs::write(dir.path().join("residentd.toml"), &text).expect("write");
+    let c = resident_config::parse(&dir.path().join("residentd.toml"), &text)
+        .expect("the packaged config is valid");
     assert!(c.warnings.is_empty(), "{:?}", c.warnings);
-    assert_eq!(
-        c.node.listen,
-        [resident_config::Listen::Unix(
-            "/run/residentd/residentd.sock".into()
-        )]
+    let as_user = |cmd: &mut Command| {
+        use std::os::unix::process::CommandExt as _;
+        // std drops root's supplementary groups when it changes the uid.
+        cmd.uid(user.uid.as_raw()).gid(user.gid.as_raw());
+    };
+
+    // Told to run its children as someone else, the unprivileged agent
+    // says at load that it cannot, naming the key.
+    let other = text.replace(&format!("run_as = \"{}\"", user.name), "run_as = \"root\"");
+    std::fs::write(dir.path().join("other.toml"), &other).expect("write");
+    let mut check = Command::new(RESIDENTD);
+    check
+        .arg("--check-config")
+        .arg(dir.path().join("other.toml"));
+    as_user(&mut check);
+    let out = check.output().expect("run --check-config");
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(78), "{said}");
+    assert!(
+        said.contains("node.run_as") && said.contains("cannot run children as \"root\""),
+        "{said}"
     );
+
+    // As its own user, it starts a model through residentctl.
+    let d = Daemon::start_in_with(dir, as_user).await;
+    assert_eq!(
+        uid_of(d.pid() as u32),
+        user.uid.as_raw(),
+        "the agent is unprivileged"
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_residentctl"))
+        .arg("--socket")
+        .arg(&d.socket)
+        .args(["start", "coder", "--id", "c", "--wait"])
+        .output()
+        .expect("run residentctl");
+    assert!(
+        out.status.success(),
+        "residentctl start: {}{}\nagent log:\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+        d.log()
+    );
+    let mut d = d;
+    let c = d.get("c").await;
+    assert_eq!(c.state(), pb::State::Ready, "{c:?}");
+    assert_eq!(
+        uid_of(c.pid),
+        user.uid.as_raw(),
+        "the model runs as the unit's user"
+    );
+    d.stopped("c").await;
 }
