@@ -152,6 +152,9 @@ pub fn demand(spec: &Spec) -> Vec<pb::PoolDemand> {
             pool: pool.to_string(),
             weights_bytes: d.weights,
             kv_budget_bytes: d.kv,
+            overhead_bytes: d.overhead,
+            reserved_bytes: d.footprint(),
+            learned_bytes: d.floor,
         })
         .collect()
 }
@@ -166,6 +169,7 @@ pub fn any_of(spec: &Spec) -> Vec<pb::AnyOfDemand> {
             count: u32::try_from(a.count).unwrap_or(u32::MAX),
             weights_bytes: a.demand.weights,
             kv_budget_bytes: a.demand.kv,
+            overhead_bytes: a.demand.overhead,
         })
         .collect()
 }

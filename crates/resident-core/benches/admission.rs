@@ -23,6 +23,7 @@ fn spec(name: &str, gb: [u64; 3]) -> Spec {
             Demand {
                 weights: gb * GB,
                 kv: GB / 2,
+                ..Default::default()
             },
         );
     }

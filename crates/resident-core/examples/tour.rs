@@ -19,6 +19,7 @@ fn spec(name: &str, gb: u64, excludes: &[&str]) -> Arc<Spec> {
         Demand {
             weights: gb * GB,
             kv: 0,
+            ..Default::default()
         },
     );
     s.excludes = excludes.iter().map(|x| x.to_string()).collect();

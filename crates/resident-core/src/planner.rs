@@ -18,7 +18,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use crate::name::{GroupName, InstanceId, PoolName, Role, WorkloadName};
 use crate::reason::{GroupRule, Reason, Refusal};
 use crate::spec::{Choice, GpuChoice, GroupPolicy, Spec};
-use crate::state::{NodeState, Pool, Resident};
+use crate::state::{NodeState, Pool, Resident, Totals};
 
 /// What to do when a constraint fails.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -70,6 +70,20 @@ pub enum PlanError {
         /// Its workload.
         existing: WorkloadName,
     },
+    /// An any-of demand asks for more pools than it names (or none).
+    #[error(
+        "workload '{workload}' asks for {count} pools of '{label}', which names {candidates}: give 1 to {candidates}"
+    )]
+    AnyOfCount {
+        /// The workload.
+        workload: WorkloadName,
+        /// The any-of label.
+        label: String,
+        /// Pools asked for.
+        count: usize,
+        /// Pools named.
+        candidates: usize,
+    },
     /// The id belongs to an instance that is being evicted.
     #[error("instance '{id}' is being evicted; start it again once it has exited")]
     Evicting {
@@ -82,7 +96,7 @@ pub enum PlanError {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct PoolFigures {
     budget: Option<u64>,
-    /// Declared bytes of every entry.
+    /// Counted bytes of every entry (the larger of reserved and measured).
     used: u128,
     live: Option<Live>,
 }
@@ -91,44 +105,42 @@ pub(crate) struct PoolFigures {
 struct Live {
     available: u64,
     reserve: u64,
-    /// Measured (capped at declared) bytes of every entry.
-    touched: u128,
+    /// Measured bytes of every entry: already missing from `available`.
+    measured: u128,
 }
 
 impl PoolFigures {
     pub(crate) fn of(state: &NodeState, pool: &Pool) -> Self {
         let name = pool.config.name.as_str();
-        let (mut used, mut touched) = (0u128, 0u128);
+        let mut totals = Totals::default();
         for r in state.residents.values() {
-            used += u128::from(r.footprint(name));
-            touched += u128::from(r.touched(name));
+            totals.add(r.charge(name));
         }
-        Self::new(pool, used, touched)
+        Self::new(pool, totals)
     }
 
-    /// The figures of `pool` whose residents declare `used` bytes and
-    /// have touched `touched` of them (measured, capped at declared).
-    pub(crate) fn new(pool: &Pool, used: u128, touched: u128) -> Self {
+    /// The figures of `pool` whose residents' charges sum to `totals`.
+    pub(crate) fn new(pool: &Pool, totals: Totals) -> Self {
         let live = match (pool.config.live, pool.available) {
             (true, Some(available)) => Some(Live {
                 available,
                 reserve: pool.config.reserve,
-                touched,
+                measured: totals.measured,
             }),
             _ => None,
         };
         Self {
             budget: pool.config.budget,
-            used,
+            used: totals.used,
             live,
         }
     }
 
     /// The live ceiling in budget terms: what the probe shows available
-    /// plus what our residents already touched, less the reserve.
+    /// plus what our residents are measured to hold, less the reserve.
     fn ceiling(&self) -> Option<u128> {
         self.live
-            .map(|l| (u128::from(l.available) + l.touched).saturating_sub(u128::from(l.reserve)))
+            .map(|l| (u128::from(l.available) + l.measured).saturating_sub(u128::from(l.reserve)))
     }
 
     /// The configured budget tightened by the ceiling; a reading never
@@ -164,6 +176,18 @@ pub fn plan(
     }
     if let Some(plan) = existing(state, id, spec)? {
         return Ok(plan);
+    }
+    if let Some(a) = spec
+        .any_of
+        .iter()
+        .find(|a| a.count == 0 || a.count > a.candidates.len())
+    {
+        return Err(PlanError::AnyOfCount {
+            workload: spec.workload.clone(),
+            label: a.label.clone(),
+            count: a.count,
+            candidates: a.candidates.len(),
+        });
     }
     let choices = spec.choices();
     let mut best: Option<((bool, i128, usize), Plan)> = None;
@@ -295,7 +319,8 @@ fn plan_at(
 
 /// Plans a target whose process already runs and already holds `present`
 /// bytes per pool (an adoption): a live pool's reading shows that memory
-/// as taken, so it counts as touched by the target, like a resident's.
+/// as taken, so it counts as measured for the target, like a resident's,
+/// and the target needs the larger of its demand and those bytes.
 pub(crate) fn plan_present(
     state: &NodeState,
     id: Option<&InstanceId>,
@@ -316,12 +341,14 @@ pub(crate) fn plan_present(
                 pool: name.clone(),
             });
         };
-        if demand.footprint() > 0 {
+        let present = present.get(name).copied().unwrap_or(0);
+        let need = demand.footprint().max(present);
+        if need > 0 {
             let mut figures = PoolFigures::of(state, pool);
-            if let (Some(live), Some(bytes)) = (figures.live.as_mut(), present.get(name)) {
-                live.touched += u128::from((*bytes).min(demand.footprint()));
+            if let Some(live) = figures.live.as_mut() {
+                live.measured += u128::from(present);
             }
-            pools.push((pool, figures, demand.footprint()));
+            pools.push((pool, figures, need));
         }
     }
 
@@ -430,7 +457,7 @@ fn memory_reasons(
     if let (Some(live), Some(ceiling)) = (figures.live, figures.ceiling())
         && over(ceiling)
     {
-        let pending = figures.used - live.touched;
+        let pending = figures.used.saturating_sub(live.measured);
         out.push(Reason::HostMemory {
             role: spec.role.clone(),
             pool: pool.config.name.clone(),
@@ -472,7 +499,7 @@ fn victims(
         .collect();
     let release = |excess: &mut BTreeMap<&str, i128>, r: &Resident| {
         for (pool, e) in excess.iter_mut() {
-            *e -= i128::from(r.footprint(pool));
+            *e -= i128::from(r.charge(pool).counted());
         }
     };
     let mut evict = Vec::new();
@@ -493,7 +520,7 @@ fn victims(
         for r in candidates {
             let helps = excess
                 .iter()
-                .any(|(pool, e)| *e > 0 && r.footprint(pool) > 0);
+                .any(|(pool, e)| *e > 0 && r.charge(pool).counted() > 0);
             if helps {
                 release(&mut excess, r);
                 evict.push(r.id.clone());

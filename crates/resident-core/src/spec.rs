@@ -15,12 +15,36 @@ pub struct Demand {
     pub weights: u64,
     /// KV-cache budget, in bytes.
     pub kv: u64,
+    /// What the server holds beyond weights and KV cache: its process and
+    /// runtime, compute buffers.
+    pub overhead: u64,
+    /// A floor under the reservation: what this workload was measured to
+    /// hold before (a learned footprint); 0 for none.
+    pub floor: u64,
 }
 
 impl Demand {
-    /// Weights plus KV, saturating: what the ledger charges.
+    /// Weights plus KV plus overhead, saturating: what was declared.
+    pub fn declared(&self) -> u64 {
+        self.weights
+            .saturating_add(self.kv)
+            .saturating_add(self.overhead)
+    }
+
+    /// What the ledger reserves: the declared bytes, raised to the floor.
     pub fn footprint(&self) -> u64 {
-        self.weights.saturating_add(self.kv)
+        self.declared().max(self.floor)
+    }
+
+    /// `self` and `other` held together in one pool (floors add too: each
+    /// was measured for its own part).
+    pub fn plus(&self, other: &Demand) -> Demand {
+        Demand {
+            weights: self.weights.saturating_add(other.weights),
+            kv: self.kv.saturating_add(other.kv),
+            overhead: self.overhead.saturating_add(other.overhead),
+            floor: self.floor.saturating_add(other.floor),
+        }
     }
 }
 
@@ -108,8 +132,7 @@ impl Spec {
         for (a, pools) in self.any_of.iter().zip(choice) {
             for pool in pools {
                 let d = out.demand.entry(pool.clone()).or_default();
-                d.weights = d.weights.saturating_add(a.demand.weights);
-                d.kv = d.kv.saturating_add(a.demand.kv);
+                *d = d.plus(&a.demand);
             }
         }
         out

@@ -70,20 +70,47 @@ pub struct Resident {
     pub evictable: bool,
 }
 
+/// What one resident is charged in one pool: the one figure every sum
+/// of the ledger reads (`Resident::charge`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Charge {
+    /// What the books reserved at admission (declared, raised by what was
+    /// learned).
+    pub reserved: u64,
+    /// What it was last measured to hold (0: no reading yet).
+    pub measured: u64,
+}
+
+impl Charge {
+    /// What the pool counts as held: the larger of the reservation and
+    /// the measurement. Memory measured beyond the reservation is not
+    /// there for anyone else, whatever was declared.
+    pub fn counted(&self) -> u64 {
+        self.reserved.max(self.measured)
+    }
+
+    /// Bytes measured beyond the reservation (0: within it).
+    pub fn overrun(&self) -> u64 {
+        self.measured.saturating_sub(self.reserved)
+    }
+}
+
 impl Resident {
-    /// Declared bytes in `pool`.
+    /// Reserved bytes in `pool`, fixed at admission.
     pub fn footprint(&self, pool: &str) -> u64 {
         self.spec.footprint(pool)
     }
 
-    /// Measured bytes in `pool`, never more than declared: memory beyond
-    /// the declaration is not ours to hand out again.
-    pub(crate) fn touched(&self, pool: &str) -> u64 {
-        self.measured
-            .get(pool)
-            .copied()
-            .unwrap_or(0)
-            .min(self.footprint(pool))
+    /// What it is charged in `pool`. A pool it asks nothing of charges
+    /// nothing (a reading there is not its reservation's to count).
+    pub fn charge(&self, pool: &str) -> Charge {
+        match self.spec.demand.get(pool) {
+            Some(d) => Charge {
+                reserved: d.footprint(),
+                measured: self.measured.get(pool).copied().unwrap_or(0),
+            },
+            None => Charge::default(),
+        }
     }
 
     /// Whether a hold protects it at `now`.
@@ -102,7 +129,8 @@ pub struct PoolStatus {
     pub budget: Option<u64>,
     /// Configured budget tightened by the live ceiling.
     pub effective: Option<u64>,
-    /// Declared bytes held by every entry, evicting ones included.
+    /// Bytes counted for every entry, evicting ones included: for each,
+    /// the larger of its reservation and its measurement.
     pub used: u64,
     /// `effective - used`, saturating; `None` when unbounded.
     pub free: Option<u64>,
@@ -365,12 +393,27 @@ impl NodeState {
         self.residents.values()
     }
 
-    /// Declared bytes held in `pool` by every entry.
+    /// Bytes counted in `pool` for every entry.
     pub fn used(&self, pool: &str) -> u64 {
         self.residents
             .values()
-            .map(|r| r.footprint(pool))
+            .map(|r| r.charge(pool).counted())
             .fold(0, u64::saturating_add)
+    }
+
+    /// Every resident measured above its reservation somewhere: its id,
+    /// the pool and the charge there, in id and pool order.
+    pub fn overruns(&self) -> Vec<(&InstanceId, &PoolName, Charge)> {
+        let mut out = Vec::new();
+        for r in self.residents.values() {
+            for pool in r.spec.demand.keys() {
+                let charge = r.charge(pool.as_str());
+                if charge.overrun() > 0 {
+                    out.push((&r.id, pool, charge));
+                }
+            }
+        }
+        out
     }
 
     /// The budget `pool` admits against now: the configured one, tightened
@@ -385,24 +428,20 @@ impl NodeState {
     /// `Place` and `Node` answer carries these.
     pub fn pools(&self) -> Vec<PoolStatus> {
         let names: Vec<&PoolName> = self.pools.keys().collect();
-        // Declared and touched bytes per pool, in `names` order.
-        let mut sums = vec![(0u128, 0u128); names.len()];
+        let mut sums = vec![Totals::default(); names.len()];
         for r in self.residents.values() {
-            for (pool, demand) in &r.spec.demand {
-                let Ok(i) = names.binary_search(&pool) else {
-                    continue;
-                };
-                let declared = demand.footprint();
-                let measured = r.measured.get(pool).copied().unwrap_or(0);
-                sums[i].0 += u128::from(declared);
-                sums[i].1 += u128::from(measured.min(declared));
+            for pool in r.spec.demand.keys() {
+                if let Ok(i) = names.binary_search(&pool) {
+                    sums[i].add(r.charge(pool.as_str()));
+                }
             }
         }
         self.pools
             .values()
             .zip(sums)
-            .map(|(p, (used, touched))| {
-                let effective = planner::PoolFigures::new(p, used, touched).effective();
+            .map(|(p, totals)| {
+                let used = totals.used;
+                let effective = planner::PoolFigures::new(p, totals).effective();
                 let used = u64::try_from(used).unwrap_or(u64::MAX);
                 PoolStatus {
                     name: p.config.name.clone(),
@@ -415,16 +454,37 @@ impl NodeState {
             .collect()
     }
 
-    /// Residents with bytes in `pool`, in id order.
+    /// Residents with bytes in `pool`, in id order, each with what it is
+    /// counted as holding (measured, where that is more than reserved).
     pub fn holders(&self, pool: &str) -> Vec<Holder> {
         self.residents
             .values()
-            .filter(|r| r.footprint(pool) > 0)
-            .map(|r| Holder {
-                instance_id: r.id.clone(),
-                role: r.spec.role.clone(),
-                bytes: r.footprint(pool),
+            .filter_map(|r| {
+                let bytes = r.charge(pool).counted();
+                (bytes > 0).then(|| Holder {
+                    instance_id: r.id.clone(),
+                    role: r.spec.role.clone(),
+                    bytes,
+                })
             })
             .collect()
+    }
+}
+
+/// The sums of a pool's charges: the one accumulator behind every pool
+/// figure.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Totals {
+    /// Counted bytes (the larger of reserved and measured, per resident).
+    pub(crate) used: u128,
+    /// Measured bytes: what a live reading already shows as taken by our
+    /// residents.
+    pub(crate) measured: u128,
+}
+
+impl Totals {
+    pub(crate) fn add(&mut self, charge: Charge) {
+        self.used += u128::from(charge.counted());
+        self.measured += u128::from(charge.measured);
     }
 }

@@ -53,7 +53,11 @@ pub(super) fn memory(
                 label: label.clone(),
                 candidates,
                 count,
-                demand: Demand { weights, kv },
+                demand: Demand {
+                    weights,
+                    kv,
+                    ..Default::default()
+                },
             });
             continue;
         }
@@ -69,7 +73,14 @@ pub(super) fn memory(
         let (weights, kv) = demand(src, d, &k, host)?;
         let pool = PoolName::new(label.as_str())
             .map_err(|e| src.err(d.span(), key("memory"), e.to_string()))?;
-        fixed.insert(pool, Demand { weights, kv });
+        fixed.insert(
+            pool,
+            Demand {
+                weights,
+                kv,
+                ..Default::default()
+            },
+        );
     }
     Ok((fixed, any_of))
 }

@@ -17,6 +17,7 @@ fn any(name: &str, candidates: &[&str], count: usize, gb: u64) -> Spec {
         demand: Demand {
             weights: gb * GB,
             kv: 0,
+            ..Default::default()
         },
     });
     s
@@ -155,6 +156,7 @@ fn fixed_and_any_of_demands_combine() {
         resident_core::Demand {
             weights: 4 * GB,
             kv: 0,
+            ..Default::default()
         },
     );
     let plan = n.plan(&id("t"), &target, Policy::Refuse, 0).expect("valid");
@@ -181,4 +183,20 @@ fn a_refusal_is_temporary_when_a_hold_is_all_that_blocks_every_choice() {
         .plan(&id("t"), &target, Policy::Evict, 2_000)
         .expect("valid");
     assert_eq!(show(&plan), "admit [a] on gpu0");
+}
+
+#[test]
+fn a_count_beyond_the_candidates_is_an_error_not_a_panic() {
+    let n = gpus(GpuChoice::Binpack, &[]);
+    for count in [0, 3] {
+        let s = any("big", &["gpu0", "gpu1"], count, 4);
+        let err = n
+            .place(&s, Policy::Evict, 0)
+            .expect_err("no choice can be made");
+        assert!(
+            matches!(err, resident_core::PlanError::AnyOfCount { count: c, candidates: 2, .. } if c == count),
+            "{err}"
+        );
+        assert!(err.to_string().contains("give 1 to 2"), "{err}");
+    }
 }

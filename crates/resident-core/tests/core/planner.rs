@@ -194,10 +194,16 @@ fn residents_memory_not_yet_touched_is_pending() {
     };
     assert_eq!(at(8), "admit []");
     assert_eq!(at(9), "refuse HOST_MEMORY");
-    // Measured beyond the declaration is not handed out again.
+    // Measured beyond the declaration is held, counted as such, and not
+    // handed out again: 0 available + 30 measured - 2 reserve = 28 GB
+    // effective, all of it used.
     n.set_measured("a", &pool("ram"), 30 * GB);
     n.set_available("ram", Some(0));
-    assert_eq!(n.effective_budget("ram"), Some(8 * GB));
+    assert_eq!(n.effective_budget("ram"), Some(28 * GB));
+    assert_eq!(n.used("ram"), 30 * GB);
+    assert_eq!(n.pools()[0].free, Some(0));
+    let plan = n.plan(&id("t"), &spec("t", &[("ram", 1)]), Policy::Refuse, 0);
+    assert_eq!(show(&plan.expect("valid")), "refuse HOST_MEMORY");
 }
 
 fn groups_node(policies: &[(&str, &[&str], GroupPolicy)]) -> NodeState {

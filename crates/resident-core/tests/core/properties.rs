@@ -116,6 +116,7 @@ fn world() -> impl Strategy<Value = World> {
                             demand: Demand {
                                 weights: gb * GB,
                                 kv: 3,
+                                ..Default::default()
                             },
                         });
                     }
@@ -126,6 +127,10 @@ fn world() -> impl Strategy<Value = World> {
                             Demand {
                                 weights: gb * GB,
                                 kv: gb * 7,
+                                // Overhead, and sometimes a learned floor above
+                                // the declaration.
+                                overhead: gb * 5,
+                                floor: if gb % 3 == 0 { gb * GB + GB / 2 } else { 0 },
                             },
                         );
                     }
@@ -185,15 +190,15 @@ fn permitted(n: &NodeState, target: &Spec, now: u64, r: &Resident) -> bool {
 }
 
 /// The oracle for "could fit after every permitted eviction": release every
-/// permitted resident, returning what it touched to the probe's reading,
+/// permitted resident, returning what it was measured to hold to the
+/// probe's reading,
 /// then ask whether a plain refuse-plan admits.
 fn fits_after_all_evictions(n: &NodeState, target: &Spec, now: u64) -> bool {
     let mut m = n.clone();
     let mut returned: BTreeMap<&str, u64> = BTreeMap::new();
     for r in n.residents().filter(|r| permitted(n, target, now, r)) {
         for p in POOLS {
-            let touched = r.measured.get(p).copied().unwrap_or(0).min(r.footprint(p));
-            *returned.entry(p).or_default() += touched;
+            *returned.entry(p).or_default() += r.charge(p).measured;
         }
         m.release(r.id.as_str());
     }
@@ -245,11 +250,13 @@ fn check_victims(n: &NodeState, target: &Spec, now: u64, evict: &[resident_core:
             let key = (r.last_used, r.seq);
             assert!(last_lru.is_none_or(|l| l < key), "victims out of LRU order");
             last_lru = Some(key);
-            let helps = excess.iter().any(|(p, e)| *e > 0 && r.footprint(p) > 0);
+            let helps = excess
+                .iter()
+                .any(|(p, e)| *e > 0 && r.charge(p).counted() > 0);
             assert!(helps, "victim {v} helps no short pool");
         }
         for (p, e) in excess.iter_mut() {
-            *e -= i128::from(r.footprint(p));
+            *e -= i128::from(r.charge(p).counted());
         }
     }
     assert!(
@@ -313,7 +320,7 @@ proptest! {
                             // A reading may shrink under residents; an admission
                             // never takes a pool it draws on past its budget.
                             for p in POOLS.iter().filter(|p| target.footprint(p) > 0) {
-                                let committed: u64 = n.residents().filter(|r| !r.evicting).map(|r| r.footprint(p)).sum();
+                                let committed: u64 = n.residents().filter(|r| !r.evicting).map(|r| r.charge(p).counted()).sum();
                                 if let Some(eff) = n.effective_budget(p) {
                                     prop_assert!(committed <= eff, "pool {} holds {} of {}", p, committed, eff);
                                 }
@@ -343,7 +350,7 @@ fn check_pools(n: &NodeState) {
         let p = f.name.as_str();
         let used = n
             .residents()
-            .map(|r| r.footprint(p))
+            .map(|r| r.charge(p).counted())
             .fold(0, u64::saturating_add);
         assert_eq!(f.used, used, "pool {p}: used");
         assert_eq!(f.effective, n.effective_budget(p), "pool {p}: effective");

@@ -25,6 +25,7 @@ pub fn spec(name: &str, pools: &[(&str, u64)]) -> Spec {
             Demand {
                 weights: gb * GB,
                 kv: 0,
+                ..Default::default()
             },
         );
     }

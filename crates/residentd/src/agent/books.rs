@@ -709,7 +709,9 @@ pub(super) fn plan_error(e: PlanError) -> ApiError {
     match e {
         PlanError::AlreadyExists { .. } => ApiError::AlreadyExists(e.to_string()),
         PlanError::Evicting { .. } => ApiError::Unavailable(e.to_string()),
-        PlanError::UnknownPool { .. } => ApiError::FailedPrecondition(e.to_string()),
+        PlanError::UnknownPool { .. } | PlanError::AnyOfCount { .. } => {
+            ApiError::FailedPrecondition(e.to_string())
+        }
     }
 }
 
