@@ -155,6 +155,7 @@ pub fn demand(spec: &Spec) -> Vec<pb::PoolDemand> {
             overhead_bytes: d.overhead,
             reserved_bytes: d.footprint(),
             learned_bytes: d.floor,
+            overrun_bytes: 0,
         })
         .collect()
 }

@@ -45,6 +45,9 @@ pub struct NodeConfig {
     pub state_dir: PathBuf,
     /// What a Start with POLICY_UNSPECIFIED does when it does not fit.
     pub on_full: Policy,
+    /// What an instance measured above its reservation meets, unless its
+    /// workload says otherwise.
+    pub on_overrun: OnOverrun,
     /// The user children run as unless their workload says otherwise.
     pub run_as: Option<User>,
     /// The Prometheus endpoint, if any.
@@ -201,6 +204,28 @@ pub struct PoolDef {
     pub index: Option<u32>,
 }
 
+/// What the agent does with an instance measured above its reservation
+/// (`on_overrun`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum OnOverrun {
+    /// The books count the measured bytes; the instance runs on.
+    #[default]
+    Account,
+    /// The instance is stopped (reason `OVERRUN`).
+    Stop,
+}
+
+impl OnOverrun {
+    /// `on_overrun`'s value, or `None` for one it does not know.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "account" => Some(Self::Account),
+            "stop" => Some(Self::Stop),
+            _ => None,
+        }
+    }
+}
+
 /// Where a workload's servers may listen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Expose {
@@ -246,6 +271,9 @@ pub struct Workload {
     pub concurrency_limit: Option<u32>,
     /// Whether its servers may listen beyond loopback (`expose = "any"`);
     /// under `"loopback"` a listener on another address stops it (EXPOSED).
+    /// What it meets when measured above its reservation; `None`: the
+    /// node's `on_overrun`.
+    pub on_overrun: Option<OnOverrun>,
     pub expose: Expose,
 }
 

@@ -119,6 +119,7 @@ pub struct Node {
     pub tls: Option<Spanned<Tls>>,
     pub gpu_choice: Option<Spanned<String>>,
     pub access: Option<Spanned<Access>>,
+    pub on_overrun: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -201,6 +202,7 @@ pub struct Workload {
     pub priority: i32,
     pub stop_grace: Option<Spanned<String>>,
     pub idle_ttl: Option<Spanned<String>>,
+    pub on_overrun: Option<Spanned<String>>,
     pub run_as: Option<Spanned<String>>,
     #[serde(default)]
     pub memory: BTreeMap<String, Spanned<Demand>>,
@@ -216,6 +218,7 @@ pub struct Workload {
 pub struct Demand {
     pub weights: Option<Spanned<Quantity>>,
     pub kv: Option<Spanned<Quantity>>,
+    pub overhead: Option<Spanned<Quantity>>,
     pub from_gguf: Option<Spanned<String>>,
     pub ctx: Option<Spanned<u64>>,
     pub kv_type: Option<Spanned<String>>,

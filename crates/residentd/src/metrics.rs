@@ -25,6 +25,13 @@ struct InstanceLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct InstancePoolLabels {
+    instance: String,
+    workload: String,
+    pool: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct StateLabels {
     instance: String,
     workload: String,
@@ -88,6 +95,8 @@ pub struct Metrics {
     pool_used: Family<PoolLabels, Gauge>,
     declared: Family<InstanceLabels, Gauge>,
     measured: Family<InstanceLabels, Gauge>,
+    reserved: Family<InstanceLabels, Gauge>,
+    overrun: Family<InstancePoolLabels, Gauge>,
     state: Family<StateLabels, Gauge>,
     admissions: Family<WorkloadLabels, Counter>,
     evictions: Family<EvictionLabels, Counter>,
@@ -122,6 +131,8 @@ impl Metrics {
             pool_used: Family::default(),
             declared: Family::default(),
             measured: Family::default(),
+            reserved: Family::default(),
+            overrun: Family::default(),
             state: Family::default(),
             admissions: Family::default(),
             evictions: Family::default(),
@@ -148,13 +159,23 @@ impl Metrics {
         );
         r.register(
             "pool_used_bytes",
-            "Bytes declared by residents",
+            "Bytes counted for residents (the larger of reserved and measured, per resident)",
             m.pool_used.clone(),
         );
         r.register(
             "instance_declared_bytes",
-            "Bytes an instance declared",
+            "Bytes an instance declared (weights, KV cache, overhead)",
             m.declared.clone(),
+        );
+        r.register(
+            "instance_reserved_bytes",
+            "Bytes the books hold for an instance (its reservation, or what was measured where more)",
+            m.reserved.clone(),
+        );
+        r.register(
+            "overrun_bytes",
+            "Bytes an instance was measured to hold beyond its reservation in a pool",
+            m.overrun.clone(),
         );
         r.register(
             "instance_measured_bytes",
@@ -334,6 +355,8 @@ impl Metrics {
         }
         self.declared.clear();
         self.measured.clear();
+        self.reserved.clear();
+        self.overrun.clear();
         self.state.clear();
         for i in instances {
             let l = InstanceLabels {
@@ -343,9 +366,26 @@ impl Metrics {
             let declared: u64 = i
                 .demand
                 .iter()
-                .map(|d| d.weights_bytes.saturating_add(d.kv_budget_bytes))
+                .map(|d| {
+                    d.weights_bytes
+                        .saturating_add(d.kv_budget_bytes)
+                        .saturating_add(d.overhead_bytes)
+                })
                 .sum();
             self.declared.get_or_create(&l).set(gauge_value(declared));
+            self.reserved
+                .get_or_create(&l)
+                .set(gauge_value(i.reserved_bytes));
+            for d in i.demand.iter().filter(|d| d.overrun_bytes > 0) {
+                let p = InstancePoolLabels {
+                    instance: l.instance.clone(),
+                    workload: l.workload.clone(),
+                    pool: d.pool.clone(),
+                };
+                self.overrun
+                    .get_or_create(&p)
+                    .set(gauge_value(d.overrun_bytes));
+            }
             self.measured
                 .get_or_create(&l)
                 .set(gauge_value(i.measured_bytes));

@@ -48,16 +48,12 @@ pub(super) fn memory(
                 }
                 Some(c) => *c.get_ref() as usize,
             };
-            let (weights, kv) = demand(src, d, &k, host)?;
+            let demand = demand(src, d, &k, host)?;
             any_of.push(AnyOf {
                 label: label.clone(),
                 candidates,
                 count,
-                demand: Demand {
-                    weights,
-                    kv,
-                    ..Default::default()
-                },
+                demand,
             });
             continue;
         }
@@ -70,17 +66,10 @@ pub(super) fn memory(
             );
             return Err(src.err(d.span(), key(&format!("memory.{label}")), msg));
         }
-        let (weights, kv) = demand(src, d, &k, host)?;
+        let demand = demand(src, d, &k, host)?;
         let pool = PoolName::new(label.as_str())
             .map_err(|e| src.err(d.span(), key("memory"), e.to_string()))?;
-        fixed.insert(
-            pool,
-            Demand {
-                weights,
-                kv,
-                ..Default::default()
-            },
-        );
+        fixed.insert(pool, demand);
     }
     Ok((fixed, any_of))
 }
@@ -111,8 +100,32 @@ fn candidate_pools(
     Ok(out)
 }
 
-/// Weights and KV of one pool: in bytes, or sized from a GGUF file.
+/// One pool's demand: weights and KV in bytes or sized from a GGUF file,
+/// and the overhead (0 unless given).
 fn demand(
+    src: &Source<'_>,
+    d: &Spanned<raw::Demand>,
+    k: &dyn Fn(&str) -> String,
+    host: Lookups,
+) -> Result<Demand> {
+    let (weights, kv) = weights_and_kv(src, d, k, host)?;
+    let overhead = d
+        .get_ref()
+        .overhead
+        .as_ref()
+        .map(|q| bytes(src, q, &k("overhead")))
+        .transpose()?
+        .unwrap_or(0);
+    Ok(Demand {
+        weights,
+        kv,
+        overhead,
+        floor: 0,
+    })
+}
+
+/// Weights and KV of one pool: in bytes, or sized from a GGUF file.
+fn weights_and_kv(
     src: &Source<'_>,
     d: &Spanned<raw::Demand>,
     k: &dyn Fn(&str) -> String,

@@ -260,7 +260,9 @@ fn gpu_share(w: &raw::Workload, pools: &[PoolDef]) -> Option<f64> {
             Some(raw::Quantity::Text(t)) => resident_core::parse_bytes(t).ok(),
             None => None,
         };
-        let declared = bytes(&d.weights).unwrap_or(0) + bytes(&d.kv).unwrap_or(0);
+        let declared = bytes(&d.weights).unwrap_or(0)
+            + bytes(&d.kv).unwrap_or(0)
+            + bytes(&d.overhead).unwrap_or(0);
         (declared > 0).then(|| (declared as f64 / budget).min(1.0))
     });
     let share = device.next()?;

@@ -13,8 +13,8 @@ use super::listen::{listen, tls};
 use super::{Result, bytes, duration, spanned_str, user};
 use crate::error::Source;
 use crate::host::Lookups;
-use crate::raw;
 use crate::{Allowlist, NodeConfig};
+use crate::{OnOverrun, raw};
 
 pub(super) fn node(src: &Source<'_>, n: &Spanned<raw::Node>, host: Lookups) -> Result<NodeConfig> {
     let n = n.get_ref();
@@ -74,6 +74,10 @@ pub(super) fn node(src: &Source<'_>, n: &Spanned<raw::Node>, host: Lookups) -> R
         20,
     )?;
     let gpu_choice = gpu_choice(src, n.gpu_choice.as_ref())?;
+    let on_overrun = match &n.on_overrun {
+        None => OnOverrun::default(),
+        Some(s) => on_overrun(src, s, "node.on_overrun")?,
+    };
     let access = match &n.access {
         Some(a) if !n.allow_uids.is_empty() || !n.allow_gids.is_empty() => {
             return Err(src.err(
@@ -96,6 +100,7 @@ pub(super) fn node(src: &Source<'_>, n: &Spanned<raw::Node>, host: Lookups) -> R
         insecure: n.insecure,
         state_dir,
         on_full,
+        on_overrun,
         run_as,
         metrics_listen,
         sample_every,
@@ -128,6 +133,17 @@ fn gpu_choice(src: &Source<'_>, s: Option<&Spanned<String>>) -> Result<GpuChoice
             Err(src.err(s.span(), "node.gpu_choice", msg))
         }
     }
+}
+
+/// `on_overrun = "account" | "stop"` at `key`.
+pub(super) fn on_overrun(src: &Source<'_>, s: &Spanned<String>, key: &str) -> Result<OnOverrun> {
+    OnOverrun::parse(s.get_ref()).ok_or_else(|| {
+        let msg = format!(
+            "{:?} is not a choice (use \"account\" or \"stop\")",
+            s.get_ref()
+        );
+        src.err(s.span(), key, msg)
+    })
 }
 
 fn on_full(src: &Source<'_>, s: Option<&Spanned<String>>) -> Result<Policy> {

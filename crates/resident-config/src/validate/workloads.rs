@@ -99,6 +99,11 @@ fn workload(
         Some(d) => Some(duration(src, d, &key("idle_ttl"))?).filter(|d| !d.is_zero()),
         None => None,
     };
+    let on_overrun = w
+        .on_overrun
+        .as_ref()
+        .map(|s| super::node::on_overrun(src, s, &key("on_overrun")))
+        .transpose()?;
     let host_bytes = pools
         .iter()
         .filter(|p| p.device.is_none())
@@ -136,6 +141,7 @@ fn workload(
         },
     };
     Ok(Workload {
+        on_overrun,
         expose,
         host_bytes,
         aliases,

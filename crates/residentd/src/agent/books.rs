@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use resident_api::{ApiError, pb};
 use resident_config::{Config, Workload};
 use resident_core::{
-    AdmitError, InstanceId, NodeState, Plan, PlanError, Policy, PoolName, PoolStatus, Spec,
+    AdmitError, Charge, InstanceId, NodeState, Plan, PlanError, Policy, PoolName, PoolStatus, Spec,
 };
 use resident_supervisor::Adoption;
 use tokio::sync::oneshot;
@@ -51,6 +51,32 @@ pub(super) struct Record {
     /// What the agent found about this run beside its state (an adopted
     /// server listening beyond loopback), for its message.
     pub(super) note: Option<String>,
+    /// Measured above its reservation: in which pools, and the words of
+    /// its message.
+    pub(super) overrun: Option<Overrun>,
+}
+
+/// A run measured above its reservation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Overrun {
+    /// The pools it overran, in name order: an event is told when these
+    /// change, not at every reading.
+    pub(super) pools: Vec<PoolName>,
+    /// `OVERRUN: ...` with both figures of each pool.
+    pub(super) text: String,
+}
+
+/// A run whose overrun began, changed pools or ended.
+#[derive(Debug)]
+pub(super) struct OverrunChange {
+    pub(super) id: String,
+    pub(super) generation: u64,
+    /// `None`: back within its reservation.
+    pub(super) overrun: Option<Overrun>,
+    /// Whether the agent may stop it (not an unmanaged adoption) and no
+    /// Stop asked for it yet.
+    pub(super) stoppable: bool,
+    pub(super) on_overrun: resident_config::OnOverrun,
 }
 
 impl Record {
@@ -66,6 +92,7 @@ impl Record {
             lease: None,
             adopted: None,
             note: None,
+            overrun: None,
         }
     }
 }
@@ -456,6 +483,70 @@ impl Books {
             .collect()
     }
 
+    /// What `id` is charged in each pool it asks of; empty when it holds
+    /// no reservation.
+    pub(super) fn charges(&self, id: &str) -> Vec<(PoolName, Charge)> {
+        let b = self.lock();
+        let Some(r) = b.ledger.resident(id) else {
+            return Vec::new();
+        };
+        r.spec
+            .demand
+            .keys()
+            .map(|p| (p.clone(), r.charge(p.as_str())))
+            .collect()
+    }
+
+    /// Brings every record's overrun up to the ledger's last readings
+    /// (`text` words one run's overrunning pools) and returns the runs
+    /// whose overrun began, changed pools or ended. The words of a
+    /// continuing overrun follow the readings without a change listed.
+    pub(super) fn sync_overruns(
+        &self,
+        node_default: resident_config::OnOverrun,
+        text: impl Fn(&[(&PoolName, Charge)]) -> String,
+    ) -> Vec<OverrunChange> {
+        let mut b = self.lock();
+        let Inner {
+            ledger, records, ..
+        } = &mut *b;
+        let mut now: BTreeMap<String, Vec<(&PoolName, Charge)>> = BTreeMap::new();
+        for (id, pool, charge) in ledger.overruns() {
+            now.entry(id.to_string()).or_default().push((pool, charge));
+        }
+        let now: BTreeMap<String, Overrun> = now
+            .into_iter()
+            .map(|(id, pools)| {
+                let overrun = Overrun {
+                    pools: pools.iter().map(|(p, _)| (*p).clone()).collect(),
+                    text: text(&pools),
+                };
+                (id, overrun)
+            })
+            .collect();
+        let mut changes = Vec::new();
+        for (id, r) in records.iter_mut() {
+            let next = now.get(id).cloned();
+            if ledger.resident(id).is_none() {
+                // An ended run: its last words stay with its end.
+                r.overrun = None;
+                continue;
+            }
+            let changed = r.overrun.as_ref().map(|o| &o.pools) != next.as_ref().map(|o| &o.pools);
+            r.overrun = next;
+            if changed {
+                changes.push(OverrunChange {
+                    id: id.clone(),
+                    generation: r.generation,
+                    overrun: r.overrun.clone(),
+                    stoppable: !r.cancelled && r.adopted.is_none_or(|a| a.manage),
+                    on_overrun: r.workload.on_overrun.unwrap_or(node_default),
+                });
+            }
+        }
+        changes
+    }
+
     /// The pools as they are.
     pub(super) fn pools(&self) -> Vec<pb::PoolStatus> {
         let b = self.lock();
@@ -635,8 +726,8 @@ fn placement(ledger: &NodeState, plan: &Plan, spec: &Spec) -> pb::Placement {
             bytes: v
                 .spec
                 .demand
-                .values()
-                .map(|d| d.footprint())
+                .keys()
+                .map(|p| v.charge(p.as_str()).counted())
                 .fold(0, u64::saturating_add),
             priority: v.spec.priority,
         })
@@ -648,7 +739,10 @@ fn placement(ledger: &NodeState, plan: &Plan, spec: &Spec) -> pb::Placement {
         .filter_map(|pool| {
             let figures = pools.iter().find(|p| p.name == *pool)?;
             let budget = figures.effective?;
-            let freed: u64 = victims.iter().map(|v| v.footprint(pool.as_str())).sum();
+            let freed: u64 = victims
+                .iter()
+                .map(|v| v.charge(pool.as_str()).counted())
+                .sum();
             let taken = if existing {
                 0
             } else {
@@ -754,7 +848,7 @@ fn evictions(b: &Inner, spec: &Spec, id: &InstanceId, victims: &[InstanceId]) ->
 }
 
 /// For each live (probe-bound) pool `spec` needs: three quarters of what
-/// the victims declared there.
+/// the victims are counted as holding there.
 fn recovery(
     ledger: &NodeState,
     config: &Config,
@@ -773,7 +867,7 @@ fn recovery(
             let held: u64 = victims
                 .iter()
                 .filter_map(|v| ledger.resident(v.as_str()))
-                .map(|r| r.footprint(pool.as_str()))
+                .map(|r| r.charge(pool.as_str()).counted())
                 .fold(0, u64::saturating_add);
             (pool.to_string(), held / 4 * 3)
         })

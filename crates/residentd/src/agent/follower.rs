@@ -135,6 +135,7 @@ pub(super) async fn tick(agent: Weak<Agent>) {
             agent.persist();
         }
         agent.refresh_probes();
+        agent.tell_overruns();
         agent.expire_idle();
         agent.expire_leases();
         agent.guard_exposure();

@@ -31,6 +31,7 @@ mod books;
 mod exposure;
 mod follower;
 mod memory;
+mod overrun;
 mod persist;
 mod queries;
 

@@ -39,6 +39,16 @@ impl Agent {
         if let Some(note) = record.note.as_ref().filter(|_| !ended) {
             out.message = format!("{}; {note}", out.message);
         }
+        if let Some(o) = record.overrun.as_ref().filter(|_| !ended) {
+            out.message = format!("{}; {}", out.message, o.text);
+        }
+        for (pool, charge) in self.books.charges(&out.instance_id) {
+            out.reserved_bytes = out.reserved_bytes.saturating_add(charge.counted());
+            out.overrun_bytes = out.overrun_bytes.saturating_add(charge.overrun());
+            if let Some(d) = out.demand.iter_mut().find(|d| d.pool == pool.as_str()) {
+                d.overrun_bytes = charge.overrun();
+            }
+        }
         if let Some(lease) = record.lease {
             out.lease_ms = lease.ms;
             out.lease_left_ms = lease.until.saturating_sub(self.now_ms());

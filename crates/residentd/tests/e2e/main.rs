@@ -13,6 +13,7 @@ mod clock;
 mod connections;
 mod device;
 mod fleet;
+mod footprint;
 mod gpu_choice;
 mod hostile_input;
 mod interop;
