@@ -118,6 +118,10 @@ impl Lookups {
                 key_length: 0,
                 value_length: 0,
                 context_length: 0,
+                heads: 0,
+                embedding: 0,
+                feed_forward: 0,
+                vocab: 0,
             });
         }
         crate::gguf::read(Path::new(path)).map_err(|e| format!("{path}: {e}"))

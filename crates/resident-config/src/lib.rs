@@ -273,6 +273,9 @@ pub struct Workload {
     /// under `"loopback"` a listener on another address stops it (EXPOSED).
     /// What it meets when measured above its reservation; `None`: the
     /// node's `on_overrun`.
+    /// Per memory table: what it reserves and where each part came
+    /// from (`--check-config` prints these).
+    pub reservation: Vec<String>,
     pub on_overrun: Option<OnOverrun>,
     pub expose: Expose,
 }

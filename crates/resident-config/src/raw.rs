@@ -224,6 +224,11 @@ pub struct Demand {
     pub kv_type: Option<Spanned<String>>,
     pub any_of: Option<Spanned<Vec<Spanned<String>>>>,
     pub count: Option<Spanned<u32>>,
+    /// Set by a flavor, never read from the file: the server's process
+    /// overhead, to which the GGUF model's compute buffer is added when
+    /// `overhead` is not given.
+    #[serde(skip)]
+    pub process_overhead: Option<u64>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]

@@ -238,3 +238,80 @@ fn a_workload_can_declare_memory_from_a_gguf_file() {
     let truncated = err(format!("from_gguf = \"{}\"", path.display()));
     assert!(truncated.contains("truncated header"), "{truncated}");
 }
+
+/// The geometry of the tests' small llama.cpp model (tests/llama/
+/// make_model.py --embd 256 --layers 4): 4 heads, 704 feed-forward, 335
+/// tokens.
+fn small_test_model() -> Gguf {
+    let tokens: Vec<String> = (0..335).map(|i| format!("t{i}")).collect();
+    let tokens: Vec<&str> = tokens.iter().map(String::as_str).collect();
+    Gguf::new(3)
+        .string("general.architecture", "llama")
+        .u32("llama.block_count", 4)
+        .u32("llama.context_length", 4096)
+        .u32("llama.embedding_length", 256)
+        .u32("llama.feed_forward_length", 704)
+        .u32("llama.attention.head_count", 4)
+        .u32("llama.attention.head_count_kv", 2)
+        .strings("tokenizer.ggml.tokens", &tokens)
+        .tensor("token_embd.weight", &[256, 335])
+}
+
+#[test]
+fn the_compute_buffer_estimate_matches_what_llama_cpp_reports() {
+    let (_dir, path) = temp("small.gguf");
+    small_test_model().write(&path);
+    let m = gguf::read(&path).expect("a valid GGUF");
+    assert_eq!(
+        (m.heads, m.embedding, m.feed_forward, m.vocab),
+        (4, 256, 704, 335)
+    );
+    // llama.cpp 0.3.36 (llama-cpp-python's server, CPU) printed
+    // "CPU compute buffer size = 8.01 MiB" at ctx 512 and 43.01 MiB at
+    // 4096 for this geometry.
+    let mib = |b: u64| b as f64 / 1_048_576.0;
+    for (ctx, reported) in [(512, 8.01), (4096, 43.01)] {
+        let estimate = mib(m.compute_bytes(ctx));
+        assert!(
+            (estimate - reported).abs() < 0.25,
+            "ctx {ctx}: {estimate:.2} MiB against {reported} MiB"
+        );
+    }
+    // A feed-forward length the header does not give is 4 x embedding.
+    let (_dir, bare) = temp("bare.gguf");
+    llama().write(&bare);
+    assert_eq!(gguf::read(&bare).expect("valid").feed_forward, 1024);
+}
+
+#[test]
+fn a_flavor_reserves_its_servers_process_and_compute_buffer() {
+    let (dir, path) = temp("small.gguf");
+    small_test_model().write(&path);
+    let m = gguf::read(&path).expect("a valid GGUF");
+    let config = |flavor: &str, memory: &str| {
+        format!(
+            "[node]\nname = \"n\"\nlisten = \"unix:///tmp/x.sock\"\n[[pool]]\nname = \"ram\"\nbudget = \"24GB\"\n[[workload]]\nname = \"s\"\nflavor = \"{flavor}\"\nmodel = \"{}\"\nctx = 512\n{memory}\n",
+            path.display()
+        )
+    };
+    let file = dir.path().join("c.toml");
+    let demand = |text: String| {
+        let c = resident_config::parse(&file, &text).expect("valid");
+        c.workloads["s"].spec.demand["ram"]
+    };
+    let py = demand(config("llama-cpp-python", ""));
+    assert_eq!(py.overhead, 76_000_000 + m.compute_bytes(512));
+    assert_eq!(py.kv, m.kv_bytes(512, "f16").expect("f16"));
+    assert_eq!(py.footprint(), py.weights + py.kv + py.overhead);
+    let server = demand(config("llama-server", ""));
+    assert!(server.overhead > m.compute_bytes(512) && server.overhead < py.overhead);
+    // A declared overhead stands.
+    let own = demand(config(
+        "llama-server",
+        "[workload.memory.ram]\noverhead = \"10MB\"",
+    ));
+    assert_eq!(own.overhead, 10_000_000);
+    // vLLM's share of its card is its whole footprint: no overhead added.
+    let vllm = demand(config("vllm", ""));
+    assert_eq!(vllm.overhead, 0);
+}

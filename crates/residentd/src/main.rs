@@ -76,6 +76,9 @@ fn main() -> ExitCode {
                 // What each workload will run, flavors resolved.
                 for (name, w) in &c.workloads {
                     println!("  {name}: {}", shell_words(&w.argv));
+                    for note in &w.reservation {
+                        println!("    memory {note}");
+                    }
                 }
                 ExitCode::SUCCESS
             }

@@ -13,6 +13,15 @@ use crate::error::Source;
 use crate::host::Lookups;
 use crate::{PoolDef, raw};
 
+/// What `memory` makes of a workload's tables.
+pub(super) struct Memory {
+    pub(super) fixed: BTreeMap<PoolName, Demand>,
+    pub(super) any_of: Vec<AnyOf>,
+    /// Per table, in label order: what it reserves and where each part
+    /// came from (`--check-config` prints these).
+    pub(super) notes: Vec<String>,
+}
+
 /// The demand of each pool in `raw`, every one a pool of the node, and
 /// the any-of demands (tables with `any_of`), in label order.
 pub(super) fn memory(
@@ -21,9 +30,10 @@ pub(super) fn memory(
     pools: &[PoolDef],
     key: &dyn Fn(&str) -> String,
     host: Lookups,
-) -> Result<(BTreeMap<PoolName, Demand>, Vec<AnyOf>)> {
+) -> Result<Memory> {
     let mut fixed = BTreeMap::new();
     let mut any_of = Vec::new();
+    let mut notes = Vec::new();
     for (label, d) in raw {
         let k = |f: &str| key(&format!("memory.{label}.{f}"));
         let pool_named = |name: &str| pools.iter().any(|p| p.pool.name.as_str() == name);
@@ -48,7 +58,11 @@ pub(super) fn memory(
                 }
                 Some(c) => *c.get_ref() as usize,
             };
-            let demand = demand(src, d, &k, host)?;
+            let (demand, note) = demand(src, d, &k, host)?;
+            notes.push(format!(
+                "{label} (any {count} of {}): {note}",
+                candidates.len()
+            ));
             any_of.push(AnyOf {
                 label: label.clone(),
                 candidates,
@@ -66,12 +80,17 @@ pub(super) fn memory(
             );
             return Err(src.err(d.span(), key(&format!("memory.{label}")), msg));
         }
-        let demand = demand(src, d, &k, host)?;
+        let (demand, note) = demand(src, d, &k, host)?;
+        notes.push(format!("{label}: {note}"));
         let pool = PoolName::new(label.as_str())
             .map_err(|e| src.err(d.span(), key("memory"), e.to_string()))?;
         fixed.insert(pool, demand);
     }
-    Ok((fixed, any_of))
+    Ok(Memory {
+        fixed,
+        any_of,
+        notes,
+    })
 }
 
 /// The pools of an `any_of` list: declared, distinct, at least one; in
@@ -100,37 +119,77 @@ fn candidate_pools(
     Ok(out)
 }
 
-/// One pool's demand: weights and KV in bytes or sized from a GGUF file,
-/// and the overhead (0 unless given).
+/// Bytes as a reservation's note gives them.
+fn mb(bytes: u64) -> String {
+    format!("{:.1} MB", bytes as f64 / 1e6)
+}
+
+/// One pool's demand (weights and KV in bytes or sized from a GGUF file;
+/// the overhead given, or the flavor's), and a note of where each part
+/// came from.
 fn demand(
     src: &Source<'_>,
     d: &Spanned<raw::Demand>,
     k: &dyn Fn(&str) -> String,
     host: Lookups,
-) -> Result<Demand> {
-    let (weights, kv) = weights_and_kv(src, d, k, host)?;
-    let overhead = d
-        .get_ref()
-        .overhead
-        .as_ref()
-        .map(|q| bytes(src, q, &k("overhead")))
-        .transpose()?
-        .unwrap_or(0);
-    Ok(Demand {
+) -> Result<(Demand, String)> {
+    let (weights, kv, compute) = weights_and_kv(src, d, k, host)?;
+    let dem = d.get_ref();
+    let (overhead, why) = match (&dem.overhead, dem.process_overhead) {
+        (Some(q), _) => (bytes(src, q, &k("overhead"))?, "declared".to_string()),
+        // A flavor's server: its process, and the GGUF model's compute
+        // buffer.
+        (None, Some(process)) => (
+            process.saturating_add(compute),
+            format!(
+                "the flavor's process {} + compute buffer {} (estimated from the GGUF header)",
+                mb(process),
+                mb(compute)
+            ),
+        ),
+        (None, None) => (0, "none declared".to_string()),
+    };
+    let source = if dem.from_gguf.is_some() {
+        let ctx = dem.ctx.as_ref().map_or_else(
+            || "its trained context".to_string(),
+            |c| format!("ctx {}", c.get_ref()),
+        );
+        let kv_type = dem.kv_type.as_ref().map_or("f16", |t| t.get_ref().as_str());
+        let kv_source = if dem.kv.is_some() {
+            "declared".to_string()
+        } else {
+            format!("GGUF, {ctx}, {kv_type}")
+        };
+        format!(
+            "weights {} (GGUF tensor data) + kv {} ({kv_source})",
+            mb(weights),
+            mb(kv)
+        )
+    } else {
+        format!("weights {} + kv {} (declared)", mb(weights), mb(kv))
+    };
+    let demand = Demand {
         weights,
         kv,
         overhead,
         floor: 0,
-    })
+    };
+    let note = format!(
+        "reserves {} = {source} + overhead {} ({why})",
+        mb(demand.footprint()),
+        mb(overhead)
+    );
+    Ok((demand, note))
 }
 
-/// Weights and KV of one pool: in bytes, or sized from a GGUF file.
+/// Weights and KV of one pool, in bytes or sized from a GGUF file, and
+/// the GGUF model's compute buffer estimate (0 for bytes).
 fn weights_and_kv(
     src: &Source<'_>,
     d: &Spanned<raw::Demand>,
     k: &dyn Fn(&str) -> String,
     host: Lookups,
-) -> Result<(u64, u64)> {
+) -> Result<(u64, u64, u64)> {
     let dem = d.get_ref();
     let kv = dem
         .kv
@@ -146,7 +205,7 @@ fn weights_and_kv(
                     "ctx sizes the KV cache of a from_gguf model only",
                 ));
             }
-            Ok((bytes(src, w, &k("weights"))?, kv.unwrap_or(0)))
+            Ok((bytes(src, w, &k("weights"))?, kv.unwrap_or(0), 0))
         }
         (None, Some(path)) => from_gguf(src, dem, path, kv, k, host),
         _ => Err(src.err(
@@ -157,8 +216,8 @@ fn weights_and_kv(
     }
 }
 
-/// Weights and KV of a `from_gguf` model: its header read through `host`,
-/// the KV cache sized from it unless `kv` is given.
+/// Weights, KV and compute buffer of a `from_gguf` model: its header read
+/// through `host`, the KV cache sized from it unless `kv` is given.
 fn from_gguf(
     src: &Source<'_>,
     dem: &raw::Demand,
@@ -166,7 +225,7 @@ fn from_gguf(
     kv: Option<u64>,
     k: &dyn Fn(&str) -> String,
     host: Lookups,
-) -> Result<(u64, u64)> {
+) -> Result<(u64, u64, u64)> {
     let model = host
         .gguf(path.get_ref())
         .map_err(|m| src.err(path.span(), k("from_gguf"), m))?;
@@ -185,5 +244,5 @@ fn from_gguf(
             src.err(span, k("kv_type"), msg)
         })?,
     };
-    Ok((model.weights_bytes, kv))
+    Ok((model.weights_bytes, kv, model.compute_bytes(ctx)))
 }

@@ -80,7 +80,7 @@ fn workload(
     host: Lookups,
 ) -> Result<Workload> {
     let key = |k: &str| format!("workload[{name}].{k}");
-    let spec = spec(src, name, w, pools, &key, host)?;
+    let (spec, reservation) = spec(src, name, w, pools, &key, host)?;
     let (argv, env) = command(src, w, &key)?;
     let uses_device = argv
         .iter()
@@ -141,6 +141,7 @@ fn workload(
         },
     };
     Ok(Workload {
+        reservation,
         on_overrun,
         expose,
         host_bytes,
@@ -172,7 +173,7 @@ fn spec(
     pools: &[PoolDef],
     key: &dyn Fn(&str) -> String,
     host: Lookups,
-) -> Result<Spec> {
+) -> Result<(Spec, Vec<String>)> {
     let mut spec = Spec::new(name.clone());
     if let Some(role) = &w.role {
         spec.role = Role::new(spanned_str(role))
@@ -184,8 +185,9 @@ fn spec(
         Role::new(bare).map_err(|e| src.err(x.span(), key("excludes"), e.to_string()))?;
         spec.excludes.push(x.get_ref().clone());
     }
-    (spec.demand, spec.any_of) = memory(src, &w.memory, pools, key, host)?;
-    Ok(spec)
+    let memory = memory(src, &w.memory, pools, key, host)?;
+    (spec.demand, spec.any_of) = (memory.fixed, memory.any_of);
+    Ok((spec, memory.notes))
 }
 
 /// The argv (a program first) and the environment, their macros checked.

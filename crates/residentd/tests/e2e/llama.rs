@@ -305,6 +305,12 @@ async fn a_server_declared_by_its_flavor_starts_answers_and_stops_as_the_flavor_
         model.display()
     );
     assert!(said.contains(&resolved), "{said}");
+    assert!(
+        said.contains("memory ram: reserves ")
+            && said.contains("(GGUF tensor data)")
+            && said.contains("the flavor's process 76.0 MB + compute buffer"),
+        "--check-config says what is reserved and why: {said}"
+    );
     let mut d = Daemon::start_in(dir).await;
     let started = d
         .client
@@ -318,17 +324,35 @@ async fn a_server_declared_by_its_flavor_starts_answers_and_stops_as_the_flavor_
         .instance
         .expect("an instance");
     assert_eq!(started.state, pb::State::Ready as i32);
-    let held: u64 = started
+    let gguf: u64 = started
         .demand
         .iter()
         .map(|p| p.weights_bytes + p.kv_budget_bytes)
         .sum();
     assert_eq!(
-        held,
+        gguf,
         declared(&model),
-        "the memory comes from the GGUF file"
+        "the weights and KV cache come from the GGUF file"
     );
+    let reserved: u64 = started.demand.iter().map(|p| p.reserved_bytes).sum();
+    assert_eq!(started.reserved_bytes, reserved, "no reading beyond it yet");
     assert_eq!(completes(started.port).await, 200);
+    // After load and one completion, the reservation (made before
+    // anything was measured) is within what the server holds: at most
+    // max(3%, 16 MB) under, max(10%, 48 MB) over.
+    let measured = until(async || {
+        let i = d.get("f").await;
+        (i.measured_bytes > 0).then_some(i.measured_bytes)
+    })
+    .await
+    .expect("the server's memory is measured");
+    println!("reserved {reserved} bytes, held {measured} bytes");
+    let under = (measured / 100 * 3).max(16 * MB);
+    let over = (measured / 10).max(48 * MB);
+    assert!(
+        reserved + under >= measured && reserved <= measured + over,
+        "reserved {reserved} against held {measured}"
+    );
     // The flavor's stop: SIGTERM, and the server exits within its grace.
     let stopped = d.stopped("f").await;
     assert_eq!(stopped.state, pb::State::Exited as i32, "{stopped:?}");
