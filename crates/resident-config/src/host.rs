@@ -148,6 +148,26 @@ impl Lookups {
         self.local() && nix::unistd::geteuid().is_root()
     }
 
+    /// What the server `program` (found as the supervisor finds it) is
+    /// projected to hold for `ask`, by the projection tool beside it.
+    /// `Ok(None)` elsewhere, where nothing is run.
+    pub(crate) fn projection(
+        self,
+        program: &str,
+        path: Option<&str>,
+        ask: &crate::projection::Ask,
+    ) -> Result<Option<crate::projection::Projection>, String> {
+        if !(self.local() && self.programs) {
+            return Ok(None);
+        }
+        let agents = std::env::var("PATH").ok();
+        let server = resident_supervisor::find_program(program, path.or(agents.as_deref()))
+            .map_err(|_| format!("program {program:?} is not on PATH"))?;
+        let tool = crate::projection::tool_beside(&server)
+            .ok_or_else(|| format!("no {} beside {}", crate::projection::TOOL, server.display()))?;
+        crate::projection::project(&tool, ask).map(Some)
+    }
+
     /// Checks that the program of `argv` (a path, or a name on the PATH the
     /// child will have: the workload's own `env.PATH`, else the agent's) is
     /// a file this agent may execute and that nobody else may replace: not

@@ -6,6 +6,7 @@ mod duration;
 mod error;
 pub mod gguf;
 mod host;
+pub mod projection;
 mod raw;
 mod validate;
 
@@ -276,6 +277,9 @@ pub struct Workload {
     /// Per memory table: what it reserves and where each part came
     /// from (`--check-config` prints these).
     pub reservation: Vec<String>,
+    /// What went wrong sizing it (a projection that failed): said as
+    /// config warnings.
+    pub reservation_warnings: Vec<String>,
     pub on_overrun: Option<OnOverrun>,
     pub expose: Expose,
 }

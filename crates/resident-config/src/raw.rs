@@ -229,6 +229,19 @@ pub struct Demand {
     /// `overhead` is not given.
     #[serde(skip)]
     pub process_overhead: Option<u64>,
+    /// Set by a flavor whose server projects its own memory: the server
+    /// program (as its command names it, and the PATH it is found on)
+    /// and what to project.
+    #[serde(skip)]
+    pub projection: Option<ProjectionAsk>,
+}
+
+/// A flavor's request for its server's own projection.
+#[derive(Debug, Clone)]
+pub struct ProjectionAsk {
+    pub program: String,
+    pub path: Option<String>,
+    pub ask: crate::projection::Ask,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]

@@ -20,6 +20,8 @@ pub(super) struct Memory {
     /// Per table, in label order: what it reserves and where each part
     /// came from (`--check-config` prints these).
     pub(super) notes: Vec<String>,
+    /// What could not be done as it should (a projection that failed).
+    pub(super) warnings: Vec<String>,
 }
 
 /// The demand of each pool in `raw`, every one a pool of the node, and
@@ -34,6 +36,7 @@ pub(super) fn memory(
     let mut fixed = BTreeMap::new();
     let mut any_of = Vec::new();
     let mut notes = Vec::new();
+    let mut warnings = Vec::new();
     for (label, d) in raw {
         let k = |f: &str| key(&format!("memory.{label}.{f}"));
         let pool_named = |name: &str| pools.iter().any(|p| p.pool.name.as_str() == name);
@@ -58,7 +61,8 @@ pub(super) fn memory(
                 }
                 Some(c) => *c.get_ref() as usize,
             };
-            let (demand, note) = demand(src, d, &k, host)?;
+            let (demand, note, warning) = demand(src, d, &k, host)?;
+            warnings.extend(warning);
             notes.push(format!(
                 "{label} (any {count} of {}): {note}",
                 candidates.len()
@@ -80,7 +84,8 @@ pub(super) fn memory(
             );
             return Err(src.err(d.span(), key(&format!("memory.{label}")), msg));
         }
-        let (demand, note) = demand(src, d, &k, host)?;
+        let (demand, note, warning) = demand(src, d, &k, host)?;
+        warnings.extend(warning);
         notes.push(format!("{label}: {note}"));
         let pool = PoolName::new(label.as_str())
             .map_err(|e| src.err(d.span(), key("memory"), e.to_string()))?;
@@ -90,6 +95,7 @@ pub(super) fn memory(
         fixed,
         any_of,
         notes,
+        warnings,
     })
 }
 
@@ -132,21 +138,49 @@ fn demand(
     d: &Spanned<raw::Demand>,
     k: &dyn Fn(&str) -> String,
     host: Lookups,
-) -> Result<(Demand, String)> {
+) -> Result<(Demand, String, Option<String>)> {
     let (weights, kv, compute) = weights_and_kv(src, d, k, host)?;
     let dem = d.get_ref();
+    let mut warning = None;
     let (overhead, why) = match (&dem.overhead, dem.process_overhead) {
         (Some(q), _) => (bytes(src, q, &k("overhead"))?, "declared".to_string()),
-        // A flavor's server: its process, and the GGUF model's compute
-        // buffer.
-        (None, Some(process)) => (
-            process.saturating_add(compute),
-            format!(
-                "the flavor's process {} + compute buffer {} (estimated from the GGUF header)",
-                mb(process),
-                mb(compute)
-            ),
-        ),
+        // A flavor's server: its process, and what the server itself
+        // projects beyond weights and KV; else the GGUF model's compute
+        // buffer, estimated.
+        (None, Some(process)) => {
+            let projected = dem.projection.as_ref().map(|p| {
+                host.projection(&p.program, p.path.as_deref(), &p.ask)
+                    .map(|found| found.map(|f| (f.host, p.program.clone())))
+            });
+            match projected {
+                Some(Ok(Some((total, program)))) => (
+                    process.saturating_add(total.saturating_sub(weights.saturating_add(kv))),
+                    format!(
+                        "the flavor's process {} + what {}'s {} projects beyond weights and kv, of {} in all",
+                        mb(process),
+                        program,
+                        crate::projection::TOOL,
+                        mb(total)
+                    ),
+                ),
+                other => {
+                    if let Some(Err(e)) = other {
+                        warning = Some(format!(
+                            "{}: no projection ({e}); the compute buffer is estimated from the GGUF header",
+                            k("overhead")
+                        ));
+                    }
+                    (
+                        process.saturating_add(compute),
+                        format!(
+                            "the flavor's process {} + compute buffer {} (estimated from the GGUF header)",
+                            mb(process),
+                            mb(compute)
+                        ),
+                    )
+                }
+            }
+        }
         (None, None) => (0, "none declared".to_string()),
     };
     let source = if dem.from_gguf.is_some() {
@@ -179,7 +213,7 @@ fn demand(
         mb(demand.footprint()),
         mb(overhead)
     );
-    Ok((demand, note))
+    Ok((demand, note, warning))
 }
 
 /// Weights and KV of one pool, in bytes or sized from a GGUF file, and

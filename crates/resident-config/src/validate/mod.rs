@@ -50,7 +50,11 @@ pub(crate) fn validate(file: &Path, text: &str, host: Lookups) -> Result<Config>
     let workloads = workloads::workloads(&src, &raw_workloads, &pools, host)?;
     let groups = groups::groups(&src, &doc.group, &workloads)?;
     programs(&src, &raw_workloads, host)?;
-    let warnings = root_warnings(&node, &workloads, host);
+    let mut warnings: Vec<String> = workloads
+        .values()
+        .flat_map(|w| w.reservation_warnings.iter().cloned())
+        .collect();
+    warnings.extend(root_warnings(&node, &workloads, host));
     Ok(Config {
         source: file.to_path_buf(),
         node,

@@ -80,7 +80,7 @@ fn workload(
     host: Lookups,
 ) -> Result<Workload> {
     let key = |k: &str| format!("workload[{name}].{k}");
-    let (spec, reservation) = spec(src, name, w, pools, &key, host)?;
+    let (spec, memory) = spec(src, name, w, pools, &key, host)?;
     let (argv, env) = command(src, w, &key)?;
     let uses_device = argv
         .iter()
@@ -141,7 +141,8 @@ fn workload(
         },
     };
     Ok(Workload {
-        reservation,
+        reservation: memory.notes,
+        reservation_warnings: memory.warnings,
         on_overrun,
         expose,
         host_bytes,
@@ -173,7 +174,7 @@ fn spec(
     pools: &[PoolDef],
     key: &dyn Fn(&str) -> String,
     host: Lookups,
-) -> Result<(Spec, Vec<String>)> {
+) -> Result<(Spec, super::demand::Memory)> {
     let mut spec = Spec::new(name.clone());
     if let Some(role) = &w.role {
         spec.role = Role::new(spanned_str(role))
@@ -185,9 +186,10 @@ fn spec(
         Role::new(bare).map_err(|e| src.err(x.span(), key("excludes"), e.to_string()))?;
         spec.excludes.push(x.get_ref().clone());
     }
-    let memory = memory(src, &w.memory, pools, key, host)?;
-    (spec.demand, spec.any_of) = (memory.fixed, memory.any_of);
-    Ok((spec, memory.notes))
+    let mut memory = memory(src, &w.memory, pools, key, host)?;
+    spec.demand = std::mem::take(&mut memory.fixed);
+    spec.any_of = std::mem::take(&mut memory.any_of);
+    Ok((spec, memory))
 }
 
 /// The argv (a program first) and the environment, their macros checked.
