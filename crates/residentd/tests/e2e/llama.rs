@@ -361,3 +361,115 @@ async fn a_server_declared_by_its_flavor_starts_answers_and_stops_as_the_flavor_
         "killed after its grace: {stopped:?}"
     );
 }
+
+/// The directory of the llama-server and llama-fit-params that
+/// `scripts/llama-server` builds (from the sources llama-cpp-python
+/// vendors), when it has; else `None`, after saying the test is skipped
+/// (CI builds them first, so there it fails instead).
+fn llama_server_bin() -> Option<PathBuf> {
+    let out = Command::new(workspace().join("scripts/llama-server"))
+        .arg("--cached")
+        .output()
+        .expect("run scripts/llama-server --cached");
+    if out.status.success() {
+        let dir = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        return Some(PathBuf::from(dir));
+    }
+    let why = "no llama-server built: run scripts/llama-server (about 10 minutes once)";
+    assert!(std::env::var_os("CI").is_none(), "{why}");
+    skip(why);
+    None
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_real_llama_server_is_reserved_what_it_holds_and_runs_as_its_flavor_says() {
+    let (Some(python), Some(bin)) = (python(), llama_server_bin()) else {
+        return;
+    };
+    let server = bin.join("llama-server");
+    // Every flag the flavor passes is one the server knows.
+    let help = Command::new(&server).arg("--help").output().expect("--help");
+    let help = String::from_utf8_lossy(&help.stdout);
+    for flag in [
+        "--model",
+        "--host",
+        "--port",
+        "--ctx-size",
+        "--parallel",
+        "--cache-type-k",
+        "--cache-type-v",
+    ] {
+        assert!(help.contains(flag), "llama-server --help has no {flag}");
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let small = dir.path().join("small.gguf");
+    let mid = dir.path().join("mid.gguf");
+    make_model(&python, &small, 256, 4);
+    make_model(&python, &mid, 1024, 8);
+    let workload = |name: &str, model: &Path, ctx: u64, kv_type: &str| {
+        format!(
+            "[[workload]]\nname = \"{name}\"\nflavor = \"llama-server\"\nprogram = \"{server}\"\nmodel = \"{model}\"\nctx = {ctx}\nkv_type = \"{kv_type}\"\nparallel = 1\n",
+            server = server.display(),
+            model = model.display(),
+        )
+    };
+    let config = format!(
+        "[[pool]]\nname = \"ram\"\nbudget = \"4GB\"\n\n{}{}",
+        workload("small", &small, 512, "f16"),
+        workload("mid", &mid, 4096, "q8_0"),
+    );
+    write_config(dir.path(), &config);
+    let checked = Command::new(RESIDENTD)
+        .arg("--check-config")
+        .arg(dir.path().join("residentd.toml"))
+        .output()
+        .expect("check-config");
+    let said = String::from_utf8_lossy(&checked.stdout);
+    assert!(checked.status.success(), "{said}");
+    assert_eq!(
+        said.matches("llama-fit-params projects beyond weights and kv").count(),
+        2,
+        "both reservations come from the server's own projection: {said}"
+    );
+    let mut d = Daemon::start_in(dir).await;
+    for (id, workload) in [("s", "small"), ("m", "mid")] {
+        let started = d
+            .client
+            .start(pb::StartRequest {
+                wait_ready: true,
+                ..start_req(workload, id)
+            })
+            .await
+            .expect("starts")
+            .into_inner()
+            .instance
+            .expect("an instance");
+        assert_eq!(started.state, pb::State::Ready as i32, "{started:?}");
+        assert_eq!(completes(started.port).await, 200);
+        let reserved = started.reserved_bytes;
+        // Settled: two readings in a row within 1 MB of each other.
+        let mut last = 0u64;
+        let held = until(async || {
+            let now = d.get(id).await.measured_bytes;
+            let settled = now > 0 && now.abs_diff(last) < MB;
+            last = now;
+            settled.then_some(now)
+        })
+        .await
+        .expect("the server's memory settles");
+        println!("llama-server {workload}: reserved {reserved} bytes, held {held} bytes");
+        let under = (held / 100 * 3).max(16 * MB);
+        let over = (held / 10).max(48 * MB);
+        assert!(
+            reserved + under >= held && reserved <= held + over,
+            "{workload}: reserved {reserved} against held {held}"
+        );
+    }
+    // The flavor's stop: SIGTERM, and the server exits within its grace.
+    for id in ["s", "m"] {
+        let stopped = d.stopped(id).await;
+        assert_eq!(stopped.state, pb::State::Exited as i32, "{stopped:?}");
+        assert_ne!(stopped.exit_signal, 9, "killed after its grace: {stopped:?}");
+    }
+    assert_eq!(d.used().await, 0);
+}
