@@ -154,7 +154,6 @@ pub fn demand(spec: &Spec) -> Vec<pb::PoolDemand> {
             kv_budget_bytes: d.kv,
             overhead_bytes: d.overhead,
             reserved_bytes: d.footprint(),
-            learned_bytes: d.floor,
             overrun_bytes: 0,
         })
         .collect()

@@ -364,7 +364,6 @@ impl pb::node_agent_server::NodeAgent for Service {
                 demand: resident_api::demand(&w.spec),
                 concurrency_limit: w.concurrency_limit.unwrap_or(0),
                 any_of: resident_api::any_of(&w.spec),
-                ..Default::default()
             })
             .collect();
         Ok(Response::new(pb::WorkloadsResponse { workloads }))

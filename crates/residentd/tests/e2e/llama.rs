@@ -388,7 +388,10 @@ async fn a_real_llama_server_is_reserved_what_it_holds_and_runs_as_its_flavor_sa
     };
     let server = bin.join("llama-server");
     // Every flag the flavor passes is one the server knows.
-    let help = Command::new(&server).arg("--help").output().expect("--help");
+    let help = Command::new(&server)
+        .arg("--help")
+        .output()
+        .expect("--help");
     let help = String::from_utf8_lossy(&help.stdout);
     for flag in [
         "--model",
@@ -427,7 +430,8 @@ async fn a_real_llama_server_is_reserved_what_it_holds_and_runs_as_its_flavor_sa
     let said = String::from_utf8_lossy(&checked.stdout);
     assert!(checked.status.success(), "{said}");
     assert_eq!(
-        said.matches("llama-fit-params projects beyond weights and kv").count(),
+        said.matches("llama-fit-params projects beyond weights and kv")
+            .count(),
         2,
         "both reservations come from the server's own projection: {said}"
     );
@@ -469,7 +473,10 @@ async fn a_real_llama_server_is_reserved_what_it_holds_and_runs_as_its_flavor_sa
     for id in ["s", "m"] {
         let stopped = d.stopped(id).await;
         assert_eq!(stopped.state, pb::State::Exited as i32, "{stopped:?}");
-        assert_ne!(stopped.exit_signal, 9, "killed after its grace: {stopped:?}");
+        assert_ne!(
+            stopped.exit_signal, 9,
+            "killed after its grace: {stopped:?}"
+        );
     }
     assert_eq!(d.used().await, 0);
 }

@@ -32,7 +32,11 @@ fn state_name(state: i32) -> &'static str {
 fn declared(i: &pb::Instance) -> u64 {
     i.demand
         .iter()
-        .map(|d| d.weights_bytes.saturating_add(d.kv_budget_bytes))
+        .map(|d| {
+            d.weights_bytes
+                .saturating_add(d.kv_budget_bytes)
+                .saturating_add(d.overhead_bytes)
+        })
         .sum()
 }
 
@@ -50,6 +54,8 @@ fn instance_json(i: &pb::Instance) -> Value {
         "restarts": i.restarts,
         "declared_bytes": declared(i),
         "measured_bytes": i.measured_bytes,
+        "reserved_bytes": i.reserved_bytes,
+        "overrun_bytes": i.overrun_bytes,
         "started_unix_ms": i.started_unix_ms,
         "demand": demand_json(&i.demand),
         "devices": i.devices,
@@ -65,6 +71,8 @@ fn demand_json(demand: &[pb::PoolDemand]) -> Vec<Value> {
         .map(|d| {
             json!({
                 "pool": d.pool, "weights_bytes": d.weights_bytes, "kv_budget_bytes": d.kv_budget_bytes,
+                "overhead_bytes": d.overhead_bytes, "reserved_bytes": d.reserved_bytes,
+                "overrun_bytes": d.overrun_bytes,
             })
         })
         .collect()
@@ -194,6 +202,7 @@ pub fn instances(list: &[pb::Instance], json: bool) -> io::Result<()> {
                     i.port.to_string()
                 },
                 Gb(declared(i)).to_string(),
+                Gb(i.reserved_bytes).to_string(),
                 Gb(i.measured_bytes).to_string(),
                 i.restarts.to_string(),
                 age(i.started_unix_ms),
@@ -202,8 +211,8 @@ pub fn instances(list: &[pb::Instance], json: bool) -> io::Result<()> {
         })
         .collect();
     let header = [
-        "INSTANCE", "ROLE", "STATE", "PID", "PORT", "DECLARED", "MEASURED", "RESTARTS", "AGE",
-        "MESSAGE",
+        "INSTANCE", "ROLE", "STATE", "PID", "PORT", "DECLARED", "RESERVED", "MEASURED", "RESTARTS",
+        "AGE", "MESSAGE",
     ];
     table(&header, &rows)
 }
