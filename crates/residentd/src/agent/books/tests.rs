@@ -11,6 +11,8 @@ use proptest::prelude::*;
 use resident_core::Reason;
 
 use super::*;
+use resident_api::ApiError;
+use resident_core::Policy;
 
 const GB: u64 = 1_000_000_000;
 

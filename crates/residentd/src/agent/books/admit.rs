@@ -1,0 +1,440 @@
+//! Admission, release and cancel: the decisions of the books and what is
+//! said about them from the same critical section (a refusal's Placement,
+//! the victims with their causes, the memory to wait for).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use resident_api::{ApiError, pb};
+use resident_config::{Config, Workload};
+use resident_core::{
+    AdmitError, InstanceId, NodeState, Plan, PlanError, Policy, PoolName, PoolStatus, Spec,
+};
+use resident_supervisor::Adoption;
+use tokio::sync::oneshot;
+
+use super::*;
+
+/// A victim of a Start: which run of whom, of which workload, and the
+/// cause its stop reports.
+#[derive(Debug)]
+pub(in crate::agent) struct Eviction {
+    pub(in crate::agent) id: String,
+    /// The run chosen: its stop never ends a later run of the same id.
+    pub(in crate::agent) generation: u64,
+    pub(in crate::agent) workload: String,
+    pub(in crate::agent) cause: String,
+}
+
+/// An admitted Start, with everything decided under the lock.
+#[derive(Debug)]
+pub(in crate::agent) struct Admitted {
+    pub(in crate::agent) generation: u64,
+    /// The device indexes of the pools chosen for its any-of demands.
+    pub(in crate::agent) devices: Vec<u32>,
+    pub(in crate::agent) evictions: Vec<Eviction>,
+    /// Conflicting runs (id, generation) already being evicted for
+    /// another start: this one waits for their release.
+    pub(in crate::agent) wait_for: Vec<(String, u64)>,
+    /// For each live pool the target needs: the bytes to see available
+    /// again once the victims have exited.
+    pub(in crate::agent) recovery: Vec<(String, u64)>,
+    /// Ended records dropped to keep the table bounded.
+    pub(in crate::agent) forgotten: Vec<(String, Record)>,
+}
+
+/// What the books decided for a Start.
+#[derive(Debug)]
+pub(in crate::agent) enum Decision {
+    /// Admitted: a new run.
+    Admitted(Admitted),
+    /// The same instance of the same workload is resident: an idempotent
+    /// repeat, answered with its current run.
+    Existing(Record),
+    /// The same instance is stopping; admit again once this fires (or
+    /// its sender is dropped).
+    Stopping(oneshot::Receiver<()>),
+}
+
+impl Books {
+    /// Plans and reserves a Start of `w` as `id`, under `config`.
+    pub(in crate::agent) fn admit(
+        &self,
+        config: &Config,
+        w: &Arc<Workload>,
+        id: &InstanceId,
+        policy: Policy,
+        now: u64,
+        lease_ms: u64,
+    ) -> Result<Decision, ApiError> {
+        let mut b = self.lock();
+        let cancelled = b.records.get(id.as_str()).is_some_and(|r| r.cancelled);
+        if let Some(r) = b.ledger.resident(id.as_str())
+            && (cancelled || r.evicting)
+        {
+            return Ok(Decision::Stopping(b.waiter(id.as_str())));
+        }
+        taken(&b, id, w)?;
+        let max = config.node.max_instances;
+        room(&b, id, max)?;
+        let a = match b.ledger.admit(id, w.spec.clone(), policy, now) {
+            Err(AdmitError::Refused(refusal)) => {
+                return Err(refused(&b.ledger, refusal, &w.spec));
+            }
+            Err(AdmitError::Invalid(e)) => return Err(plan_error(e)),
+            Ok(a) if !a.created => {
+                // A repeat by the owner sets its lease anew.
+                if let Some(r) = b.records.get_mut(id.as_str()) {
+                    r.lease = Lease::new(lease_ms, now);
+                }
+                let record = b.records.get(id.as_str()).cloned();
+                let record = record.unwrap_or_else(|| Record::run(w, w.spec.clone(), 0));
+                return Ok(Decision::Existing(record));
+            }
+            Ok(a) => a,
+        };
+        let spec = b
+            .ledger
+            .resident(id.as_str())
+            .map_or_else(|| w.spec.clone(), |r| r.spec.clone());
+        let evictions = evictions(&b, &spec, id, &a.evict);
+        let wait_for = a
+            .wait_for
+            .iter()
+            .filter_map(|w| Some((w.to_string(), b.records.get(w.as_str())?.generation)))
+            .collect();
+        let recovery = recovery(&b.ledger, config, &spec, &a.evict);
+        let devices = config.devices(&a.chosen);
+        b.generation += 1;
+        let generation = b.generation;
+        for v in &a.evict {
+            if let Some(r) = b.records.get_mut(v.as_str()) {
+                r.cancelled = true;
+            }
+        }
+        let record = Record {
+            devices: devices.clone(),
+            lease: Lease::new(lease_ms, now),
+            ..Record::run(w, spec, generation)
+        };
+        b.enter(id, record);
+        let forgotten = prune_ended(&mut b, max);
+        Ok(Decision::Admitted(Admitted {
+            generation,
+            devices,
+            evictions,
+            wait_for,
+            recovery,
+            forgotten,
+        }))
+    }
+
+    /// Enters the running process of `adoption` as `id`, an instance of
+    /// `w` holding `present` bytes already: nothing is evicted for it, and
+    /// an unmanaged one is never a victim. Returns the run's generation and
+    /// the ended records dropped to keep the table bounded.
+    pub(in crate::agent) fn adopt(
+        &self,
+        config: &Config,
+        w: &Arc<Workload>,
+        id: &InstanceId,
+        now: u64,
+        adoption: Adoption,
+        present: &BTreeMap<PoolName, u64>,
+    ) -> Result<(u64, Vec<(String, Record)>), ApiError> {
+        let mut b = self.lock();
+        if b.ledger.resident(id.as_str()).is_some() {
+            return Err(ApiError::AlreadyExists(format!(
+                "instance '{id}' already holds memory; adopt under another id"
+            )));
+        }
+        taken(&b, id, w)?;
+        let twice = b.records.iter().find(|(other, r)| {
+            r.adopted.is_some_and(|a| a.pid == adoption.pid) && b.ledger.resident(other).is_some()
+        });
+        if let Some((other, _)) = twice {
+            return Err(ApiError::AlreadyExists(format!(
+                "pid {} is already adopted as instance '{other}'",
+                adoption.pid
+            )));
+        }
+        let max = config.node.max_instances;
+        room(&b, id, max)?;
+        match b
+            .ledger
+            .adopt(id, w.spec.clone(), now, present, adoption.manage)
+        {
+            Ok(_) => {}
+            Err(AdmitError::Refused(refusal)) => {
+                return Err(refused(&b.ledger, refusal, &w.spec));
+            }
+            Err(AdmitError::Invalid(e)) => return Err(plan_error(e)),
+        }
+        b.generation += 1;
+        let generation = b.generation;
+        let record = Record {
+            adopted: Some(adoption),
+            ..Record::run(w, w.spec.clone(), generation)
+        };
+        b.enter(id, record);
+        let forgotten = prune_ended(&mut b, max);
+        Ok((generation, forgotten))
+    }
+
+    /// The placement query: what a Start would do, with the pool figures
+    /// it was decided on.
+    pub(in crate::agent) fn place(
+        &self,
+        w: &Workload,
+        policy: Policy,
+        now: u64,
+    ) -> Result<pb::Placement, ApiError> {
+        let b = self.lock();
+        let plan = b.ledger.place(&w.spec, policy, now).map_err(plan_error)?;
+        Ok(placement(&b.ledger, &plan, &w.spec))
+    }
+
+    /// Ends the reservation of `id`'s run `generation`, if it is still the
+    /// current one and holds one. The one release path.
+    pub(in crate::agent) fn release(&self, id: &str, generation: u64) -> bool {
+        let mut b = self.lock();
+        let current = b
+            .records
+            .get(id)
+            .is_some_and(|r| r.generation == generation);
+        if current && b.ledger.release(id).is_some() {
+            b.ended.insert((generation, id.to_string()));
+            for waiter in b.waiters.remove(id).unwrap_or_default() {
+                let _ = waiter.send(());
+            }
+            return true;
+        }
+        false
+    }
+
+    /// Waits until `id`'s run `generation` holds no reservation.
+    pub(in crate::agent) async fn released(&self, id: &str, generation: u64) {
+        loop {
+            let rx = {
+                let mut b = self.lock();
+                let holds = b
+                    .records
+                    .get(id)
+                    .is_some_and(|r| r.generation == generation)
+                    && b.ledger.resident(id).is_some();
+                if !holds {
+                    return;
+                }
+                b.waiter(id)
+            };
+            let _ = rx.await;
+        }
+    }
+
+    /// Marks `id`'s current run as stopping; with `run`, only when that is
+    /// the current run (a stop decided for one run never ends the next).
+    pub(in crate::agent) fn cancel(&self, id: &str, run: Option<u64>) -> Option<Cancelled> {
+        let mut b = self.lock();
+        let resident = b.ledger.resident(id).is_some();
+        let r = b
+            .records
+            .get_mut(id)
+            .filter(|r| run.is_none_or(|g| g == r.generation))?;
+        r.cancelled = true;
+        Some(Cancelled {
+            generation: r.generation,
+            spec: r.spec.clone(),
+            resident,
+        })
+    }
+}
+
+/// A plan as a `Placement`: the pools as they are, the demand as it would
+/// be placed, each victim with what it holds, and what the start would
+/// leave free.
+fn placement(ledger: &NodeState, plan: &Plan, spec: &Spec) -> pb::Placement {
+    let pools = ledger.pools();
+    let mut out = resident_api::placement(plan, pool_statuses(ledger, &pools));
+    let (evict, concrete): (&[InstanceId], Spec) = match plan {
+        Plan::Admit { evict, chosen, .. } => (evict, spec.concrete(chosen)),
+        Plan::Existing => (&[], spec.clone()),
+        Plan::Refuse(_) => return out,
+    };
+    let spec = &concrete;
+    out.demand = resident_api::demand(spec);
+    let victims: Vec<_> = evict
+        .iter()
+        .filter_map(|id| ledger.resident(id.as_str()))
+        .collect();
+    out.victims = victims
+        .iter()
+        .map(|v| pb::Victim {
+            instance_id: v.id.to_string(),
+            workload: v.spec.workload.to_string(),
+            bytes: v
+                .spec
+                .demand
+                .keys()
+                .map(|p| v.charge(p.as_str()).counted())
+                .fold(0, u64::saturating_add),
+            priority: v.spec.priority,
+        })
+        .collect();
+    let existing = matches!(plan, Plan::Existing);
+    out.free_after_bytes = spec
+        .demand
+        .keys()
+        .filter_map(|pool| {
+            let figures = pools.iter().find(|p| p.name == *pool)?;
+            let budget = figures.effective?;
+            let freed: u64 = victims
+                .iter()
+                .map(|v| v.charge(pool.as_str()).counted())
+                .sum();
+            let taken = if existing {
+                0
+            } else {
+                spec.footprint(pool.as_str())
+            };
+            let used = figures.used.saturating_sub(freed);
+            Some(budget.saturating_sub(used).saturating_sub(taken))
+        })
+        .min();
+    out
+}
+
+/// `pools` (the ledger's figures) as the API shows them, with each live
+/// pool's last reading.
+pub(super) fn pool_statuses(ledger: &NodeState, pools: &[PoolStatus]) -> Vec<pb::PoolStatus> {
+    pools
+        .iter()
+        .map(|p| resident_api::pool_status(p, ledger.available(p.name.as_str())))
+        .collect()
+}
+
+/// `id` is an instance of another workload.
+fn taken(b: &Inner, id: &InstanceId, w: &Workload) -> Result<(), ApiError> {
+    match b.records.get(id.as_str()) {
+        Some(r) if r.workload.spec.workload != w.spec.workload => {
+            Err(ApiError::AlreadyExists(format!(
+                "instance '{id}' already exists with workload '{}'",
+                r.workload.spec.workload
+            )))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Whether one more resident (`id`, unless it is one already) stays within
+/// `max_instances`.
+fn room(b: &Inner, id: &InstanceId, max: usize) -> Result<(), ApiError> {
+    if b.ledger.resident(id.as_str()).is_none() && b.ledger.residents().count() >= max {
+        return Err(ApiError::LimitReached(format!(
+            "the node already holds max_instances = {max} instances; stop one first"
+        )));
+    }
+    Ok(())
+}
+
+/// A refused admission as the caller hears it: the refusal, and the
+/// Placement it was decided on (the same critical section).
+fn refused(ledger: &NodeState, refusal: resident_core::Refusal, spec: &Spec) -> ApiError {
+    let plan = Plan::Refuse(refusal.clone());
+    let placement = placement(ledger, &plan, spec);
+    ApiError::Refused {
+        refusal,
+        placement: Box::new(placement),
+    }
+}
+
+pub(in crate::agent) fn plan_error(e: PlanError) -> ApiError {
+    match e {
+        PlanError::AlreadyExists { .. } => ApiError::AlreadyExists(e.to_string()),
+        PlanError::Evicting { .. } => ApiError::Unavailable(e.to_string()),
+        PlanError::UnknownPool { .. } | PlanError::AnyOfCount { .. } => {
+            ApiError::FailedPrecondition(e.to_string())
+        }
+    }
+}
+
+/// Each victim with the cause its stop reports: for which start, and in
+/// which of the target's pools it held memory (none: it was in the way of
+/// a group or exclusion rule).
+fn evictions(b: &Inner, spec: &Spec, id: &InstanceId, victims: &[InstanceId]) -> Vec<Eviction> {
+    let ledger = &b.ledger;
+    victims
+        .iter()
+        .map(|v| {
+            let resident = ledger.resident(v.as_str());
+            let pools: Vec<&str> = resident
+                .map(|r| {
+                    r.spec
+                        .demand
+                        .keys()
+                        .filter(|p| spec.demand.contains_key(*p))
+                        .map(|p| p.as_str())
+                        .collect()
+                })
+                .unwrap_or_default();
+            let start = format!("'{}' (instance '{id}')", spec.workload);
+            let cause = match pools.as_slice() {
+                [] => format!("evicted for {start}: a group or exclusion rule"),
+                [one] => format!("evicted to make room for {start} in pool '{one}'"),
+                many => format!(
+                    "evicted to make room for {start} in pools '{}'",
+                    many.join("', '")
+                ),
+            };
+            Eviction {
+                id: v.to_string(),
+                generation: b.records.get(v.as_str()).map_or(0, |r| r.generation),
+                workload: resident.map_or_else(String::new, |r| r.spec.workload.to_string()),
+                cause,
+            }
+        })
+        .collect()
+}
+
+/// For each live (probe-bound) pool `spec` needs: three quarters of what
+/// the victims are counted as holding there.
+fn recovery(
+    ledger: &NodeState,
+    config: &Config,
+    spec: &Spec,
+    victims: &[InstanceId],
+) -> Vec<(String, u64)> {
+    spec.demand
+        .keys()
+        .filter(|pool| {
+            config
+                .pools
+                .iter()
+                .any(|p| p.pool.name == **pool && p.pool.live)
+        })
+        .map(|pool| {
+            let held: u64 = victims
+                .iter()
+                .filter_map(|v| ledger.resident(v.as_str()))
+                .map(|r| r.charge(pool.as_str()).counted())
+                .fold(0, u64::saturating_add);
+            (pool.to_string(), held / 4 * 3)
+        })
+        .filter(|(_, want)| *want > 0)
+        .collect()
+}
+
+/// Keeps at most `keep` ended instances (the newest): without a bound, a
+/// caller that starts and stops ever-new ids would grow the table for
+/// good. Returns the records dropped.
+fn prune_ended(b: &mut Inner, keep: usize) -> Vec<(String, Record)> {
+    let mut forgotten = Vec::new();
+    while b.ended.len() > keep {
+        let Some((_, id)) = b.ended.pop_first() else {
+            break;
+        };
+        if let Some(r) = b.records.remove(&id) {
+            forgotten.push((id, r));
+        }
+    }
+    forgotten
+}
