@@ -11,16 +11,16 @@ use tokio_stream::StreamExt as _;
 
 const MB: u64 = 1_000_000;
 
-/// A Python server that declares `declared` MB of pool `ram` and holds
+/// A Python server that declares `declared` MB of pool `pool` and holds
 /// about 120 MB (a touched buffer) beside its interpreter.
-fn fat(name: &str, declared: u64, extra: &str) -> String {
+pub fn fat(name: &str, pool: &str, declared: u64, extra: &str) -> String {
     format!(
         r#"[[workload]]
 name = "{name}"
 command = ["python3", "-c", "import time; b = b'x' * (120 * 1000 * 1000); print('held', flush=True); time.sleep(3600)"]
 stop_grace = "2s"
 {extra}
-[workload.memory.ram]
+[workload.memory.{pool}]
 weights = "{declared}MB"
 "#
     )
@@ -31,7 +31,7 @@ async fn an_overrun_is_told_counted_and_refuses_what_fits_only_by_the_declaratio
     let port = free_port();
     let config = format!(
         "metrics_listen = \"127.0.0.1:{port}\"\n[[pool]]\nname = \"ram\"\nbudget = \"400MB\"\nhost = true\n\n{}{}",
-        fat("fat", 20, ""),
+        fat("fat", "ram", 20, ""),
         "[[workload]]\nname = \"small\"\ncommand = [\"/bin/sleep\", \"3600\"]\nstop_grace = \"2s\"\n[workload.memory.ram]\nweights = \"300MB\"\n",
     );
     let mut d = Daemon::start(&config).await;
@@ -122,7 +122,7 @@ async fn an_overrun_is_told_counted_and_refuses_what_fits_only_by_the_declaratio
 async fn on_overrun_stop_stops_the_instance_with_reason_overrun() {
     let config = format!(
         "[[pool]]\nname = \"ram\"\nbudget = \"400MB\"\nhost = true\n\n{}",
-        fat("fat", 20, "on_overrun = \"stop\""),
+        fat("fat", "ram", 20, "on_overrun = \"stop\""),
     );
     let mut d = Daemon::start(&config).await;
     d.started("fat", "f").await;

@@ -155,7 +155,8 @@ async fn every_metric_served_is_documented_and_every_documented_one_served() {
     let port = free_port();
     // A run that makes every family show a series: an admission, an
     // eviction, a refusal, a restart, an exposed server, RPCs, a probe
-    // that gives no reading, a connection over its peer's share.
+    // that gives no reading, a connection over its peer's share, an
+    // overrun (a server holding more than it declared in a host pool).
     let reading = tempfile::NamedTempFile::new().expect("a reading file");
     std::fs::write(reading.path(), "not a number\n").expect("write");
     let mut config = format!("metrics_listen = \"127.0.0.1:{port}\"\nmax_connections = 1\n")
@@ -164,6 +165,8 @@ async fn every_metric_served_is_documented_and_every_documented_one_served() {
         "[[pool]]\nname = \"gpu0\"\nbudget = \"8GB\"\ndevice = \"file:{}\"\n\n",
         reading.path().display()
     );
+    config += "[[pool]]\nname = \"host\"\nbudget = \"2GB\"\nhost = true\n\n";
+    config += &crate::footprint::fat("fat", "host", 20, "");
     config += &sleeper("big", "ram", 6, "");
     config += "[[workload]]\nname = \"open\"\ncommand = [\"python3\", \"-m\", \"http.server\", \"${PORT}\", \"--bind\", \"0.0.0.0\"]\nexpose = \"loopback\"\n[workload.memory.ram]\nweights = \"1GB\"\n[workload.readiness]\ntcp = true\n[workload.restart]\npolicy = \"never\"\n";
     config += &shell(
@@ -192,6 +195,9 @@ async fn every_metric_served_is_documented_and_every_documented_one_served() {
     let mut evict = start_req("big", "b3");
     evict.on_full = pb::Policy::Evict as i32;
     d.client.start(evict).await.expect("evicts b1");
+    d.started("fat", "f").await;
+    let over = until(async || (d.get("f").await.overrun_bytes > 0).then_some(()));
+    assert!(over.await.is_some(), "the overrun is seen");
     // A call refused for want of a role: this caller left out of the
     // allowlist by a reload.
     let text = config_text(d.dir.path(), &format!("allow_uids = [4242]\n{config}"));
