@@ -87,6 +87,27 @@ fn each_flavor_resolves_to_its_servers_command_line_and_probe() {
         ]
     );
     assert_eq!(b.readiness, http("/v1/models"));
+    // The KV cache type the memory is sized for is the one it runs with,
+    // as ggml's type number (q8_0 = 8).
+    let c = one_pool(
+        "name = \"q\"\nflavor = \"llama-cpp-python\"\nmodel = \"/m/b.gguf\"\nkv_type = \"q8_0\"\n",
+    );
+    let argv = &c.workloads["q"].argv;
+    let at = |flag: &str| {
+        argv.iter()
+            .position(|a| a == flag)
+            .map(|i| argv[i + 1].as_str())
+    };
+    assert_eq!(
+        (at("--type_k"), at("--type_v")),
+        (Some("8"), Some("8")),
+        "{argv:?}"
+    );
+    assert_eq!(
+        at("--flash_attn"),
+        Some("true"),
+        "a quantized V cache needs it"
+    );
 
     let c = one_pool("name = \"m\"\nflavor = \"mlx-lm\"\nmodel = \"/m/m.gguf\"\n");
     let m = &c.workloads["m"];

@@ -44,6 +44,23 @@ fn opt(argv: &mut Vec<String>, flag: &str, value: Option<impl ToString>) {
     }
 }
 
+/// ggml's number for a KV cache type (`ggml.h`'s `enum ggml_type`), as
+/// llama-cpp-python's `--type_k` and `--type_v` take it.
+fn ggml_type(kv_type: &str) -> Option<u32> {
+    Some(match kv_type {
+        "f32" => 0,
+        "f16" => 1,
+        "q4_0" => 2,
+        "q4_1" => 3,
+        "q5_0" => 6,
+        "q5_1" => 7,
+        "q8_0" => 8,
+        "iq4_nl" => 20,
+        "bf16" => 30,
+        _ => return None,
+    })
+}
+
 fn defaults(flavor: &str, k: &Keys<'_>) -> Defaults {
     // The program and what comes before the loopback binding.
     let (program, lead, readiness, stop_grace): (&str, &[&str], _, _) = match flavor {
@@ -74,6 +91,15 @@ fn defaults(flavor: &str, k: &Keys<'_>) -> Defaults {
         }
         "llama-cpp-python" => {
             opt(&mut argv, "--n_ctx", k.ctx);
+            // Its server takes the cache type as ggml's type number; a
+            // quantized V cache needs flash attention (llama.cpp refuses
+            // the context without it).
+            let kv_type = k.kv_type.and_then(ggml_type);
+            opt(&mut argv, "--type_k", kv_type);
+            opt(&mut argv, "--type_v", kv_type);
+            if kv_type.is_some_and(|t| ![0, 1, 30].contains(&t)) {
+                argv.extend(["--flash_attn", "true"].map(String::from));
+            }
             // Weights held once (no mapped copy beside a repacked one),
             // and a stream is never cut short by the next request.
             argv.extend(["--use_mmap", "false", "--interrupt_requests", "false"].map(String::from));
