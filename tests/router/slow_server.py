@@ -30,6 +30,8 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self):
         if self.path == "/v1/models":
             self.reply(200, {"object": "list", "data": [{"id": "slow", "object": "model"}]})
+        elif self.path == "/":
+            self.reply(200, {"root": "slow"})
         else:
             self.reply(404, {"error": {"message": "no such path", "type": "not_found"}})
 

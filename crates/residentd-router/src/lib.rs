@@ -98,6 +98,9 @@ impl App {
             .route("/v1/responses", post(openai))
             .route("/v1/models", get(list_models))
             .route("/upstream/{model}", any(upstream))
+            // A wildcard matches one character at least: the server's root
+            // with its slash has a route of its own.
+            .route("/upstream/{model}/", any(upstream))
             .route("/upstream/{model}/{*rest}", any(upstream))
             .route("/health", get(health))
             .route("/metrics", get(metrics))

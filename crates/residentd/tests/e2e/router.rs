@@ -489,6 +489,12 @@ async fn holds_limits_queue_timeouts_and_bad_input_are_answered_openai_style() {
         body.contains("\"slow\""),
         "the model server's own answer: {body}"
     );
+    // The server's root, with and without the trailing slash.
+    for root in ["/upstream/other", "/upstream/other/"] {
+        let (status, _, body) = raw(port, &get(root)).await;
+        assert_eq!(status, 200, "{root}: {body}");
+        assert!(body.contains("\"root\": \"slow\""), "{root}: {body}");
+    }
     let (status, _, _) = raw(port, &get("/health")).await;
     assert_eq!(status, 200);
     let (status, _, body) = raw(port, &get("/metrics")).await;
