@@ -113,7 +113,10 @@ pub fn parse_bytes(input: &str) -> Result<u64, UnitError> {
     u64::try_from(total).map_err(|_| overflow())
 }
 
-/// A byte count shown as decimal gigabytes with one decimal: `55.0 GB`.
+/// A byte count shown as decimal gigabytes with one decimal: `55.0 GB`;
+/// where that would read as zero for bytes that are not, megabytes with
+/// one decimal (`21.6 MB`), and below a twentieth of a megabyte the bytes
+/// themselves (`4096 B`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Gb(pub u64);
 
@@ -121,8 +124,14 @@ impl fmt::Display for Gb {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // Integer arithmetic rounds half up, like `{:.1}` would for any
         // figure a float could carry exactly, and never loses precision.
-        let tenths = (u128::from(self.0) + u128::from(GB / 20)) / u128::from(GB / 10);
-        write!(f, "{}.{} GB", tenths / 10, tenths % 10)
+        let tenths_of =
+            |unit: u64| (u128::from(self.0) + u128::from(unit / 20)) / u128::from(unit / 10);
+        let (tenths, unit) = match (tenths_of(GB), tenths_of(GB / 1000)) {
+            (0, 0) if self.0 > 0 => return write!(f, "{} B", self.0),
+            (0, mb) if self.0 > 0 => (mb, "MB"),
+            (gb, _) => (gb, "GB"),
+        };
+        write!(f, "{}.{} {unit}", tenths / 10, tenths % 10)
     }
 }
 
@@ -183,7 +192,11 @@ mod tests {
             (55 * GB, "55.0 GB"),
             (9_500_000_000, "9.5 GB"),
             (32 * GB, "32.0 GB"),
-            (49_999_999, "0.0 GB"),
+            // Small figures are not shown as zeros.
+            (49_999_999, "50.0 MB"),
+            (21_600_000, "21.6 MB"),
+            (49_999, "49999 B"),
+            (50_000, "0.1 MB"),
             (50_000_000, "0.1 GB"),
             (u64::MAX, "18446744073.7 GB"),
         ];
