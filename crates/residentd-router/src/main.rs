@@ -72,7 +72,10 @@ fn main() -> ExitCode {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let logs = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        // Escape codes only for a person at a terminal, not for journald
+        // or a log file.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     if cli.log_json {
         logs.json().init();
     } else {

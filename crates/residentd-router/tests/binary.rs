@@ -100,6 +100,11 @@ fn the_units_command_line_serves_and_sigterm_ends_it_cleanly() {
         .expect("read");
     assert!(status.success(), "{status}: {err}");
     assert!(err.contains("answers in flight finish first"), "{err}");
+    // Its log goes to a pipe here, as to journald or a file: no colour.
+    assert!(
+        !err.contains('\x1b'),
+        "escape codes in a log that is no terminal: {err:?}"
+    );
 }
 
 #[test]
