@@ -308,14 +308,7 @@ async fn a_server_declared_by_its_flavor_starts_answers_and_stops_as_the_flavor_
         model = model.display(),
         bin = bin.display(),
     );
-    write_config(dir.path(), &config);
-    let checked = Command::new(RESIDENTD)
-        .arg("--check-config")
-        .arg(dir.path().join("residentd.toml"))
-        .output()
-        .expect("check-config");
-    let said = String::from_utf8_lossy(&checked.stdout);
-    assert!(checked.status.success(), "{said}");
+    let said = checked(dir.path(), &config);
     let resolved = format!(
         "flavored: python3 -m llama_cpp.server --model {} --host 127.0.0.1 --port ${{PORT}} --n_ctx 512 --use_mmap false --interrupt_requests false",
         model.display()
@@ -365,6 +358,20 @@ async fn a_server_declared_by_its_flavor_starts_answers_and_stops_as_the_flavor_
         stopped.exit_signal, 9,
         "killed after its grace: {stopped:?}"
     );
+}
+
+/// Writes `config` into `dir` and returns what `residentd --check-config`
+/// says of it (it must call it valid).
+fn checked(dir: &Path, config: &str) -> String {
+    write_config(dir, config);
+    let out = Command::new(RESIDENTD)
+        .arg("--check-config")
+        .arg(dir.join("residentd.toml"))
+        .output()
+        .expect("check-config");
+    let said = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "{said}");
+    said
 }
 
 /// What instance `id` holds once settled: two readings in a row, one
@@ -453,14 +460,7 @@ async fn a_real_llama_server_is_reserved_what_it_holds_and_runs_as_its_flavor_sa
         workload("small", &small, 512, "f16"),
         workload("mid", &mid, 4096, "q8_0"),
     );
-    write_config(dir.path(), &config);
-    let checked = Command::new(RESIDENTD)
-        .arg("--check-config")
-        .arg(dir.path().join("residentd.toml"))
-        .output()
-        .expect("check-config");
-    let said = String::from_utf8_lossy(&checked.stdout);
-    assert!(checked.status.success(), "{said}");
+    let said = checked(dir.path(), &config);
     assert_eq!(
         said.matches("llama-fit-params projects beyond weights and kv")
             .count(),
