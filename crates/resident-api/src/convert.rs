@@ -154,6 +154,7 @@ pub fn demand(spec: &Spec) -> Vec<pb::PoolDemand> {
             kv_budget_bytes: d.kv,
             overhead_bytes: d.overhead,
             reserved_bytes: d.footprint(),
+            learned_bytes: d.floor,
             overrun_bytes: 0,
         })
         .collect()
@@ -170,6 +171,8 @@ pub fn any_of(spec: &Spec) -> Vec<pb::AnyOfDemand> {
             weights_bytes: a.demand.weights,
             kv_budget_bytes: a.demand.kv,
             overhead_bytes: a.demand.overhead,
+            learned_bytes: a.demand.floor,
+            reserved_bytes: a.demand.footprint(),
         })
         .collect()
 }

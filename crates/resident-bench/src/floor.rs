@@ -75,6 +75,12 @@ impl NodeAgent for Floor {
     async fn adopt(&self, _: Request<pb::AdoptRequest>) -> Result<Response<pb::Instance>, Status> {
         none()
     }
+    async fn forget_footprint(
+        &self,
+        _: Request<pb::ForgetFootprintRequest>,
+    ) -> Result<Response<pb::Workload>, Status> {
+        none()
+    }
     async fn reload(
         &self,
         _: Request<pb::ReloadRequest>,

@@ -86,6 +86,10 @@ pub struct NodeConfig {
     /// Start and Stop answer only once the journal on disk says what they
     /// did (`durable_answers`, default true).
     pub durable_answers: bool,
+    /// Whether a workload's high-water measured bytes per pool are kept
+    /// (in the journal) and reserved at its next admission
+    /// (`learn_footprints`, default true).
+    pub learn_footprints: bool,
     /// How an any-of demand chooses among pools that fit alike
     /// (`gpu_choice`, default binpack).
     pub gpu_choice: GpuChoice,
@@ -270,21 +274,83 @@ pub struct Workload {
     /// The most requests a front door (the router) sends it at once
     /// (`concurrency_limit`); `None`: no limit.
     pub concurrency_limit: Option<u32>,
-    /// Whether its servers may listen beyond loopback (`expose = "any"`);
-    /// under `"loopback"` a listener on another address stops it (EXPOSED).
-    /// What it meets when measured above its reservation; `None`: the
-    /// node's `on_overrun`.
     /// Per memory table: what it reserves and where each part came
     /// from (`--check-config` prints these).
     pub reservation: Vec<String>,
     /// What went wrong sizing it (a projection that failed): said as
     /// config warnings.
     pub reservation_warnings: Vec<String>,
+    /// What it meets when measured above its reservation; `None`: the
+    /// node's `on_overrun`.
     pub on_overrun: Option<OnOverrun>,
+    /// Whether its servers may listen beyond loopback (`expose = "any"`);
+    /// under `"loopback"` a listener on another address stops it (EXPOSED).
     pub expose: Expose,
 }
 
 impl Workload {
+    /// What its learned footprint is learned for (`learn_footprints`): a
+    /// stable 64-bit digest of the command line, environment and working
+    /// directory as configured, the executable the command resolves to,
+    /// and every file the command line names (a model file, a projector),
+    /// each by its path, length and modification time. A changed command,
+    /// a new binary or a model file replaced on disk gives another key, so
+    /// what was measured for the old one is not reserved for the new.
+    /// Reads file metadata (a few `stat` calls), no contents.
+    pub fn footprint_key(&self) -> u64 {
+        use std::hash::Hasher as _;
+        let mut h = fnv::FnvHasher::default();
+        fn put(h: &mut fnv::FnvHasher, bytes: &[u8]) {
+            h.write_u64(bytes.len() as u64);
+            h.write(bytes);
+        }
+        for a in &self.argv {
+            put(&mut h, a.as_bytes());
+        }
+        for (k, v) in &self.env {
+            put(&mut h, k.as_bytes());
+            put(&mut h, v.as_bytes());
+        }
+        if let Some(cwd) = &self.cwd {
+            put(&mut h, cwd.as_os_str().as_encoded_bytes());
+        }
+        let path_var = self
+            .env
+            .get("PATH")
+            .cloned()
+            .or_else(|| std::env::var("PATH").ok());
+        let program = self
+            .argv
+            .first()
+            .and_then(|p| resident_supervisor::find_program(p, path_var.as_deref()).ok());
+        // `--model=FILE` names a file as well as `--model FILE`.
+        let named = self
+            .argv
+            .iter()
+            .skip(1)
+            .map(|a| a.split_once('=').map_or(a.as_str(), |(_, v)| v))
+            .map(|a| match &self.cwd {
+                Some(cwd) if !a.starts_with('/') => cwd.join(a),
+                _ => std::path::PathBuf::from(a),
+            });
+        for file in program.into_iter().chain(named) {
+            let Ok(m) = std::fs::metadata(&file) else {
+                continue;
+            };
+            if !m.is_file() {
+                continue;
+            }
+            put(&mut h, file.as_os_str().as_encoded_bytes());
+            h.write_u64(m.len());
+            let mtime = m
+                .modified()
+                .ok()
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok());
+            h.write_u128(mtime.map_or(0, |d| d.as_nanos()));
+        }
+        h.finish()
+    }
+
     /// The supervisor's spec for instance `instance` of this workload. Its
     /// memory limit is the declared host footprint plus the node's slack;
     /// none when it declares no host memory. `devices` are the indexes of

@@ -310,7 +310,7 @@ fn deny(
 }
 
 /// The audit line of a call that changes something (Start, Stop, Touch,
-/// Adopt, Reload), allowed or not, with stable fields: `rpc`, `caller`
+/// Adopt, Reload, ForgetFootprint), allowed or not, with stable fields: `rpc`, `caller`
 /// (as messages name it), `uid`, `gid` and `pid` for a Unix caller,
 /// `instance_id` (at most 32 characters of it), `outcome` (`ok`, `denied`,
 /// `refused`, or the gRPC code of the error) and `reason`. Logged under the
@@ -352,7 +352,7 @@ pub fn required(path: &str) -> Option<AccessRole> {
     match service {
         "resident.v1.NodeAgent" => match method {
             "Start" | "Stop" | "Touch" | "Adopt" => Some(AccessRole::Operator),
-            "Reload" => Some(AccessRole::Admin),
+            "Reload" | "ForgetFootprint" => Some(AccessRole::Admin),
             _ => Some(AccessRole::Viewer),
         },
         "grpc.health.v1.Health"
@@ -426,6 +426,10 @@ mod tests {
         );
         assert_eq!(
             required("/resident.v1.NodeAgent/Reload"),
+            Some(AccessRole::Admin)
+        );
+        assert_eq!(
+            required("/resident.v1.NodeAgent/ForgetFootprint"),
             Some(AccessRole::Admin)
         );
         assert_eq!(

@@ -7,9 +7,13 @@
 //! `instance_id  workload  pgid  start_ticks  lease_ms [adopted port]`
 //! (pgid 0: not spawned yet; lease 0: none; a line without the lease, from
 //! before leases, reads as none; an adopted instance's pgid is its pid);
-//! its removal: `-  instance_id`. Ids and workload names are tokens
-//! without tabs or newlines. A format 2 journal (instance lines only)
-//! reads the same.
+//! its removal: `-  instance_id`. A workload's learned footprint
+//! (`learn_footprints`): `@  workload  key  pool=bytes ...` (the key a
+//! hex digest of what it was learned for, `Workload::footprint_key`; one
+//! `pool=bytes` per pool, an any-of demand's under its label), put or
+//! replaced whole; its removal: `-@  workload`. Ids, workload and pool
+//! names are tokens without tabs, newlines or `=`. A format 2 or 3
+//! journal (no learned lines) reads the same.
 //!
 //! A write appends the lines that changed and syncs the data (one
 //! `fdatasync`, no new file or directory entry); every thousand-odd lines
@@ -26,7 +30,7 @@
 //! the file as found is kept aside beside it
 //! (`instances.journal.damaged-UNIXTIME`) for the operator.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 use std::fs::File;
 use std::io::Write as _;
@@ -64,9 +68,22 @@ pub struct Adopted {
     pub port: u16,
 }
 
+/// A workload's learned footprint: the high-water bytes measured per pool
+/// (an any-of demand's under its label) for the command and files `key`
+/// digests.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Learned {
+    /// The workload.
+    pub workload: String,
+    /// What it was learned for (`Workload::footprint_key`).
+    pub key: u64,
+    /// High-water bytes per pool or any-of label.
+    pub pools: BTreeMap<String, u64>,
+}
+
 /// The format this agent writes; a header with a higher one is from a
 /// newer agent.
-const FORMAT: u32 = 3;
+const FORMAT: u32 = 4;
 
 /// Lines appended since the journal was last written whole, beyond twice
 /// the instances it holds, after which it is written whole again.
@@ -77,6 +94,8 @@ const APPENDED_AT_MOST: usize = 1024;
 pub struct Found {
     /// The entries it could read, in order.
     pub entries: Vec<Entry>,
+    /// The learned footprints it holds, by workload name.
+    pub learned: Vec<Learned>,
     /// The lines it skipped: line number and why.
     pub skipped: Vec<(usize, String)>,
     /// The last line had no newline: an append cut short, dropped.
@@ -104,6 +123,8 @@ struct Log {
     id: (u64, u64, u64),
     /// The entries it holds, in order.
     held: Vec<Entry>,
+    /// The learned footprints it holds, by workload.
+    learned: BTreeMap<String, Learned>,
     /// Its lines, the header aside.
     lines: usize,
 }
@@ -161,22 +182,30 @@ impl Journal {
         found
     }
 
-    /// Makes the journal on disk hold `entries`, in order: appends the
-    /// lines that changed since the last write and syncs them, or, when
-    /// that cannot be done (see the module's doc), writes it whole.
-    /// Nothing is written when nothing changed. One caller at a time.
-    pub fn write(&self, entries: Vec<Entry>) -> std::io::Result<()> {
+    /// Makes the journal on disk hold `entries`, in order, and `learned`:
+    /// appends the lines that changed since the last write and syncs them,
+    /// or, when that cannot be done (see the module's doc), writes it
+    /// whole. Nothing is written when nothing changed. One caller at a
+    /// time.
+    pub fn write(&self, entries: Vec<Entry>, learned: Vec<Learned>) -> std::io::Result<()> {
+        let learned: BTreeMap<String, Learned> = learned
+            .into_iter()
+            .map(|l| (l.workload.clone(), l))
+            .collect();
         let mut log = self.log.lock().unwrap_or_else(|e| e.into_inner());
+        let live = entries.len() + learned.len();
         if let Some(l) = log.as_mut()
-            && let Some((text, n)) = l.delta(&entries)
-            && l.lines + n <= APPENDED_AT_MOST + 2 * entries.len()
+            && let Some((mut text, mut n)) = l.delta(&entries)
+            && l.lines + n <= APPENDED_AT_MOST + 2 * live
         {
+            n += l.learned_delta(&learned, &mut text);
             if n == 0 {
                 return Ok(());
             }
             match l.append(&self.path, &text) {
                 Some(Ok(())) => {
                     l.held = entries;
+                    l.learned = learned;
                     l.lines += n;
                     return Ok(());
                 }
@@ -190,17 +219,24 @@ impl Journal {
             }
         }
         *log = None;
-        *log = Some(self.write_whole(entries)?);
+        *log = Some(self.write_whole(entries, learned)?);
         Ok(())
     }
 
     /// Replaces the journal with `entries`, atomically (write, fsync,
     /// rename, fsync of the directory), and says what was written, to
     /// append to. The whole text is made first and written with one call.
-    fn write_whole(&self, entries: Vec<Entry>) -> std::io::Result<Log> {
+    fn write_whole(
+        &self,
+        entries: Vec<Entry>,
+        learned: BTreeMap<String, Learned>,
+    ) -> std::io::Result<Log> {
         let mut text = format!("# residentd journal {FORMAT}\n");
         for e in &entries {
             put_line(&mut text, e);
+        }
+        for l in learned.values() {
+            put_learned(&mut text, l);
         }
         let tmp = self.path.with_extension("journal.tmp");
         // Left by a write that failed half-way, if any.
@@ -220,8 +256,9 @@ impl Journal {
         let meta = file.metadata()?;
         Ok(Log {
             id: (meta.dev(), meta.ino(), meta.len()),
-            lines: entries.len(),
+            lines: entries.len() + learned.len(),
             held: entries,
+            learned,
         })
     }
 }
@@ -260,6 +297,23 @@ impl Log {
             n += 1;
         }
         Some((text, n))
+    }
+
+    /// Adds to `text` the lines that turn the learned footprints the file
+    /// holds into `learned`, and says how many.
+    fn learned_delta(&self, learned: &BTreeMap<String, Learned>, text: &mut String) -> usize {
+        let mut n = 0;
+        for gone in self.learned.keys().filter(|w| !learned.contains_key(*w)) {
+            let _ = writeln!(text, "-@\t{gone}");
+            n += 1;
+        }
+        for (w, l) in learned {
+            if self.learned.get(w) != Some(l) {
+                put_learned(text, l);
+                n += 1;
+            }
+        }
+        n
     }
 
     /// Appends `text` to the journal at `path` and syncs it (the data and
@@ -307,6 +361,15 @@ fn put_line(text: &mut String, e: &Entry) {
     };
 }
 
+/// A learned footprint's line, newline included.
+fn put_learned(text: &mut String, l: &Learned) {
+    let _ = write!(text, "@\t{}\t{:016x}", l.workload, l.key);
+    for (pool, bytes) in &l.pools {
+        let _ = write!(text, "\t{pool}={bytes}");
+    }
+    let _ = writeln!(text);
+}
+
 /// One line of the journal.
 #[derive(Debug, PartialEq, Eq)]
 enum Line {
@@ -314,6 +377,10 @@ enum Line {
     Put(Entry),
     /// An instance taken out.
     Remove(String),
+    /// A workload's learned footprint, put or replaced.
+    Learned(Learned),
+    /// A workload's learned footprint forgotten.
+    Forget(String),
 }
 
 /// Reads a journal's bytes: its entries once every line is applied in
@@ -330,6 +397,7 @@ fn scan(bytes: &[u8]) -> Found {
     // Entries in their order, a removed one left as a hole; by id, where.
     let mut slots: Vec<Option<Entry>> = Vec::new();
     let mut at: HashMap<String, usize> = HashMap::new();
+    let mut learned: BTreeMap<String, Learned> = BTreeMap::new();
     for (n, line) in whole.split(|b| *b == b'\n').enumerate() {
         let number = n + 1;
         let Ok(line) = std::str::from_utf8(line) else {
@@ -363,6 +431,12 @@ fn scan(bytes: &[u8]) -> Found {
                     slots[i] = None;
                 }
             }
+            Some(Line::Learned(l)) => {
+                learned.insert(l.workload.clone(), l);
+            }
+            Some(Line::Forget(w)) => {
+                learned.remove(&w);
+            }
             None => {
                 let excerpt = resident_core::Excerpt::of(line);
                 found
@@ -372,6 +446,7 @@ fn scan(bytes: &[u8]) -> Found {
         }
     }
     found.entries = slots.into_iter().flatten().collect();
+    found.learned = learned.into_values().collect();
     found
 }
 
@@ -382,6 +457,23 @@ fn parse(line: &str) -> Option<Line> {
     let third = fields.next();
     if first == "-" && third.is_none() {
         return Some(Line::Remove(second.to_string()));
+    }
+    if first == "-@" && third.is_none() {
+        return Some(Line::Forget(second.to_string()));
+    }
+    if first == "@" {
+        let key = u64::from_str_radix(third?, 16).ok()?;
+        let pools = fields
+            .map(|f| {
+                let (pool, bytes) = f.split_once('=')?;
+                Some((pool.to_string(), bytes.parse().ok()?))
+            })
+            .collect::<Option<BTreeMap<String, u64>>>()?;
+        return Some(Line::Learned(Learned {
+            workload: second.to_string(),
+            key,
+            pools,
+        }));
     }
     let entry = Entry {
         instance: first.to_string(),
@@ -501,7 +593,7 @@ mod tests {
                 adopted: None,
             },
         ];
-        j.write(entries.clone()).expect("write");
+        j.write(entries.clone(), Vec::new()).expect("write");
         let found = j.read();
         assert_eq!(found.entries, entries);
         assert!(found.skipped.is_empty() && found.kept_aside.is_none());
@@ -545,15 +637,15 @@ mod tests {
         let text = || std::fs::read_to_string(&path).expect("journal");
         // The first write is whole.
         let mut live = vec![entry("a", 0), entry("b", 0)];
-        j.write(live.clone()).expect("write");
+        j.write(live.clone(), Vec::new()).expect("write");
         assert_eq!(
             text(),
-            "# residentd journal 3\na\tw\t0\t7\t0\nb\tw\t0\t7\t0\n"
+            "# residentd journal 4\na\tw\t0\t7\t0\nb\tw\t0\t7\t0\n"
         );
         let first = inode(&path);
         // A change in place, a removal and an addition are appended.
         live = vec![entry("a", 42), entry("c", 0)];
-        j.write(live.clone()).expect("write");
+        j.write(live.clone(), Vec::new()).expect("write");
         assert!(
             text().ends_with("b\tw\t0\t7\t0\na\tw\t42\t7\t0\n-\tb\nc\tw\t0\t7\t0\n"),
             "{}",
@@ -563,18 +655,18 @@ mod tests {
         assert_eq!(j.peek().entries, live);
         // Nothing changed: nothing written.
         let before = text();
-        j.write(live.clone()).expect("write");
+        j.write(live.clone(), Vec::new()).expect("write");
         assert_eq!(text(), before);
         // An instance that moved in the order: written whole.
         live = vec![entry("c", 0), entry("a", 42)];
-        j.write(live.clone()).expect("write");
+        j.write(live.clone(), Vec::new()).expect("write");
         assert_ne!(inode(&path), first, "written whole");
         assert_eq!(j.peek().entries, live);
         // Many changes: the file stays bounded, written whole again now
         // and then, and always reads back as the last write.
         for round in 0..3000 {
             live[0].pgid = round;
-            j.write(live.clone()).expect("write");
+            j.write(live.clone(), Vec::new()).expect("write");
         }
         assert_eq!(j.read().entries, live);
         let lines = text().lines().count();
@@ -586,8 +678,62 @@ mod tests {
         // appended to a file no longer at its path.
         std::fs::write(&path, "# residentd journal 3\n").expect("replace");
         live[1].pgid = 1;
-        j.write(live.clone()).expect("write");
+        j.write(live.clone(), Vec::new()).expect("write");
         assert_eq!(j.peek().entries, live);
+    }
+
+    fn learned(workload: &str, key: u64, pools: &[(&str, u64)]) -> Learned {
+        Learned {
+            workload: workload.into(),
+            key,
+            pools: pools.iter().map(|(p, b)| (p.to_string(), *b)).collect(),
+        }
+    }
+
+    #[test]
+    fn learned_footprints_are_journaled_replaced_and_forgotten() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let j = Journal::open(dir.path()).expect("open");
+        let path = dir.path().join("instances.journal");
+        let text = || std::fs::read_to_string(&path).expect("journal");
+        let live = vec![entry("a", 5)];
+        let mut known = vec![learned("w", 0xabc, &[("host", 120_000_000), ("gpu", 7)])];
+        j.write(live.clone(), known.clone()).expect("write");
+        assert_eq!(
+            text(),
+            "# residentd journal 4\na\tw\t5\t7\t0\n@\tw\t0000000000000abc\tgpu=7\thost=120000000\n"
+        );
+        assert_eq!(j.peek().learned, known);
+        // A higher figure replaces the line (appended); another workload
+        // is added beside it.
+        known = vec![
+            learned("v", 1, &[("host", 1)]),
+            learned("w", 0xabc, &[("host", 130_000_000), ("gpu", 7)]),
+        ];
+        j.write(live.clone(), known.clone()).expect("write");
+        assert!(
+            text().ends_with(
+                "@\tv\t0000000000000001\thost=1\n@\tw\t0000000000000abc\tgpu=7\thost=130000000\n"
+            ),
+            "{}",
+            text()
+        );
+        assert_eq!(j.peek().learned, known);
+        // Nothing changed: nothing written.
+        let before = text();
+        j.write(live.clone(), known.clone()).expect("write");
+        assert_eq!(text(), before);
+        // Forgotten.
+        known.remove(1);
+        j.write(live.clone(), known.clone()).expect("write");
+        assert!(text().ends_with("-@\tw\n"), "{}", text());
+        let found = j.read();
+        assert_eq!((found.entries, found.learned), (live, known));
+        assert!(found.skipped.is_empty());
+        // Lines that do not parse are skipped, not taken for zero.
+        assert_eq!(parse("@\tw\tnot-hex\thost=1"), None);
+        assert_eq!(parse("@\tw\t1\thost"), None);
+        assert_eq!(parse("@\tw\t1\thost=-3"), None);
     }
 
     #[test]

@@ -353,20 +353,22 @@ impl pb::node_agent_server::NodeAgent for Service {
         _req: Request<pb::WorkloadsRequest>,
     ) -> Result<Response<pb::WorkloadsResponse>, Status> {
         let _timer = self.agent.metrics().time("Workloads");
-        let config = self.agent.config();
-        let workloads = config
-            .workloads
-            .iter()
-            .map(|(name, w)| pb::Workload {
-                name: name.clone(),
-                aliases: w.aliases.clone(),
-                role: w.spec.role.to_string(),
-                demand: resident_api::demand(&w.spec),
-                concurrency_limit: w.concurrency_limit.unwrap_or(0),
-                any_of: resident_api::any_of(&w.spec),
-            })
-            .collect();
+        let workloads = self.agent.workloads();
         Ok(Response::new(pb::WorkloadsResponse { workloads }))
+    }
+
+    async fn forget_footprint(
+        &self,
+        req: Request<pb::ForgetFootprintRequest>,
+    ) -> Result<Response<pb::Workload>, Status> {
+        let _timer = self.agent.metrics().time("ForgetFootprint");
+        let caller = Caller::of(&req);
+        let workload = req.into_inner().workload;
+        let call = async { Ok(self.agent.forget_footprint(&workload).await?) };
+        let entry = self
+            .audited("ForgetFootprint", &caller, "", call, |_| String::new())
+            .await?;
+        Ok(Response::new(entry))
     }
 }
 

@@ -102,12 +102,16 @@ impl Agent {
             }
         }
         self.refresh_probes_with(&config);
+        let key = footprint_key(&config, &w);
         let admitted = loop {
             if self.closing.load(Ordering::Acquire) {
                 return Err(ApiError::Unavailable("the agent is shutting down".into()));
             }
             let now = self.now_ms();
-            match self.books.admit(&config, &w, &id, policy, now, lease_ms) {
+            match self
+                .books
+                .admit(&config, &w, &id, policy, now, lease_ms, key)
+            {
                 Err(ApiError::Refused { refusal, placement }) => {
                     self.refused(workload, &refusal, policy);
                     return Err(ApiError::Refused { refusal, placement });
@@ -414,4 +418,10 @@ fn generated_id(w: &Workload, n: u64) -> InstanceId {
     // A workload name (64 chars max) plus digits stays a valid id.
     InstanceId::new(name)
         .unwrap_or_else(|_| InstanceId::new(format!("instance-{n}")).expect("a valid id"))
+}
+
+/// What `w`'s footprint is learned for under `config`: its key, or `None`
+/// when the node does not learn (`learn_footprints = false`).
+pub(super) fn footprint_key(config: &Config, w: &Workload) -> Option<u64> {
+    config.node.learn_footprints.then(|| w.footprint_key())
 }

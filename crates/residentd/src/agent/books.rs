@@ -1,8 +1,9 @@
 //! The books: the ledger (`NodeState`) and a record per instance id, under
 //! one lock. This room holds the lock and the table; `admit.rs` admits,
 //! releases and cancels (and says what a decision saw), `records.rs` is
-//! what a record keeps, `views.rs` everything read or fed in besides
-//! (readings, overruns, leases, idle expiry, the journal's rows). `Books` is the only way to admit, release and cancel: an
+//! what a record keeps, `learned.rs` the learned footprints that raise a
+//! reservation, `views.rs` everything read or fed in besides (readings,
+//! overruns, leases, idle expiry, the journal's rows). `Books` is the only way to admit, release and cancel: an
 //! admission plans and reserves in one critical section, and everything
 //! said about the decision (a refusal's Placement with its pool figures,
 //! the victims with their causes, what to wait for) comes out of that same
@@ -22,6 +23,7 @@ use resident_core::{InstanceId, NodeState, Spec};
 use tokio::sync::oneshot;
 
 mod admit;
+mod learned;
 mod records;
 mod views;
 
@@ -61,6 +63,8 @@ struct Inner {
     /// instance, shutdown): told by `release`, each for its own instance
     /// only, so a storm of n stops wakes n waiters, not n squared.
     waiters: HashMap<String, Vec<oneshot::Sender<()>>>,
+    /// Learned footprints, by workload name.
+    learned: BTreeMap<String, learned::Learning>,
 }
 
 impl Inner {
@@ -113,6 +117,7 @@ impl Books {
                 ended: BTreeSet::new(),
                 generation: 0,
                 waiters: HashMap::new(),
+                learned: BTreeMap::new(),
             }),
         }
     }

@@ -41,6 +41,7 @@ impl Agent {
                 .filter(|p| p.host)
                 .map(|p| p.pool.name.clone())
                 .collect(),
+            learn: config.node.learn_footprints,
         };
         // Only host-bound pools count measured bytes; a node without one
         // skips the copy of every status (this runs every second).
@@ -57,7 +58,9 @@ impl Agent {
                 .collect();
         }
         self.probe_health(&readings.available);
-        self.books.set_readings(readings);
+        if self.books.set_readings(readings) {
+            self.persist();
+        }
     }
 
     /// Tells when a pool's live reading fails (no reading: its configured

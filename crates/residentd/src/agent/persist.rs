@@ -29,7 +29,9 @@ impl Agent {
     /// longer fit, or whose workload left the roster, are reported and
     /// dropped.
     pub async fn restore(self: &Arc<Self>) {
-        let entries = self.journal.read().entries;
+        let found = self.journal.read();
+        self.books.set_learned(found.learned);
+        let entries = found.entries;
         if entries.is_empty() {
             return;
         }
@@ -202,7 +204,9 @@ impl Agent {
         // made in the books before it took its number.
         let change = self.journal_changes.load(Ordering::SeqCst);
         let was_failing = self.journal_failing().is_some();
-        let written = self.journal.write(self.journal_entries());
+        let written = self
+            .journal
+            .write(self.journal_entries(), self.books.learned_rows());
         let settled = {
             let mut d = self.durable_state();
             match written {

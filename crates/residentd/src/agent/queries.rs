@@ -4,10 +4,11 @@
 use std::sync::Arc;
 
 use resident_api::{ApiError, pb};
+use resident_config::{Config, Workload};
 use resident_core::Policy;
 
 use super::Agent;
-use super::admission::workload_of;
+use super::admission::{footprint_key, workload_of};
 use super::books::{Hold, Record};
 
 impl Agent {
@@ -80,7 +81,53 @@ impl Agent {
         let w = workload_of(&config, workload)?;
         let policy = policy.unwrap_or(config.node.on_full);
         self.refresh_probes_with(&config);
-        self.books.place(&w, policy, self.now_ms())
+        let key = footprint_key(&config, &w);
+        self.books.place(&w, policy, self.now_ms(), key)
+    }
+
+    /// The roster: every workload with its declared demand, raised by
+    /// what was learned for the command and files it resolves to now.
+    pub fn workloads(&self) -> Vec<pb::Workload> {
+        let config = self.config();
+        config
+            .workloads
+            .iter()
+            .map(|(name, w)| self.roster_entry(&config, name, w))
+            .collect()
+    }
+
+    fn roster_entry(&self, config: &Config, name: &str, w: &Workload) -> pb::Workload {
+        let spec = self.books.learned_spec(w, footprint_key(config, w));
+        let learned = spec.demand.values().map(|d| d.floor).sum::<u64>()
+            + spec
+                .any_of
+                .iter()
+                .map(|a| a.demand.floor * a.count as u64)
+                .sum::<u64>();
+        pb::Workload {
+            name: name.to_string(),
+            aliases: w.aliases.clone(),
+            role: w.spec.role.to_string(),
+            demand: resident_api::demand(&spec),
+            concurrency_limit: w.concurrency_limit.unwrap_or(0),
+            any_of: resident_api::any_of(&spec),
+            learned_bytes: learned,
+        }
+    }
+
+    /// Forgets what was learned for `workload` (a name or alias) and
+    /// answers with its roster entry once the journal on disk no longer
+    /// holds it.
+    pub async fn forget_footprint(&self, workload: &str) -> Result<pb::Workload, ApiError> {
+        let config = self.config();
+        let w = workload_of(&config, workload)?;
+        let name = w.spec.workload.to_string();
+        if self.books.forget_learned(&name) {
+            tracing::info!(workload = %name, "learned footprint forgotten");
+            let change = self.persist();
+            self.durable(change).await?;
+        }
+        Ok(self.roster_entry(&config, &name, &w))
     }
 
     /// Marks a use of `id` and protects it from eviction, or ends that

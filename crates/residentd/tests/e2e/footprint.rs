@@ -2,7 +2,9 @@
 //! measured above its reservation (an overrun) is told (message, OVERRUN
 //! event, metric), counted in the books at what it holds (so a start that
 //! fits only by its declaration is refused, naming what it holds), and
-//! stopped under `on_overrun = "stop"`.
+//! stopped under `on_overrun = "stop"`; what a workload was measured to
+//! hold is learned, journaled, reserved at its next start, kept across a
+//! restart, and starts afresh for another command or when forgotten.
 
 use crate::metrics::scrape;
 use crate::support::*;
@@ -138,4 +140,103 @@ async fn on_overrun_stop_stops_the_instance_with_reason_overrun() {
         ended.message
     );
     assert_eq!(d.used().await, 0, "its memory is released");
+}
+
+/// The roster entry of `workload`.
+async fn roster_entry(d: &mut Daemon, workload: &str) -> pb::Workload {
+    let roster = d.client.workloads(pb::WorkloadsRequest {}).await;
+    let roster = roster.expect("the roster").into_inner().workloads;
+    roster
+        .into_iter()
+        .find(|w| w.name == workload)
+        .expect("in the roster")
+}
+
+/// The learned line the journal on disk holds for `workload`, if any.
+fn learned_line(d: &Daemon, workload: &str) -> Option<residentd::journal::Learned> {
+    let journal = residentd::journal::Journal::open(&d.dir.path().join("state"));
+    let learned = journal.expect("the state directory").peek().learned;
+    learned.into_iter().find(|l| l.workload == workload)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_footprint_is_learned_journaled_kept_across_a_restart_and_reset_by_another_command() {
+    let config = |extra_arg: &str| {
+        let fat = fat("fat", "ram", 20, "").replace(
+            "time.sleep(3600)\"]",
+            &format!("time.sleep(3600)\"{extra_arg}]"),
+        );
+        format!("[[pool]]\nname = \"ram\"\nbudget = \"400MB\"\nhost = true\n\n{fat}")
+    };
+    let mut d = Daemon::start(&config("")).await;
+    assert_eq!(roster_entry(&mut d, "fat").await.learned_bytes, 0);
+    d.started("fat", "f").await;
+    // Learned from the sampler's readings: the roster says so once the
+    // journal has been told.
+    let learned = until(async || {
+        let w = roster_entry(&mut d, "fat").await;
+        (w.learned_bytes >= 120 * MB && learned_line(&d, "fat").is_some()).then_some(w)
+    })
+    .await
+    .expect("the footprint is learned and journaled");
+    assert_eq!(learned.demand[0].learned_bytes, learned.learned_bytes);
+    assert_eq!(
+        learned.demand[0].reserved_bytes, learned.learned_bytes,
+        "the next start reserves what was learned"
+    );
+    let line = learned_line(&d, "fat").expect("journaled");
+    assert!(line.pools["ram"] >= 120 * MB, "{line:?}");
+    // The run that taught it keeps what it was admitted with; the next
+    // one reserves at least the learned bytes.
+    assert_eq!(d.get("f").await.demand[0].reserved_bytes, 20 * MB);
+    d.stopped("f").await;
+    let next = d.started("fat", "g").await;
+    assert!(
+        next.demand[0].reserved_bytes >= 120 * MB && next.demand[0].learned_bytes >= 120 * MB,
+        "{:?}",
+        next.demand
+    );
+    d.stopped("g").await;
+
+    // Kept across a restart of the agent.
+    d.terminate().await;
+    let mut d = d.restart().await;
+    let after = roster_entry(&mut d, "fat").await;
+    assert!(after.learned_bytes >= 120 * MB, "{after:?}");
+
+    // Another command line: what was learned no longer applies.
+    std::fs::write(
+        d.dir.path().join("residentd.toml"),
+        config_text(d.dir.path(), &config(", \"v2\"")),
+    )
+    .expect("the new config");
+    d.client
+        .reload(pb::ReloadRequest {})
+        .await
+        .expect("reloaded");
+    assert_eq!(roster_entry(&mut d, "fat").await.learned_bytes, 0);
+    let fresh = d.started("fat", "h").await;
+    assert_eq!(fresh.demand[0].reserved_bytes, 20 * MB, "as declared");
+    // It learns afresh, for the new command, and an operator can forget it.
+    let relearned = until(async || {
+        let l = learned_line(&d, "fat")?;
+        (l.key != line.key && l.pools["ram"] >= 120 * MB).then_some(l)
+    })
+    .await
+    .expect("learned again for the new command");
+    d.stopped("h").await;
+    let forgot = d
+        .client
+        .forget_footprint(pb::ForgetFootprintRequest {
+            workload: "fat".into(),
+        })
+        .await
+        .expect("forgotten")
+        .into_inner();
+    assert_eq!(forgot.learned_bytes, 0);
+    assert_eq!(forgot.demand[0].reserved_bytes, 20 * MB);
+    assert!(
+        learned_line(&d, "fat").is_none(),
+        "the journal no longer holds {relearned:?}"
+    );
 }

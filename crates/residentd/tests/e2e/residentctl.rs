@@ -105,6 +105,29 @@ async fn every_subcommand_against_a_live_agent() {
     assert_eq!(v["pools"][0]["used_bytes"], 64_000_000_000u64);
     let o = tokio::task::block_in_place(|| run(&["node"]));
     assert!(text(&o).0.contains("unified  96.0 GB"), "{}", text(&o).0);
+    // The roster: declared, learned (nothing yet), reserved.
+    let o = tokio::task::block_in_place(|| run(&["workloads"]));
+    let (out, _) = text(&o);
+    assert!(
+        out.lines()
+            .next()
+            .is_some_and(|h| h.contains("DECLARED  LEARNED  RESERVED")),
+        "{out}"
+    );
+    let row = out
+        .lines()
+        .find(|l| l.starts_with("coder-small "))
+        .expect("a row");
+    let cells: Vec<&str> = row.split_whitespace().collect();
+    assert_eq!(cells[4..], ["9.0", "GB", "-", "9.0", "GB"], "{row}");
+    let o = tokio::task::block_in_place(|| run(&["--json", "workloads"]));
+    let v: serde_json::Value = serde_json::from_str(&text(&o).0).expect("JSON");
+    assert_eq!(v[0]["name"], "coder-daily");
+    assert_eq!(v[0]["reserved_bytes"], 55_000_000_000u64);
+    assert_eq!(v[0]["learned_bytes"], 0);
+    let o = tokio::task::block_in_place(|| run(&["forget-footprint", "coder-small"]));
+    assert!(o.status.success(), "{:?}", text(&o));
+    assert!(text(&o).0.contains("coder-small"), "{:?}", text(&o));
     // top: one frame after the snapshot, bars of held and free.
     let o = tokio::task::block_in_place(|| run(&["top", "--frames", "1"]));
     assert!(o.status.success(), "{:?}", text(&o));

@@ -57,7 +57,9 @@ pub(in crate::agent) enum Decision {
 }
 
 impl Books {
-    /// Plans and reserves a Start of `w` as `id`, under `config`.
+    /// Plans and reserves a Start of `w` as `id`, under `config`; `key`:
+    /// what its footprint is learned for (`None`: not learning).
+    #[allow(clippy::too_many_arguments)]
     pub(in crate::agent) fn admit(
         &self,
         config: &Config,
@@ -66,8 +68,10 @@ impl Books {
         policy: Policy,
         now: u64,
         lease_ms: u64,
+        key: Option<u64>,
     ) -> Result<Decision, ApiError> {
         let mut b = self.lock();
+        let asked = b.learned_spec(w, key);
         let cancelled = b.records.get(id.as_str()).is_some_and(|r| r.cancelled);
         if let Some(r) = b.ledger.resident(id.as_str())
             && (cancelled || r.evicting)
@@ -77,9 +81,9 @@ impl Books {
         taken(&b, id, w)?;
         let max = config.node.max_instances;
         room(&b, id, max)?;
-        let a = match b.ledger.admit(id, w.spec.clone(), policy, now) {
+        let a = match b.ledger.admit(id, asked.clone(), policy, now) {
             Err(AdmitError::Refused(refusal)) => {
-                return Err(refused(&b.ledger, refusal, &w.spec));
+                return Err(refused(&b.ledger, refusal, &asked));
             }
             Err(AdmitError::Invalid(e)) => return Err(plan_error(e)),
             Ok(a) if !a.created => {
@@ -88,7 +92,7 @@ impl Books {
                     r.lease = Lease::new(lease_ms, now);
                 }
                 let record = b.records.get(id.as_str()).cloned();
-                let record = record.unwrap_or_else(|| Record::run(w, w.spec.clone(), 0));
+                let record = record.unwrap_or_else(|| Record::run(w, asked, 0));
                 return Ok(Decision::Existing(record));
             }
             Ok(a) => a,
@@ -96,7 +100,7 @@ impl Books {
         let spec = b
             .ledger
             .resident(id.as_str())
-            .map_or_else(|| w.spec.clone(), |r| r.spec.clone());
+            .map_or_else(|| asked.clone(), |r| r.spec.clone());
         let evictions = evictions(&b, &spec, id, &a.evict);
         let wait_for = a
             .wait_for
@@ -115,6 +119,7 @@ impl Books {
         let record = Record {
             devices: devices.clone(),
             lease: Lease::new(lease_ms, now),
+            footprint_key: key,
             ..Record::run(w, spec, generation)
         };
         b.enter(id, record);
@@ -188,10 +193,12 @@ impl Books {
         w: &Workload,
         policy: Policy,
         now: u64,
+        key: Option<u64>,
     ) -> Result<pb::Placement, ApiError> {
         let b = self.lock();
-        let plan = b.ledger.place(&w.spec, policy, now).map_err(plan_error)?;
-        Ok(placement(&b.ledger, &plan, &w.spec))
+        let spec = b.learned_spec(w, key);
+        let plan = b.ledger.place(&spec, policy, now).map_err(plan_error)?;
+        Ok(placement(&b.ledger, &plan, &spec))
     }
 
     /// Ends the reservation of `id`'s run `generation`, if it is still the

@@ -30,6 +30,9 @@ pub(in crate::agent) struct Record {
     /// Measured above its reservation: in which pools, and the words of
     /// its message.
     pub(in crate::agent) overrun: Option<Overrun>,
+    /// What this run's measurements teach (`learn_footprints`): the key
+    /// of its command and files; `None`: not learning (or adopted).
+    pub(in crate::agent) footprint_key: Option<u64>,
 }
 
 /// A run measured above its reservation.
@@ -69,6 +72,7 @@ impl Record {
             adopted: None,
             note: None,
             overrun: None,
+            footprint_key: None,
         }
     }
 }

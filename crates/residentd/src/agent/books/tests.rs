@@ -12,7 +12,7 @@ use resident_core::Reason;
 
 use super::*;
 use resident_api::ApiError;
-use resident_core::Policy;
+use resident_core::{Policy, PoolName};
 
 const GB: u64 = 1_000_000_000;
 
@@ -37,7 +37,7 @@ fn admit(
 ) -> Result<Decision, ApiError> {
     let w = c.workloads[workload].clone();
     let id = InstanceId::new(id).expect("an id");
-    b.admit(c, &w, &id, policy, 0, 0)
+    b.admit(c, &w, &id, policy, 0, 0, None)
 }
 
 fn generation_of(d: Result<Decision, ApiError>) -> u64 {
@@ -67,12 +67,85 @@ fn a_refusal_says_what_the_decision_saw() {
     );
 }
 
+/// Feeds one reading of `bytes` measured in pool `ram` for `id`; says
+/// whether a learned figure rose.
+fn measure(b: &Books, id: &str, bytes: u64) -> bool {
+    b.set_readings(Readings {
+        available: Vec::new(),
+        measured: vec![(id.into(), PoolName::new("ram").expect("a pool"), bytes)],
+        host: Vec::new(),
+        host_pools: Vec::new(),
+        learn: true,
+    })
+}
+
+#[test]
+fn a_learned_footprint_raises_the_next_admission_of_the_same_command_only() {
+    let (c, b) = (config(), Books::new(&config()));
+    let w = c.workloads["small"].clone();
+    let start = |id: &str, key: u64| {
+        let id = InstanceId::new(id).expect("an id");
+        generation_of(b.admit(&c, &w, &id, Policy::Refuse, 0, 0, Some(key)))
+    };
+    let reserved = |id: &str| b.charges(id)[0].1.reserved;
+    let g = start("a", 7);
+    assert_eq!(reserved("a"), 3 * GB, "nothing learned yet: as declared");
+    assert!(
+        measure(&b, "a", 4 * GB),
+        "a high-water above the declaration"
+    );
+    assert!(
+        !measure(&b, "a", 4 * GB + 1000),
+        "within the step: nothing to journal"
+    );
+    assert!(
+        !measure(&b, "a", 2 * GB),
+        "a lower reading keeps the high-water"
+    );
+    let rows = b.learned_rows();
+    assert_eq!(rows.len(), 1);
+    assert_eq!((rows[0].key, rows[0].pools["ram"]), (7, 4 * GB));
+    // Its run keeps what it was admitted with; the next one reserves the
+    // learned figure, and a Place says the same.
+    assert_eq!(reserved("a"), 3 * GB);
+    assert!(b.release("a", g));
+    start("b", 7);
+    assert_eq!(reserved("b"), 4 * GB);
+    let placement = b
+        .place(&w, Policy::Refuse, 0, Some(7))
+        .expect("a placement");
+    assert_eq!(placement.pools[0].used_bytes, 4 * GB);
+    // Another command (key): the declaration, and its first reading
+    // starts afresh, since its run is newer.
+    start("c", 8);
+    assert_eq!(reserved("c"), 3 * GB);
+    assert!(measure(&b, "c", GB + GB / 2));
+    let rows = b.learned_rows();
+    assert_eq!((rows[0].key, rows[0].pools["ram"]), (8, GB + GB / 2));
+    // The older run under the old key does not undo it.
+    assert!(!measure(&b, "b", 5 * GB));
+    assert_eq!(b.learned_rows()[0].key, 8);
+    // Not learning: the declaration, whatever was learned.
+    assert_eq!(
+        b.learned_spec(&w, None)
+            .demand
+            .values()
+            .next()
+            .map(|d| d.footprint()),
+        Some(3 * GB)
+    );
+    // Forgotten: nothing left to journal.
+    assert!(b.forget_learned("small"));
+    assert!(b.learned_rows().is_empty());
+    assert!(!b.forget_learned("small"));
+}
+
 #[test]
 fn a_lease_lapses_unless_a_touch_renews_it_and_only_leased_residents_lapse() {
     let (c, b) = (config(), Books::new(&config()));
     let leased = |id: &str, ms: u64| {
         let id = InstanceId::new(id).expect("an id");
-        generation_of(b.admit(&c, &c.workloads["small"], &id, Policy::Refuse, 0, ms))
+        generation_of(b.admit(&c, &c.workloads["small"], &id, Policy::Refuse, 0, ms, None))
     };
     leased("leased", 1_000);
     leased("unleased", 0);

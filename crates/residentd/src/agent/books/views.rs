@@ -177,7 +177,9 @@ impl Books {
     /// Probe readings: bytes available per pool, and bytes measured per
     /// instance and pool. Host-measured bytes (`host`) count against the
     /// first host-bound pool (of `host_pools`) the instance declares.
-    pub(in crate::agent) fn set_readings(&self, readings: Readings) {
+    /// With `readings.learn`, learned footprints rise with them: says
+    /// whether any rose (the journal is to be written).
+    pub(in crate::agent) fn set_readings(&self, readings: Readings) -> bool {
         let mut b = self.lock();
         for (pool, available) in readings.available {
             b.ledger.set_available(&pool, available);
@@ -197,6 +199,7 @@ impl Books {
                 b.ledger.set_measured(&id, &pool, bytes);
             }
         }
+        readings.learn && b.learn()
     }
 
     /// Resident, not cancelled instances of workloads with an idle TTL
@@ -281,4 +284,6 @@ pub(in crate::agent) struct Readings {
     pub(in crate::agent) measured: Vec<(String, PoolName, u64)>,
     pub(in crate::agent) host: Vec<(String, u64)>,
     pub(in crate::agent) host_pools: Vec<PoolName>,
+    /// Whether footprints are learned from them (`learn_footprints`).
+    pub(in crate::agent) learn: bool,
 }

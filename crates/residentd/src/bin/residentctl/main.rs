@@ -136,6 +136,13 @@ enum Command {
     /// Re-read the agent's configuration file, as SIGHUP does (needs the
     /// admin role).
     Reload,
+    /// The roster: every workload with what it declares, what was learned
+    /// of it (the high-water measured for its command and model files)
+    /// and what its next start reserves.
+    Workloads,
+    /// Forget what was learned of WORKLOAD's footprint: its next start
+    /// reserves the declared bytes again (needs the admin role).
+    ForgetFootprint { workload: String },
     /// Mark a use of an instance; with --hold, protect it from eviction.
     Touch {
         id: String,
@@ -456,6 +463,17 @@ async fn run(cli: &Cli) -> Result<ExitCode, Failure> {
         Command::Reload => {
             let r = c.reload(pb::ReloadRequest {}).await?.into_inner();
             render::reloaded(&r, json)?;
+        }
+        Command::Workloads => {
+            let r = c.workloads(pb::WorkloadsRequest {}).await?.into_inner();
+            render::workloads(&r.workloads, json)?;
+        }
+        Command::ForgetFootprint { workload } => {
+            let req = pb::ForgetFootprintRequest {
+                workload: workload.clone(),
+            };
+            let r = c.forget_footprint(req).await?.into_inner();
+            render::workloads(&[r], json)?;
         }
         Command::Node => {
             let r = c.node(pb::NodeRequest {}).await?.into_inner();

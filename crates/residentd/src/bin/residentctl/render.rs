@@ -72,7 +72,7 @@ fn demand_json(demand: &[pb::PoolDemand]) -> Vec<Value> {
             json!({
                 "pool": d.pool, "weights_bytes": d.weights_bytes, "kv_budget_bytes": d.kv_budget_bytes,
                 "overhead_bytes": d.overhead_bytes, "reserved_bytes": d.reserved_bytes,
-                "overrun_bytes": d.overrun_bytes,
+                "overrun_bytes": d.overrun_bytes, "learned_bytes": d.learned_bytes,
             })
         })
         .collect()
@@ -213,6 +213,84 @@ pub fn instances(list: &[pb::Instance], json: bool) -> io::Result<()> {
     let header = [
         "INSTANCE", "ROLE", "STATE", "PID", "PORT", "DECLARED", "RESERVED", "MEASURED", "RESTARTS",
         "AGE", "MESSAGE",
+    ];
+    table(&header, &rows)
+}
+
+/// A workload's totals over its pools (an any-of demand once per pool it
+/// takes): declared, reserved at its next start.
+fn workload_totals(w: &pb::Workload) -> (u64, u64) {
+    let fixed = w.demand.iter().map(|d| {
+        let declared = d.weights_bytes + d.kv_budget_bytes + d.overhead_bytes;
+        (declared, d.reserved_bytes)
+    });
+    let any = w.any_of.iter().map(|a| {
+        let declared = a.weights_bytes + a.kv_budget_bytes + a.overhead_bytes;
+        let n = u64::from(a.count);
+        (declared * n, a.reserved_bytes * n)
+    });
+    fixed
+        .chain(any)
+        .fold((0, 0), |(d, r), (d1, r1)| (d + d1, r + r1))
+}
+
+/// The roster as a table (or JSON).
+pub fn workloads(list: &[pb::Workload], json: bool) -> io::Result<()> {
+    if json {
+        let each = list.iter().map(|w| {
+            let (declared, reserved) = workload_totals(w);
+            json!({
+                "name": w.name,
+                "aliases": w.aliases,
+                "role": w.role,
+                "declared_bytes": declared,
+                "learned_bytes": w.learned_bytes,
+                "reserved_bytes": reserved,
+                "concurrency_limit": w.concurrency_limit,
+                "demand": demand_json(&w.demand),
+                "any_of": w.any_of.iter().map(|a| json!({
+                    "label": a.label, "candidates": a.candidates, "count": a.count,
+                    "weights_bytes": a.weights_bytes, "kv_budget_bytes": a.kv_budget_bytes,
+                    "overhead_bytes": a.overhead_bytes, "learned_bytes": a.learned_bytes,
+                    "reserved_bytes": a.reserved_bytes,
+                })).collect::<Vec<_>>(),
+            })
+        });
+        return print_json(&Value::Array(each.collect()));
+    }
+    let rows: Vec<Vec<String>> =
+        list.iter()
+            .map(|w| {
+                let (declared, reserved) = workload_totals(w);
+                let pools: Vec<String> =
+                    w.demand
+                        .iter()
+                        .map(|d| d.pool.clone())
+                        .chain(w.any_of.iter().map(|a| {
+                            format!("{}({} of {})", a.label, a.count, a.candidates.join("|"))
+                        }))
+                        .collect();
+                vec![
+                    w.name.clone(),
+                    if w.aliases.is_empty() {
+                        "-".into()
+                    } else {
+                        w.aliases.join(",")
+                    },
+                    w.role.clone(),
+                    pools.join(","),
+                    Gb(declared).to_string(),
+                    if w.learned_bytes == 0 {
+                        "-".into()
+                    } else {
+                        Gb(w.learned_bytes).to_string()
+                    },
+                    Gb(reserved).to_string(),
+                ]
+            })
+            .collect();
+    let header = [
+        "WORKLOAD", "ALIASES", "ROLE", "POOLS", "DECLARED", "LEARNED", "RESERVED",
     ];
     table(&header, &rows)
 }
