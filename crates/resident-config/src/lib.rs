@@ -8,6 +8,7 @@ pub mod gguf;
 mod host;
 pub mod projection;
 mod raw;
+pub mod report;
 mod validate;
 
 use std::collections::BTreeMap;
@@ -286,6 +287,9 @@ pub struct Workload {
     /// Whether its servers may listen beyond loopback (`expose = "any"`);
     /// under `"loopback"` a listener on another address stops it (EXPOSED).
     pub expose: Expose,
+    /// Whether its server reports the buffers it allocated in its output
+    /// (llama.cpp's, `report.rs`): read once it is READY.
+    pub reports_buffers: bool,
 }
 
 impl Workload {

@@ -33,6 +33,7 @@ fn each_flavor_resolves_to_its_servers_command_line_and_probe() {
         "name = \"a\"\nflavor = \"llama-server\"\nmodel = \"/m/a.gguf\"\nctx = 4096\nkv_type = \"q8_0\"\nparallel = 4\nargs = [\"--threads\", \"8\"]\n",
     );
     let a = &c.workloads["a"];
+    assert!(a.reports_buffers);
     assert_eq!(
         a.argv,
         [
@@ -51,6 +52,8 @@ fn each_flavor_resolves_to_its_servers_command_line_and_probe() {
             "q8_0",
             "--cache-type-v",
             "q8_0",
+            "--verbosity",
+            "4",
             "--threads",
             "8"
         ]
@@ -66,6 +69,8 @@ fn each_flavor_resolves_to_its_servers_command_line_and_probe() {
         "name = \"b\"\nflavor = \"llama-cpp-python\"\nmodel = \"/m/b.gguf\"\nctx = 2048\nprogram = \"/opt/llama/bin/python\"\n",
     );
     let b = &c.workloads["b"];
+    // Both llama.cpp servers report their buffers; the others do not.
+    assert!(b.reports_buffers);
     assert_eq!(
         b.argv,
         [
@@ -111,6 +116,7 @@ fn each_flavor_resolves_to_its_servers_command_line_and_probe() {
 
     let c = one_pool("name = \"m\"\nflavor = \"mlx-lm\"\nmodel = \"/m/m.gguf\"\n");
     let m = &c.workloads["m"];
+    assert!(!m.reports_buffers);
     assert_eq!(
         &m.argv[..5],
         ["python3", "-m", "mlx_lm.server", "--model", "/m/m.gguf"]
@@ -126,6 +132,7 @@ fn vllm_is_held_to_the_share_of_the_card_it_declares() {
     )
     .unwrap_or_else(|e| panic!("{e}"));
     let v = &c.workloads["v"];
+    assert!(!v.reports_buffers);
     assert_eq!(
         v.argv,
         [

@@ -88,6 +88,9 @@ fn defaults(flavor: &str, k: &Keys<'_>) -> Defaults {
             opt(&mut argv, "--parallel", k.parallel);
             opt(&mut argv, "--cache-type-k", k.kv_type);
             opt(&mut argv, "--cache-type-v", k.kv_type);
+            // Its buffer sizes (model, KV, compute per device) are said
+            // at trace verbosity only: the agent reads them (`report.rs`).
+            argv.extend(["--verbosity", "4"].map(String::from));
         }
         "llama-cpp-python" => {
             opt(&mut argv, "--n_ctx", k.ctx);

@@ -140,7 +140,12 @@ fn workload(
             }
         },
     };
+    let reports_buffers = w
+        .flavor
+        .as_ref()
+        .is_some_and(|f| ["llama-server", "llama-cpp-python"].contains(&f.get_ref().as_str()));
     Ok(Workload {
+        reports_buffers,
         reservation: memory.notes,
         reservation_warnings: memory.warnings,
         on_overrun,

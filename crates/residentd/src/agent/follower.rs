@@ -14,9 +14,13 @@ use super::Agent;
 impl Agent {
     fn on_transition(&self, status: Status) {
         let record = self.books.record(&status.instance);
-        let Some(record) = record.filter(|r| r.generation == status.generation) else {
+        let Some(mut record) = record.filter(|r| r.generation == status.generation) else {
             return;
         };
+        if status.state == State::Ready && record.workload.reports_buffers {
+            self.read_report(&status.instance, status.generation);
+            record = self.books.record(&status.instance).unwrap_or(record);
+        }
         if status.state.is_terminal() {
             self.books.release(&status.instance, status.generation);
         }
@@ -33,6 +37,35 @@ impl Agent {
             kind: pb::EventKind::Transition as i32,
             ..Default::default()
         });
+    }
+
+    /// Reads what the server of run `generation` of `id` reported
+    /// allocating while it loaded, from its output (the ring's last lines,
+    /// the last load's), into its record.
+    fn read_report(&self, id: &str, generation: u64) {
+        let Some(logs) = self.sup.logs(id) else {
+            return;
+        };
+        let lines = logs.tail(usize::MAX);
+        let report = resident_config::report::Report::read(lines.iter().map(|l| l.line.as_str()));
+        if report.buffers.is_empty() {
+            tracing::debug!(instance_id = %id, "its server reported no buffers");
+            return;
+        }
+        let each: Vec<String> = report
+            .buffers
+            .iter()
+            .map(|b| {
+                format!(
+                    "{} {} {}",
+                    b.device,
+                    b.kind.as_str(),
+                    resident_core::Gb(b.bytes)
+                )
+            })
+            .collect();
+        tracing::info!(instance_id = %id, "its server reports {}", each.join(", "));
+        self.books.set_report(id, generation, report);
     }
 
     /// Tells watchers how an instance whose run was never spawned ended

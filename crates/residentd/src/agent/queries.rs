@@ -50,6 +50,17 @@ impl Agent {
                 d.overrun_bytes = charge.overrun();
             }
         }
+        if let Some(report) = &record.report {
+            out.server_buffers = report
+                .buffers
+                .iter()
+                .map(|b| pb::ServerBuffer {
+                    device: b.device.clone(),
+                    kind: b.kind.as_str().to_string(),
+                    bytes: b.bytes,
+                })
+                .collect();
+        }
         if let Some(lease) = record.lease {
             out.lease_ms = lease.ms;
             out.lease_left_ms = lease.until.saturating_sub(self.now_ms());

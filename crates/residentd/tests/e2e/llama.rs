@@ -351,6 +351,13 @@ async fn a_server_declared_by_its_flavor_starts_answers_and_stops_as_the_flavor_
     // max(3%, 16 MB) under, max(10%, 48 MB) over.
     let held = settled(&mut d, "f").await;
     within_window("llama-cpp-python", reserved, held);
+    // The Python server reports llama.cpp's buffers too.
+    let buffers = reported(&mut d, "f").await;
+    let kv: u64 = started.demand.iter().map(|p| p.kv_budget_bytes).sum();
+    assert!(
+        buffer(&buffers, "kv").abs_diff(kv) <= PRINTED,
+        "{kv}: {buffers:?}"
+    );
     // The flavor's stop: SIGTERM, and the server exits within its grace.
     let stopped = d.stopped("f").await;
     assert_eq!(stopped.state, pb::State::Exited as i32, "{stopped:?}");
@@ -358,6 +365,30 @@ async fn a_server_declared_by_its_flavor_starts_answers_and_stops_as_the_flavor_
         stopped.exit_signal, 9,
         "killed after its grace: {stopped:?}"
     );
+}
+
+/// What instance `id`'s server reported allocating (waits, bounded, for
+/// the agent to have read it: it reads it as the instance turns READY).
+async fn reported(d: &mut Daemon, id: &str) -> Vec<pb::ServerBuffer> {
+    until(async || {
+        let buffers = d.get(id).await.server_buffers;
+        (!buffers.is_empty()).then_some(buffers)
+    })
+    .await
+    .unwrap_or_else(|| panic!("{id}'s server reported no buffers"))
+}
+
+/// How far a reported buffer may be from the bytes: llama.cpp prints
+/// MiB with two decimals.
+const PRINTED: u64 = 5243;
+
+/// Bytes of every reported buffer of `kind`, over the devices.
+fn buffer(buffers: &[pb::ServerBuffer], kind: &str) -> u64 {
+    buffers
+        .iter()
+        .filter(|b| b.kind == kind)
+        .map(|b| b.bytes)
+        .sum()
 }
 
 /// Writes `config` into `dir` and returns what `residentd --check-config`
@@ -440,6 +471,7 @@ async fn a_real_llama_server_is_reserved_what_it_holds_and_runs_as_its_flavor_sa
         "--parallel",
         "--cache-type-k",
         "--cache-type-v",
+        "--verbosity",
     ] {
         assert!(help.contains(flag), "llama-server --help has no {flag}");
     }
@@ -485,7 +517,36 @@ async fn a_real_llama_server_is_reserved_what_it_holds_and_runs_as_its_flavor_sa
         let reserved = started.reserved_bytes;
         let held = settled(&mut d, id).await;
         within_window(&format!("llama-server {workload}"), reserved, held);
+        // The server's own report, read from its output once READY: its
+        // KV cache is the bytes the GGUF header sized (to the 0.01 MiB
+        // the server prints).
+        let buffers = reported(&mut d, id).await;
+        let kv: u64 = started.demand.iter().map(|p| p.kv_budget_bytes).sum();
+        assert!(
+            buffer(&buffers, "kv").abs_diff(kv) <= PRINTED,
+            "{kv}: {buffers:?}"
+        );
+        let weights: u64 = started.demand.iter().map(|p| p.weights_bytes).sum();
+        let model = buffer(&buffers, "model");
+        assert!(
+            model.abs_diff(weights) < weights / 50,
+            "{model} against {weights}"
+        );
+        assert!(buffer(&buffers, "compute") > 0, "{buffers:?}");
     }
+    // residentctl get shows them beside the reservation.
+    let ctl = env!("CARGO_BIN_EXE_residentctl");
+    let out = Command::new(ctl)
+        .arg("--socket")
+        .arg(&d.socket)
+        .args(["get", "m"])
+        .output()
+        .expect("residentctl get");
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        said.contains("its server reports") && said.contains("compute"),
+        "{said}"
+    );
     // The flavor's stop: SIGTERM, and the server exits within its grace.
     for id in ["s", "m"] {
         let stopped = d.stopped(id).await;

@@ -33,6 +33,8 @@ pub(in crate::agent) struct Record {
     /// What this run's measurements teach (`learn_footprints`): the key
     /// of its command and files; `None`: not learning (or adopted).
     pub(in crate::agent) footprint_key: Option<u64>,
+    /// What its server reported allocating once READY (`report.rs`).
+    pub(in crate::agent) report: Option<resident_config::report::Report>,
 }
 
 /// A run measured above its reservation.
@@ -73,6 +75,7 @@ impl Record {
             note: None,
             overrun: None,
             footprint_key: None,
+            report: None,
         }
     }
 }

@@ -152,6 +152,19 @@ impl Books {
         true
     }
 
+    /// Keeps what run `generation` of `id`'s server reported allocating.
+    pub(in crate::agent) fn set_report(
+        &self,
+        id: &str,
+        generation: u64,
+        report: resident_config::report::Report,
+    ) {
+        let mut b = self.lock();
+        if let Some(r) = b.records.get_mut(id).filter(|r| r.generation == generation) {
+            r.report = Some(report);
+        }
+    }
+
     /// Resident instances no Stop asked for whose lease ran out by `now`,
     /// with the lease's length.
     pub(in crate::agent) fn leases_expired(&self, now: u64) -> Vec<(String, u64, u64)> {

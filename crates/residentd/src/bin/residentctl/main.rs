@@ -406,7 +406,7 @@ async fn run(cli: &Cli) -> Result<ExitCode, Failure> {
                 })
                 .await?
                 .into_inner();
-            render::instances(&[r], json)?;
+            render::instance(&r, json)?;
         }
         Command::Ls => {
             let r = c.list(pb::ListRequest {}).await?.into_inner();

@@ -59,6 +59,9 @@ fn instance_json(i: &pb::Instance) -> Value {
         "started_unix_ms": i.started_unix_ms,
         "demand": demand_json(&i.demand),
         "devices": i.devices,
+        "server_buffers": i.server_buffers.iter().map(|b| json!({
+            "device": b.device, "kind": b.kind, "bytes": b.bytes,
+        })).collect::<Vec<_>>(),
         "adopted": i.adopted,
         "managed": i.managed,
         "message": i.message,
@@ -293,6 +296,24 @@ pub fn workloads(list: &[pb::Workload], json: bool) -> io::Result<()> {
         "WORKLOAD", "ALIASES", "ROLE", "POOLS", "DECLARED", "LEARNED", "RESERVED",
     ];
     table(&header, &rows)
+}
+
+/// One instance: its row, then what its server reported allocating
+/// (device, kind, bytes), beside the reservation and the measurement.
+pub fn instance(i: &pb::Instance, json: bool) -> io::Result<()> {
+    instances(std::slice::from_ref(i), json)?;
+    if json || i.server_buffers.is_empty() {
+        return Ok(());
+    }
+    let total: u64 = i.server_buffers.iter().map(|b| b.bytes).sum();
+    out!("");
+    out!("its server reports {} in buffers:", Gb(total));
+    let rows: Vec<Vec<String>> = i
+        .server_buffers
+        .iter()
+        .map(|b| vec![b.device.clone(), b.kind.clone(), Gb(b.bytes).to_string()])
+        .collect();
+    table(&["DEVICE", "BUFFER", "BYTES"], &rows)
 }
 
 /// A started instance and who was evicted for it.
