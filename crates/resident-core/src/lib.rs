@@ -17,5 +17,7 @@ pub use name::{Excerpt, GroupName, InstanceId, NameError, PoolName, Role, Worklo
 pub use planner::{Plan, PlanError, Policy};
 pub use reason::{GroupRule, Holder, Reason, Refusal};
 pub use spec::{AnyOf, Choice, Demand, GpuChoice, GroupDef, GroupError, GroupPolicy, Groups, Spec};
-pub use state::{Admission, AdmitError, Charge, NodeState, PoolConfig, PoolStatus, Resident};
+pub use state::{
+    Admission, AdmitError, Charge, NodeState, Phase, PoolConfig, PoolStatus, Resident,
+};
 pub use units::{GB, Gb, UnitError, parse_bytes};

@@ -300,7 +300,7 @@ fn existing(
             existing,
         });
     }
-    if r.evicting {
+    if r.leaving() {
         return Err(PlanError::Evicting { id: id.clone() });
     }
     Ok(Some(Plan::Existing))
@@ -359,7 +359,7 @@ pub(crate) fn plan_present(
         let Some(reason) = conflict(state, spec, target_group, r) else {
             continue;
         };
-        if r.evicting {
+        if r.leaving() {
             wait_for.push(r.id.clone());
         } else {
             conflicts.push((r, reason));
@@ -473,7 +473,7 @@ fn memory_reasons(
 /// Whether policy lets `r` be evicted for `spec` at `now`.
 fn permitted(state: &NodeState, spec: &Spec, now: u64, r: &Resident) -> bool {
     r.evictable
-        && !r.evicting
+        && !r.leaving()
         && !r.held(now)
         && r.spec.priority <= spec.priority
         && !state.groups.is_persistent(r.spec.workload.as_str())

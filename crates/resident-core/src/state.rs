@@ -62,12 +62,31 @@ pub struct Resident {
     pub hold_until: u64,
     /// Measured bytes per pool (what the instance really touched).
     pub measured: BTreeMap<PoolName, u64>,
-    /// Chosen as a victim: it still holds its memory until released, but
-    /// it is no longer a candidate and no longer counts in co-residency.
-    pub evicting: bool,
+    /// Where it is in its life: held, or leaving (chosen as a victim or
+    /// asked to stop: it still holds its memory until released, but it is
+    /// no longer a candidate and a start it conflicts with waits for it).
+    pub phase: Phase,
     /// Whether it may be evicted at all (false for a process the caller
     /// may not stop, such as an adopted one it does not manage).
     pub evictable: bool,
+}
+
+/// Where a resident is in its life (the sleep issue adds an asleep phase
+/// with its own demand).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// Holding its reservation, a candidate for eviction by policy.
+    Held,
+    /// Stopping (evicted, or a Stop was asked): its memory is held until
+    /// its release, and nothing plans to stop it again.
+    Leaving,
+}
+
+impl Resident {
+    /// Whether it is leaving.
+    pub fn leaving(&self) -> bool {
+        self.phase == Phase::Leaving
+    }
 }
 
 /// What one resident is charged in one pool: the one figure every sum
@@ -256,7 +275,7 @@ impl NodeState {
             } => {
                 for victim in &evict {
                     if let Some(r) = self.residents.get_mut(victim) {
-                        r.evicting = true;
+                        r.phase = Phase::Leaving;
                     }
                 }
                 let spec = if spec.any_of.is_empty() {
@@ -324,7 +343,7 @@ impl NodeState {
             last_used: now,
             hold_until: 0,
             measured,
-            evicting: false,
+            phase: Phase::Held,
             evictable,
         };
         self.residents.insert(id.clone(), resident);
@@ -386,6 +405,19 @@ impl NodeState {
     /// One resident.
     pub fn resident(&self, id: &str) -> Option<&Resident> {
         self.residents.get(id)
+    }
+
+    /// Marks `id` as leaving (a Stop was asked): it keeps its memory until
+    /// released, and is no longer a victim or a conflict to plan around.
+    /// False when it is not resident.
+    pub fn leave(&mut self, id: &str) -> bool {
+        match self.residents.get_mut(id) {
+            Some(r) => {
+                r.phase = Phase::Leaving;
+                true
+            }
+            None => false,
+        }
     }
 
     /// Every resident, in id order.

@@ -46,7 +46,7 @@ fn an_adoption_never_evicts_and_an_unmanaged_one_is_never_a_victim() {
         true,
     );
     assert!(matches!(r, Err(AdmitError::Refused(_))), "{r:?}");
-    assert!(!n.resident("old").expect("still there").evicting);
+    assert!(!n.resident("old").expect("still there").leaving());
     n.release("old");
     n.adopt(
         &id("a"),

@@ -392,7 +392,7 @@ fn evicting_marks_victims_that_keep_their_memory_until_released() {
         .admit(&id("c"), Arc::new(unified("c", 5)), Policy::Evict, 100)
         .expect("fits");
     assert_eq!(ids(&got.evict), ["a"]);
-    assert!(n.resident("a").is_some_and(|r| r.evicting));
+    assert!(n.resident("a").is_some_and(|r| r.leaving()));
     assert_eq!(
         n.used("unified"),
         15 * GB,

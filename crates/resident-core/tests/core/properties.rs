@@ -183,7 +183,7 @@ fn snapshot(n: &NodeState) -> Vec<Resident> {
 }
 
 fn permitted(n: &NodeState, target: &Spec, now: u64, r: &Resident) -> bool {
-    !r.evicting
+    !r.leaving()
         && !r.held(now)
         && r.spec.priority <= target.priority
         && !n.groups().is_persistent(r.spec.workload.as_str())
@@ -320,7 +320,7 @@ proptest! {
                             // A reading may shrink under residents; an admission
                             // never takes a pool it draws on past its budget.
                             for p in POOLS.iter().filter(|p| target.footprint(p) > 0) {
-                                let committed: u64 = n.residents().filter(|r| !r.evicting).map(|r| r.charge(p).counted()).sum();
+                                let committed: u64 = n.residents().filter(|r| !r.leaving()).map(|r| r.charge(p).counted()).sum();
                                 if let Some(eff) = n.effective_budget(p) {
                                     prop_assert!(committed <= eff, "pool {} holds {} of {}", p, committed, eff);
                                 }

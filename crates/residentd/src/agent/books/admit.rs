@@ -72,9 +72,8 @@ impl Books {
     ) -> Result<Decision, ApiError> {
         let mut b = self.lock();
         let asked = b.learned_spec(w, key);
-        let cancelled = b.records.get(id.as_str()).is_some_and(|r| r.cancelled);
         if let Some(r) = b.ledger.resident(id.as_str())
-            && (cancelled || r.evicting)
+            && r.leaving()
         {
             return Ok(Decision::Stopping(b.waiter(id.as_str())));
         }
@@ -248,11 +247,15 @@ impl Books {
             .get_mut(id)
             .filter(|r| run.is_none_or(|g| g == r.generation))?;
         r.cancelled = true;
-        Some(Cancelled {
+        let cancelled = Cancelled {
             generation: r.generation,
             spec: r.spec.clone(),
             resident,
-        })
+        };
+        // The ledger's phase too: a stopping resident is no victim and no
+        // conflict for the starts planned while it stops.
+        b.ledger.leave(id);
+        Some(cancelled)
     }
 }
 

@@ -18,7 +18,10 @@ pub(in crate::agent) struct Record {
     pub(in crate::agent) devices: Vec<u32>,
     /// Bumped at every admission of this id; tags the supervisor's run.
     pub(in crate::agent) generation: u64,
-    /// A Stop (or an eviction) has been asked for this run.
+    /// A Stop (or an eviction) has been asked for this run. While the run
+    /// holds its reservation the ledger says the same (`Phase::Leaving`),
+    /// which is what planning reads; this flag outlives the release, for
+    /// what the record shows.
     pub(in crate::agent) cancelled: bool,
     /// The owner's lease, if any.
     pub(in crate::agent) lease: Option<Lease>,

@@ -141,6 +141,21 @@ fn a_learned_footprint_raises_the_next_admission_of_the_same_command_only() {
 }
 
 #[test]
+fn a_stopping_resident_is_never_chosen_again_as_a_victim() {
+    let (c, b) = (config(), Books::new(&config()));
+    generation_of(admit(&b, &c, "big", "a", Policy::Refuse));
+    // A Stop is under way: "a" holds its memory until its release.
+    b.cancel("a", None).expect("a record");
+    assert!(b.lock().ledger.resident("a").is_some_and(|r| r.leaving()));
+    // Evicting it again would stop a stopping run twice and count its
+    // memory as freed twice: the start is refused instead.
+    match admit(&b, &c, "big", "b", Policy::Evict) {
+        Err(ApiError::Refused { .. }) => {}
+        other => panic!("refused while a stops: {other:?}"),
+    }
+}
+
+#[test]
 fn a_lease_lapses_unless_a_touch_renews_it_and_only_leased_residents_lapse() {
     let (c, b) = (config(), Books::new(&config()));
     let leased = |id: &str, ms: u64| {
@@ -269,7 +284,7 @@ proptest! {
                 .lock()
                 .ledger
                 .residents()
-                .filter(|r| !r.evicting)
+                .filter(|r| !r.leaving())
                 .map(|r| r.footprint("ram"))
                 .sum();
             prop_assert!(kept <= 10 * GB, "over budget: {}", kept);

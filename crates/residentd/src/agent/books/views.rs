@@ -228,7 +228,7 @@ impl Books {
                     return false;
                 };
                 b.ledger.resident(id).is_some_and(|r| {
-                    !r.evicting
+                    !r.leaving()
                         && !r.held(now)
                         && now.saturating_sub(r.last_used) >= ttl.as_millis() as u64
                 })
