@@ -110,21 +110,18 @@ impl Lookups {
     /// bytes and no layers (so any KV cache of a known type is 0 bytes).
     pub(crate) fn gguf(self, path: &str) -> Result<GgufModel, String> {
         if !self.local() {
-            return Ok(GgufModel {
-                architecture: String::new(),
-                weights_bytes: 0,
-                layers: 0,
-                kv_heads: 0,
-                key_length: 0,
-                value_length: 0,
-                context_length: 0,
-                heads: 0,
-                embedding: 0,
-                feed_forward: 0,
-                vocab: 0,
-            });
+            return Ok(GgufModel::default());
         }
         crate::gguf::read(Path::new(path)).map_err(|e| format!("{path}: {e}"))
+    }
+
+    /// The tensor bytes of the GGUF file at `path` (a vision projector);
+    /// elsewhere, 0.
+    pub(crate) fn gguf_tensor_bytes(self, path: &str) -> Result<u64, String> {
+        if !self.local() {
+            return Ok(0);
+        }
+        crate::gguf::tensor_bytes(Path::new(path)).map_err(|e| format!("{path}: {e}"))
     }
 
     /// The user called `name`, as `run_as` names it: one this agent can

@@ -188,6 +188,8 @@ pub struct Workload {
     pub ctx: Option<Spanned<u64>>,
     pub kv_type: Option<Spanned<String>>,
     pub parallel: Option<Spanned<u32>>,
+    /// A vision projector GGUF file (llama-server's `--mmproj`).
+    pub mmproj: Option<Spanned<String>>,
     pub program: Option<Spanned<String>>,
     #[serde(default)]
     pub args: Vec<Spanned<String>>,
@@ -235,6 +237,25 @@ pub struct Demand {
     /// and what to project.
     #[serde(skip)]
     pub projection: Option<ProjectionAsk>,
+    /// Set by a flavor: how its server runs a `from_gguf` model (its
+    /// sequences, unified KV cache, full sliding-window cache), which
+    /// sizes the KV cache, state and output buffer; one sequence when
+    /// unset.
+    #[serde(skip)]
+    pub serving: Option<ServingAsk>,
+    /// Set by a flavor: the vision projector its server loads beside the
+    /// model, whose tensors count with the weights.
+    #[serde(skip)]
+    pub mmproj: Option<Spanned<String>>,
+}
+
+/// How a flavor's server runs its model (`gguf::Serving`, less the
+/// context and KV type, which the table gives).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ServingAsk {
+    pub seqs: u32,
+    pub unified: bool,
+    pub swa_full: bool,
 }
 
 /// A flavor's request for its server's own projection.

@@ -11,7 +11,7 @@ use toml::Spanned;
 use super::{Result, bytes};
 use crate::error::Source;
 use crate::host::Lookups;
-use crate::{PoolDef, raw};
+use crate::{PoolDef, gguf, raw};
 
 /// What `memory` makes of a workload's tables.
 pub(super) struct Memory {
@@ -138,10 +138,11 @@ fn demand(
     d: &Spanned<raw::Demand>,
     k: &dyn Fn(&str) -> String,
     host: Lookups,
-) -> Result<(Demand, String, Option<String>)> {
-    let (weights, kv, compute) = weights_and_kv(src, d, k, host)?;
+) -> Result<(Demand, String, Vec<String>)> {
+    let sized = weights_and_kv(src, d, k, host)?;
+    let (weights, kv, compute) = (sized.weights, sized.kv, sized.compute);
     let dem = d.get_ref();
-    let mut warning = None;
+    let mut warnings: Vec<String> = sized.warning.into_iter().collect();
     let (overhead, why) = match (&dem.overhead, dem.process_overhead) {
         (Some(q), _) => (bytes(src, q, &k("overhead"))?, "declared".to_string()),
         // A flavor's server: its process, and what the server itself
@@ -154,7 +155,11 @@ fn demand(
             });
             match projected {
                 Some(Ok(Some((total, program)))) => (
-                    process.saturating_add(total.saturating_sub(weights.saturating_add(kv))),
+                    // The projection is of the model alone: a vision
+                    // projector's tensors are not in it.
+                    process.saturating_add(
+                        total.saturating_sub((weights - sized.mmproj).saturating_add(kv)),
+                    ),
                     format!(
                         "the flavor's process {} + what {}'s {} projects beyond weights and kv, of {} in all",
                         mb(process),
@@ -165,17 +170,18 @@ fn demand(
                 ),
                 other => {
                     if let Some(Err(e)) = other {
-                        warning = Some(format!(
+                        warnings.push(format!(
                             "{}: no projection ({e}); the compute buffer is estimated from the GGUF header",
                             k("overhead")
                         ));
                     }
                     (
-                        process.saturating_add(compute),
+                        process.saturating_add(compute).saturating_add(sized.output),
                         format!(
-                            "the flavor's process {} + compute buffer {} (estimated from the GGUF header)",
+                            "the flavor's process {} + compute buffer {} + output buffer {} (estimated from the GGUF header)",
                             mb(process),
-                            mb(compute)
+                            mb(compute),
+                            mb(sized.output)
                         ),
                     )
                 }
@@ -184,20 +190,12 @@ fn demand(
         (None, None) => (0, "none declared".to_string()),
     };
     let source = if dem.from_gguf.is_some() {
-        let ctx = dem.ctx.as_ref().map_or_else(
-            || "its trained context".to_string(),
-            |c| format!("ctx {}", c.get_ref()),
-        );
-        let kv_type = dem.kv_type.as_ref().map_or("f16", |t| t.get_ref().as_str());
-        let kv_source = if dem.kv.is_some() {
-            "declared".to_string()
-        } else {
-            format!("GGUF, {ctx}, {kv_type}")
-        };
         format!(
-            "weights {} (GGUF tensor data) + kv {} ({kv_source})",
+            "weights {} ({}) + kv {} ({})",
             mb(weights),
-            mb(kv)
+            sized.weights_source,
+            mb(kv),
+            sized.kv_source
         )
     } else {
         format!("weights {} + kv {} (declared)", mb(weights), mb(kv))
@@ -213,17 +211,50 @@ fn demand(
         mb(demand.footprint()),
         mb(overhead)
     );
-    Ok((demand, note, warning))
+    Ok((demand, note, warnings))
+}
+
+/// One table's weights and KV in bytes, and for a GGUF model what
+/// llama.cpp allocates beside them, with where each figure came from.
+struct Sized {
+    weights: u64,
+    /// KV cache and recurrent state.
+    kv: u64,
+    /// The compute buffer estimate (0 for bytes).
+    compute: u64,
+    /// The output (logits) buffer (0 for bytes).
+    output: u64,
+    /// Of `weights`, a vision projector's tensors.
+    mmproj: u64,
+    weights_source: String,
+    kv_source: String,
+    /// A figure not sized as llama.cpp would allocate it.
+    warning: Option<String>,
+}
+
+impl Sized {
+    fn declared(weights: u64, kv: u64) -> Self {
+        Self {
+            weights,
+            kv,
+            compute: 0,
+            output: 0,
+            mmproj: 0,
+            weights_source: "declared".into(),
+            kv_source: "declared".into(),
+            warning: None,
+        }
+    }
 }
 
 /// Weights and KV of one pool, in bytes or sized from a GGUF file, and
-/// the GGUF model's compute buffer estimate (0 for bytes).
+/// the GGUF model's compute and output buffers.
 fn weights_and_kv(
     src: &Source<'_>,
     d: &Spanned<raw::Demand>,
     k: &dyn Fn(&str) -> String,
     host: Lookups,
-) -> Result<(u64, u64, u64)> {
+) -> Result<Sized> {
     let dem = d.get_ref();
     let kv = dem
         .kv
@@ -239,7 +270,10 @@ fn weights_and_kv(
                     "ctx sizes the KV cache of a from_gguf model only",
                 ));
             }
-            Ok((bytes(src, w, &k("weights"))?, kv.unwrap_or(0), 0))
+            Ok(Sized::declared(
+                bytes(src, w, &k("weights"))?,
+                kv.unwrap_or(0),
+            ))
         }
         (None, Some(path)) => from_gguf(src, dem, path, kv, k, host),
         _ => Err(src.err(
@@ -250,8 +284,12 @@ fn weights_and_kv(
     }
 }
 
-/// Weights, KV and compute buffer of a `from_gguf` model: its header read
-/// through `host`, the KV cache sized from it unless `kv` is given.
+/// Weights, KV (and recurrent state), compute and output buffers of a
+/// `from_gguf` model: its header read through `host`, the KV cache sized
+/// from it unless `kv` is given. An architecture the reader cannot size
+/// takes the declared `kv`; without one, a dense estimate and a warning
+/// naming the file and the architecture, or an error when the header
+/// has no attention geometry to estimate from.
 fn from_gguf(
     src: &Source<'_>,
     dem: &raw::Demand,
@@ -259,24 +297,104 @@ fn from_gguf(
     kv: Option<u64>,
     k: &dyn Fn(&str) -> String,
     host: Lookups,
-) -> Result<(u64, u64, u64)> {
+) -> Result<Sized> {
     let model = host
         .gguf(path.get_ref())
         .map_err(|m| src.err(path.span(), k("from_gguf"), m))?;
+    let mut weights = model.weights_bytes;
+    let mut weights_source = "GGUF tensor data".to_string();
+    let mut mmproj_bytes = 0;
+    if let Some(mmproj) = &dem.mmproj {
+        let projector = host
+            .gguf_tensor_bytes(mmproj.get_ref())
+            .map_err(|m| src.err(mmproj.span(), k("mmproj"), m))?;
+        weights = weights.saturating_add(projector);
+        mmproj_bytes = projector;
+        weights_source = format!("GGUF tensor data, with the mmproj's {}", mb(projector));
+    }
     let ctx = dem
         .ctx
         .as_ref()
         .map_or(model.context_length, |c| *c.get_ref());
     let kv_type = dem.kv_type.as_ref().map_or("f16", |t| t.get_ref().as_str());
-    let kv = match kv {
-        Some(kv) => kv,
-        None => model.kv_bytes(ctx, kv_type).ok_or_else(|| {
+    // Without a flavor, one sequence, and sliding-window layers over the
+    // whole context (llama.cpp's own default, `llama_context_default_params`,
+    // and the larger figure).
+    let serving = dem.serving.unwrap_or(raw::ServingAsk {
+        seqs: 1,
+        unified: false,
+        swa_full: true,
+    });
+    let memory = model
+        .context_memory(&gguf::Serving {
+            ctx,
+            kv_type,
+            seqs: u64::from(serving.seqs.max(1)),
+            unified: serving.unified,
+            swa_full: serving.swa_full,
+        })
+        .ok_or_else(|| {
             let span = dem.kv_type.as_ref().map_or(path.span(), |t| t.span());
             let msg = format!(
                 "{kv_type:?} is not a KV cache type (f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0, iq4_nl)"
             );
             src.err(span, k("kv_type"), msg)
-        })?,
+        })?;
+    let ctx_note = dem.ctx.as_ref().map_or_else(
+        || "its trained context".to_string(),
+        |c| format!("ctx {}", c.get_ref()),
+    );
+    let mut parts = vec![format!("GGUF, {ctx_note}, {kv_type}")];
+    if serving.seqs > 1 {
+        let how = if serving.unified { ", unified" } else { "" };
+        parts.push(format!("{} sequences{how}", serving.seqs));
+    }
+    if model.sliding_window > 0 && model.kv_swa > 0 {
+        parts.push(if serving.swa_full {
+            "sliding-window layers over the whole context (swa_full)".to_string()
+        } else {
+            format!(
+                "sliding window {} over {} cells",
+                model.sliding_window, memory.swa_cells
+            )
+        });
+    }
+    if memory.state > 0 {
+        parts.push(format!("recurrent state {}", mb(memory.state)));
+    }
+    let mut warning = None;
+    let (kv, kv_source) = match (kv, &model.not_sized) {
+        (Some(kv), None) => (kv, "declared".to_string()),
+        (Some(kv), Some(why)) => (kv, format!("declared; {why}")),
+        (None, None) => (memory.kv.saturating_add(memory.state), parts.join(", ")),
+        (None, Some(why)) if memory.kv > 0 => {
+            warning = Some(format!(
+                "{}: {}: {why}: its KV cache is estimated as if every layer cached the whole context ({}); declare kv to reserve what the server really holds",
+                k("kv"),
+                path.get_ref(),
+                mb(memory.kv)
+            ));
+            (
+                memory.kv,
+                format!("{}; dense estimate: {why}", parts.join(", ")),
+            )
+        }
+        (None, Some(why)) => {
+            let msg = format!(
+                "{}: {why}, and its header gives no attention geometry to estimate the KV cache from: declare kv",
+                path.get_ref()
+            );
+            return Err(src.err(path.span(), k("kv"), msg));
+        }
     };
-    Ok((model.weights_bytes, kv, model.compute_bytes(ctx)))
+    Ok(Sized {
+        weights,
+        kv,
+        compute: model.compute_bytes(memory.cells),
+        output: memory.output,
+        mmproj: mmproj_bytes,
+        weights_source,
+        kv_source,
+        warning,
+    })
 }

@@ -32,6 +32,7 @@ struct Keys<'a> {
     ctx: Option<u64>,
     kv_type: Option<&'a str>,
     parallel: Option<u32>,
+    mmproj: Option<&'a str>,
     program: Option<&'a str>,
     /// The fraction of its GPU pool the workload declares (vLLM).
     gpu_share: Option<f64>,
@@ -88,6 +89,7 @@ fn defaults(flavor: &str, k: &Keys<'_>) -> Defaults {
             opt(&mut argv, "--parallel", k.parallel);
             opt(&mut argv, "--cache-type-k", k.kv_type);
             opt(&mut argv, "--cache-type-v", k.kv_type);
+            opt(&mut argv, "--mmproj", k.mmproj);
             // Its buffer sizes (model, KV, compute per device) are said
             // at trace verbosity only: the agent reads them (`report.rs`).
             argv.extend(["--verbosity", "4"].map(String::from));
@@ -154,6 +156,40 @@ fn process_overhead(flavor: &str) -> Option<u64> {
 /// 12 MiB (5 model + 1 context + 6 compute, flash attention on).
 const LLAMA_SERVER_PROCESS: u64 = 18_000_000;
 
+/// How a flavor's server runs a GGUF model, as far as its memory goes.
+/// llama-server (tools/server/server.cpp): without `--parallel`, 4
+/// slots over one unified KV cache; with it, that many, each with its
+/// share of the context, unless the args ask for `--kv-unified`
+/// (`-kvu`); `--swa-full` makes sliding-window layers cache it all
+/// (common.h's default: off). llama-cpp-python's server decodes one
+/// sequence, and takes llama.cpp's context defaults
+/// (`llama_context_default_params`), where `swa_full` is on.
+fn serving(flavor: &str, w: &raw::Workload) -> Option<raw::ServingAsk> {
+    let has = |flags: &[&str]| {
+        w.args.iter().any(|a| flags.contains(&a.get_ref().as_str()))
+            || w.command
+                .as_ref()
+                .is_some_and(|c| c.get_ref().iter().any(|a| flags.contains(&a.as_str())))
+    };
+    match flavor {
+        "llama-server" => {
+            let parallel = w.parallel.as_ref().map(|p| *p.get_ref());
+            Some(raw::ServingAsk {
+                seqs: parallel.unwrap_or(4),
+                unified: (parallel.is_none() && !has(&["--no-kv-unified", "-no-kvu"]))
+                    || has(&["--kv-unified", "-kvu"]),
+                swa_full: has(&["--swa-full"]),
+            })
+        }
+        "llama-cpp-python" => Some(raw::ServingAsk {
+            seqs: 1,
+            unified: false,
+            swa_full: true,
+        }),
+        _ => None,
+    }
+}
+
 /// Asks, for each GGUF-sized table of `w` (a llama-server workload, its
 /// command known), the server's own projection (`projection.rs`).
 fn ask_projection(w: &mut raw::Workload, parallel: Option<u32>) {
@@ -203,6 +239,7 @@ pub(super) fn apply(
             ("ctx", w.ctx.is_some()),
             ("kv_type", w.kv_type.is_some()),
             ("parallel", w.parallel.is_some()),
+            ("mmproj", w.mmproj.is_some()),
             ("program", w.program.is_some()),
             ("args", !w.args.is_empty()),
         ] {
@@ -244,6 +281,15 @@ pub(super) fn apply(
     {
         return Err(src.err(p.span(), key("parallel"), "must be at least 1"));
     }
+    if let Some(m) = &w.mmproj
+        && f != "llama-server"
+    {
+        return Err(src.err(
+            m.span(),
+            key("mmproj"),
+            format!("is llama-server's (--mmproj); flavor '{f}' takes none: pass it in args"),
+        ));
+    }
     let gguf = model.get_ref().ends_with(".gguf");
     // The memory: a pool table without weights or from_gguf takes the
     // model's GGUF file; no table at all means the node's only pool.
@@ -281,6 +327,8 @@ pub(super) fn apply(
         }
         if d.from_gguf.is_some() {
             d.process_overhead = process_overhead(f);
+            d.serving = serving(f, w);
+            d.mmproj.clone_from(&w.mmproj);
         }
     }
     let gpu_share = gpu_share(&out, pools);
@@ -289,6 +337,7 @@ pub(super) fn apply(
         ctx: w.ctx.as_ref().map(|c| *c.get_ref()),
         kv_type: w.kv_type.as_ref().map(|t| t.get_ref().as_str()),
         parallel: w.parallel.as_ref().map(|p| *p.get_ref()),
+        mmproj: w.mmproj.as_ref().map(|m| m.get_ref().as_str()),
         program: w.program.as_ref().map(|p| p.get_ref().as_str()),
         gpu_share,
     };
