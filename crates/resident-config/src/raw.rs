@@ -256,6 +256,9 @@ pub struct ServingAsk {
     pub seqs: u32,
     pub unified: bool,
     pub swa_full: bool,
+    /// Attention runs as flash attention (no scores matrix in the
+    /// compute buffer).
+    pub flash_attn: bool,
 }
 
 /// A flavor's request for its server's own projection.

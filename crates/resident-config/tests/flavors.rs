@@ -88,6 +88,8 @@ fn each_flavor_resolves_to_its_servers_command_line_and_probe() {
             "--use_mmap",
             "false",
             "--interrupt_requests",
+            "false",
+            "--logits_all",
             "false"
         ]
     );

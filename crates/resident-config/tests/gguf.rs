@@ -281,6 +281,23 @@ fn small_test_model() -> Gguf {
         .tensor("token_embd.weight", &[256, 335])
 }
 
+/// The tests' model geometry at `embd` wide (4 heads, 2 KV heads, a
+/// feed-forward 11/4 as wide, 335 tokens), as make_model.py writes it.
+fn test_model(embd: u64) -> Gguf {
+    let tokens: Vec<String> = (0..335).map(|i| format!("t{i}")).collect();
+    let tokens: Vec<&str> = tokens.iter().map(String::as_str).collect();
+    Gguf::new(3)
+        .string("general.architecture", "llama")
+        .u32("llama.block_count", 4)
+        .u32("llama.context_length", 8192)
+        .u32("llama.embedding_length", embd as u32)
+        .u32("llama.feed_forward_length", (embd * 11 / 4) as u32)
+        .u32("llama.attention.head_count", 4)
+        .u32("llama.attention.head_count_kv", 2)
+        .strings("tokenizer.ggml.tokens", &tokens)
+        .tensor("token_embd.weight", &[embd, 335])
+}
+
 #[test]
 fn the_compute_buffer_estimate_matches_what_llama_cpp_reports() {
     let (_dir, path) = temp("small.gguf");
@@ -290,16 +307,34 @@ fn the_compute_buffer_estimate_matches_what_llama_cpp_reports() {
         (m.heads, m.embedding, m.feed_forward, m.vocab),
         (4, 256, 704, 335)
     );
-    // llama.cpp 0.3.36 (llama-cpp-python's server, CPU) printed
-    // "CPU compute buffer size = 8.01 MiB" at ctx 512 and 43.01 MiB at
-    // 4096 for this geometry.
+    // "CPU compute buffer size = N MiB" (sched_reserve) as llama.cpp
+    // 0.3.36 printed it through llama-cpp-python (`Llama(model, n_ctx,
+    // flash_attn, type_k/type_v = 8 with flash attention)`, CPU), for
+    // the tests' models 256, 512 and 1024 wide, at contexts 512, 2048
+    // and 8192: without flash attention, then with it.
+    let reported: [(u64, bool, [f64; 3]); 6] = [
+        (256, false, [8.01, 23.01, 83.01]),
+        (512, false, [13.26, 26.01, 86.01]),
+        (1024, false, [27.51, 32.01, 92.01]),
+        (256, true, [6.17, 7.67, 13.67]),
+        (512, true, [12.84, 13.34, 19.34]),
+        (1024, true, [25.28, 24.78, 30.78]),
+    ];
     let mib = |b: u64| b as f64 / 1_048_576.0;
-    for (ctx, reported) in [(512, 8.01), (4096, 43.01)] {
-        let estimate = mib(m.compute_bytes(ctx));
-        assert!(
-            (estimate - reported).abs() < 0.25,
-            "ctx {ctx}: {estimate:.2} MiB against {reported} MiB"
-        );
+    for (embd, flash, figures) in reported {
+        let (_dir, path) = temp("m.gguf");
+        test_model(embd).write(&path);
+        let m = gguf::read(&path).expect("a valid GGUF");
+        for (ctx, reported) in [512, 2048, 8192].into_iter().zip(figures) {
+            // Less the CPU backend's work buffer, which llama.cpp does not
+            // count in its compute buffer.
+            let work = if flash { 0 } else { 4 * ctx * 512 * 2 };
+            let estimate = mib(m.compute_bytes(ctx, flash) - work);
+            assert!(
+                (-2.1..=1.8).contains(&(estimate - reported)),
+                "{embd} wide, ctx {ctx}, flash attention {flash}: {estimate:.2} MiB against {reported} MiB"
+            );
+        }
     }
     // A feed-forward length the header does not give is 4 x embedding.
     let (_dir, bare) = temp("bare.gguf");
@@ -325,11 +360,14 @@ fn a_flavor_reserves_its_servers_process_and_compute_buffer() {
     };
     let py = demand(config("llama-cpp-python", ""));
     // The process, the compute buffer and one sequence's logits.
-    assert_eq!(py.overhead, 76_000_000 + m.compute_bytes(512) + 335 * 4);
+    assert_eq!(
+        py.overhead,
+        76_000_000 + m.compute_bytes(512, false) + 335 * 4
+    );
     assert_eq!(py.kv, m.kv_bytes(512, "f16").expect("f16"));
     assert_eq!(py.footprint(), py.weights + py.kv + py.overhead);
     let server = demand(config("llama-server", ""));
-    assert!(server.overhead > m.compute_bytes(512) && server.overhead < py.overhead);
+    assert!(server.overhead > m.compute_bytes(512, true) && server.overhead < py.overhead);
     // A declared overhead stands.
     let own = demand(config(
         "llama-server",

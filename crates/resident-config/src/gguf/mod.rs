@@ -149,29 +149,57 @@ fn pad(n: u64) -> u64 {
 }
 
 impl GgufModel {
-    /// An estimate of llama.cpp's compute buffer on the CPU for a KV
-    /// cache of `ctx` cells per stream, in bytes, without flash
-    /// attention: the attention scores and the mask (f32, every head
-    /// plus one, the whole context for one micro-batch) plus one
-    /// micro-batch of activations (logits over the vocabulary, a
-    /// feed-forward and two embedding rows per token). For the tests' 6
-    /// MB model (256 wide, 4 heads, 704 feed-forward, 335 tokens)
-    /// llama.cpp 0.3.36 reports 8.01 MiB at ctx 512 and 43.01 MiB at
-    /// 4096; this gives 8.03 and 43.03 MiB. The buffer is allocated
-    /// whole and touched as batches fill it.
-    pub fn compute_bytes(&self, ctx: u64) -> u64 {
+    /// An estimate of what llama.cpp's compute holds on the CPU for a KV
+    /// cache of `ctx` cells per stream, in bytes: its compute buffer (the
+    /// peak of one micro-batch's graph) and, without flash attention, the
+    /// CPU backend's work buffer. The buffer's peak is the larger of
+    ///
+    /// - the attention: without flash attention the scores of every head
+    ///   and the mask (f32, the whole context for one micro-batch); with
+    ///   it, the mask alone (f16); plus a micro-batch of activations
+    ///   (logits over the vocabulary, a feed-forward and two embedding
+    ///   rows per token);
+    /// - the feed-forward: three feed-forward and four embedding rows per
+    ///   token of a micro-batch (f32), beside the mask.
+    ///
+    /// Without flash attention the CPU backend converts the scores to f16
+    /// for their product with V, in a work buffer of its own (every head,
+    /// the whole context, one micro-batch). Fitted to what llama.cpp
+    /// 0.3.36 reports for the tests' models (256, 512 and 1024 wide, 4
+    /// heads, 335 tokens) at contexts 512, 2048 and 8192, with and without
+    /// flash attention: within 2.1 MiB under and 1.8 MiB over its
+    /// figure (tests/gguf.rs). Allocated whole, touched as the context
+    /// fills.
+    pub fn compute_bytes(&self, ctx: u64, flash_attn: bool) -> u64 {
         let ubatch = UBATCH.min(ctx.max(1));
-        let scores = self
-            .heads
-            .saturating_add(1)
-            .saturating_mul(ctx)
+        let per_token = |floats: u64| floats.saturating_mul(ubatch).saturating_mul(4);
+        let mask = ctx
             .saturating_mul(ubatch)
-            .saturating_mul(4);
+            .saturating_mul(if flash_attn { 2 } else { 4 });
+        let scores = if flash_attn {
+            0
+        } else {
+            per_token(self.heads.saturating_mul(ctx))
+        };
         let rows = self
             .vocab
             .saturating_add(self.feed_forward)
             .saturating_add(self.embedding.saturating_mul(2));
-        scores.saturating_add(rows.saturating_mul(ubatch).saturating_mul(4))
+        let attention = mask.saturating_add(scores).saturating_add(per_token(rows));
+        let ffn_rows = self
+            .feed_forward
+            .saturating_mul(3)
+            .saturating_add(self.embedding.saturating_mul(4));
+        let ffn = mask.saturating_add(per_token(ffn_rows));
+        let work = if flash_attn {
+            0
+        } else {
+            self.heads
+                .saturating_mul(ctx)
+                .saturating_mul(ubatch)
+                .saturating_mul(2)
+        };
+        attention.max(ffn).saturating_add(work)
     }
 
     /// What llama.cpp allocates for serving as `s` says (None: unknown

@@ -324,6 +324,7 @@ fn from_gguf(
         seqs: 1,
         unified: false,
         swa_full: true,
+        flash_attn: false,
     });
     let memory = model
         .context_memory(&gguf::Serving {
@@ -390,7 +391,7 @@ fn from_gguf(
     Ok(Sized {
         weights,
         kv,
-        compute: model.compute_bytes(memory.cells),
+        compute: model.compute_bytes(memory.cells, serving.flash_attn),
         output: memory.output,
         mmproj: mmproj_bytes,
         weights_source,

@@ -106,8 +106,22 @@ fn defaults(flavor: &str, k: &Keys<'_>) -> Defaults {
                 argv.extend(["--flash_attn", "true"].map(String::from));
             }
             // Weights held once (no mapped copy beside a repacked one),
-            // and a stream is never cut short by the next request.
-            argv.extend(["--use_mmap", "false", "--interrupt_requests", "false"].map(String::from));
+            // and a stream is never cut short by the next request. Its
+            // server keeps the logits of every token of the context
+            // unless told (`logits_all`, on by default: n_ctx x n_vocab
+            // floats, gigabytes for a real vocabulary); they serve only
+            // logprobs.
+            argv.extend(
+                [
+                    "--use_mmap",
+                    "false",
+                    "--interrupt_requests",
+                    "false",
+                    "--logits_all",
+                    "false",
+                ]
+                .map(String::from),
+            );
         }
         "vllm" => {
             opt(&mut argv, "--max-model-len", k.ctx);
@@ -136,10 +150,12 @@ fn defaults(flavor: &str, k: &Keys<'_>) -> Defaults {
 /// compute buffer: the interpreter or binary, its libraries, heap and
 /// threads. Measured on this kind of machine (x86_64, 2 cores, Debian
 /// 12) as the resident memory of the server's process group after load
-/// and one completion, less what llama.cpp reported for the model, the
-/// KV cache and the compute buffer (docs/config.md, "Overhead").
-/// llama-cpp-python 0.3.36: 86.9 MB held by a 6.2 MB model at ctx 512
-/// (1.0 MiB KV, 8.0 MiB compute). Only GGUF-sized tables take it: a
+/// and one completion whose prompt fills nine tenths of the context,
+/// less what llama.cpp reported for the model, the KV cache and the
+/// compute buffer (docs/config.md, "Overhead"; the footprint matrix of
+/// the e2e tests is the check). llama-cpp-python 0.3.36: 95.8 MB held by
+/// a 6.2 MB model at ctx 512 (1.0 MiB KV, 8.0 MiB compute, 2 MiB work
+/// buffer), 210.3 MB at 8192. Only GGUF-sized tables take it: a
 /// declared `overhead` stands, and vLLM's share of its card already is
 /// its whole footprint.
 fn process_overhead(flavor: &str) -> Option<u64> {
@@ -151,10 +167,13 @@ fn process_overhead(flavor: &str) -> Option<u64> {
     }
 }
 
-/// llama-server's process overhead (see [`process_overhead`]): 29.9 MB
-/// held by a 6.2 MB model at ctx 512, which llama-fit-params projects at
-/// 12 MiB (5 model + 1 context + 6 compute, flash attention on).
-const LLAMA_SERVER_PROCESS: u64 = 18_000_000;
+/// llama-server's process overhead (see [`process_overhead`]): beyond
+/// what llama-fit-params projects, 20 to 27 MB across the footprint
+/// matrix (three models, contexts 512 to 8192, f16 and q8_0 caches; for
+/// example 35.9 MB held by a 6.2 MB model at ctx 512, projected at 12
+/// MiB), more after a long prompt than after a short one: the largest,
+/// rounded up.
+const LLAMA_SERVER_PROCESS: u64 = 27_000_000;
 
 /// How a flavor's server runs a GGUF model, as far as its memory goes.
 /// llama-server (tools/server/server.cpp): without `--parallel`, 4
@@ -171,6 +190,18 @@ fn serving(flavor: &str, w: &raw::Workload) -> Option<raw::ServingAsk> {
                 .as_ref()
                 .is_some_and(|c| c.get_ref().iter().any(|a| flags.contains(&a.as_str())))
     };
+    // `flag value`, in the args or the command.
+    let has_pair = |flags: &[&str], value: &str| {
+        let args: Vec<&str> = w.args.iter().map(|a| a.get_ref().as_str()).collect();
+        let command: Vec<&str> = w
+            .command
+            .as_ref()
+            .map(|c| c.get_ref().iter().map(String::as_str).collect())
+            .unwrap_or_default();
+        [args, command]
+            .iter()
+            .any(|v| v.windows(2).any(|p| flags.contains(&p[0]) && p[1] == value))
+    };
     match flavor {
         "llama-server" => {
             let parallel = w.parallel.as_ref().map(|p| *p.get_ref());
@@ -179,12 +210,21 @@ fn serving(flavor: &str, w: &raw::Workload) -> Option<raw::ServingAsk> {
                 unified: (parallel.is_none() && !has(&["--no-kv-unified", "-no-kvu"]))
                     || has(&["--kv-unified", "-kvu"]),
                 swa_full: has(&["--swa-full"]),
+                // Its default (`auto`) turns it on wherever the backend
+                // has it, the CPU's included.
+                flash_attn: !has_pair(&["-fa", "--flash-attn"], "off"),
             })
         }
         "llama-cpp-python" => Some(raw::ServingAsk {
             seqs: 1,
             unified: false,
             swa_full: true,
+            // The flavor turns it on for a quantized cache (below).
+            flash_attn: w
+                .kv_type
+                .as_ref()
+                .and_then(|t| ggml_type(t.get_ref()))
+                .is_some_and(|t| ![0, 1, 30].contains(&t)),
         }),
         _ => None,
     }

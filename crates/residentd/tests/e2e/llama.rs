@@ -316,7 +316,7 @@ async fn a_server_declared_by_its_flavor_starts_answers_and_stops_as_the_flavor_
     );
     let said = checked(dir.path(), &config);
     let resolved = format!(
-        "flavored: python3 -m llama_cpp.server --model {} --host 127.0.0.1 --port ${{PORT}} --n_ctx 512 --use_mmap false --interrupt_requests false",
+        "flavored: python3 -m llama_cpp.server --model {} --host 127.0.0.1 --port ${{PORT}} --n_ctx 512 --use_mmap false --interrupt_requests false --logits_all false",
         model.display()
     );
     assert!(said.contains(&resolved), "{said}");
