@@ -486,6 +486,48 @@ impl NodeState {
             .collect()
     }
 
+    /// Bytes `victims` are counted as holding in `pool`, together.
+    fn held_by(&self, victims: &[InstanceId], pool: &str) -> u64 {
+        victims
+            .iter()
+            .filter_map(|v| self.residents.get(v))
+            .map(|r| r.charge(pool).counted())
+            .fold(0, u64::saturating_add)
+    }
+
+    /// For each live pool `spec` (a concrete spec) takes: the bytes to see
+    /// available again once `victims` have exited before its start goes
+    /// on, three quarters of what they are counted as holding there (the
+    /// kernel and the probe need not give back every byte at once).
+    pub fn recovery(&self, spec: &Spec, victims: &[InstanceId]) -> Vec<(PoolName, u64)> {
+        spec.demand
+            .keys()
+            .filter(|pool| self.pools.get(*pool).is_some_and(|p| p.config.live))
+            .map(|pool| (pool.clone(), self.held_by(victims, pool.as_str()) / 4 * 3))
+            .filter(|(_, want)| *want > 0)
+            .collect()
+    }
+
+    /// What a start of `spec` (a concrete spec) leaves free once `victims`
+    /// are gone, in the tightest of its bounded pools: effective budget
+    /// less what stays used less what it takes (nothing when `existing`,
+    /// an instance already resident). `None` when none of its pools is
+    /// bounded.
+    pub fn free_after(&self, spec: &Spec, victims: &[InstanceId], existing: bool) -> Option<u64> {
+        let pools = self.pools();
+        spec.demand
+            .keys()
+            .filter_map(|pool| {
+                let figures = pools.iter().find(|p| p.name == *pool)?;
+                let budget = figures.effective?;
+                let freed = self.held_by(victims, pool.as_str());
+                let taken = if existing { 0 } else { spec.footprint(pool.as_str()) };
+                let used = figures.used.saturating_sub(freed);
+                Some(budget.saturating_sub(used).saturating_sub(taken))
+            })
+            .min()
+    }
+
     /// Residents with bytes in `pool`, in id order, each with what it is
     /// counted as holding (measured, where that is more than reserved).
     pub fn holders(&self, pool: &str) -> Vec<Holder> {

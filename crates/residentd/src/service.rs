@@ -207,8 +207,9 @@ impl pb::node_agent_server::NodeAgent for Service {
         let _timer = self.agent.metrics().time("Place");
         let r = req.into_inner();
         let on_full = validate::place(&r)?;
-        let _span = tracing::info_span!("place", workload = %r.workload).entered();
-        Ok(Response::new(self.agent.place(&r.workload, on_full)?))
+        let span = tracing::info_span!("place", workload = %r.workload);
+        let placement = self.agent.place(&r.workload, on_full).instrument(span);
+        Ok(Response::new(placement.await?))
     }
 
     async fn touch(

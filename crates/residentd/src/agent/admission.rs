@@ -84,13 +84,14 @@ impl Agent {
         lease_ms: u64,
         answer: Answer,
     ) -> Result<Admission, ApiError> {
-        let config = self.config();
-        let w = workload_of(&config, workload)?;
+        let mut config = self.config();
+        let mut w = workload_of(&config, workload)?;
         let id = match id {
             Some(id) => id,
             None => generated_id(&w, self.id_seq.fetch_add(1, Ordering::Relaxed) + 1),
         };
-        let policy = policy.unwrap_or(config.node.on_full);
+        let asked = policy;
+        let mut policy = asked.unwrap_or(config.node.on_full);
         if answer == Answer::Durable && config.node.durable_answers {
             // A journal that cannot be written (a full or read-only
             // state_dir) refuses starts before anything is decided; the
@@ -101,8 +102,8 @@ impl Agent {
                 )));
             }
         }
-        self.refresh_probes_with(&config);
-        let key = footprint_key(&config, &w);
+        self.refresh_probes_async(&config).await;
+        let mut key = footprint_key(&config, &w);
         let admitted = loop {
             if self.closing.load(Ordering::Acquire) {
                 return Err(ApiError::Unavailable("the agent is shutting down".into()));
@@ -138,6 +139,15 @@ impl Agent {
                     }));
                 }
                 Ok(Decision::Admitted(a)) => break a,
+                Ok(Decision::Reconfigured) => {
+                    // A reload came between this call's snapshot and the
+                    // books: decide again on the config the books hold.
+                    tokio::task::yield_now().await;
+                    config = self.config();
+                    w = workload_of(&config, workload)?;
+                    policy = asked.unwrap_or(config.node.on_full);
+                    key = footprint_key(&config, &w);
+                }
             }
         };
         for (gone, record) in &admitted.forgotten {
@@ -177,7 +187,8 @@ impl Agent {
             let me = self.clone();
             stops.spawn(async move {
                 let run = Some(victim.generation);
-                me.stop_because(&victim.id, run, None, Some(victim.cause))
+                let cause = Some((pb::Cause::Evicted, victim.cause));
+                me.stop_because(&victim.id, run, None, cause)
                     .await
             });
         }
@@ -227,7 +238,7 @@ impl Agent {
             // crash from here on restores it, and a journal that cannot be
             // written never has a process running that it does not list.
             if let Err(e) = self.durable(r.admitted).await {
-                self.books.cancel(id, Some(generation));
+                self.books.cancel(id, Some(generation), pb::Cause::Unspecified);
                 self.books.release(id, generation);
                 self.publish_ended(id);
                 return Err(e);
@@ -338,8 +349,12 @@ impl Agent {
         id: &str,
         run: Option<u64>,
         grace: Option<Duration>,
-        cause: Option<String>,
+        cause: Option<(pb::Cause, String)>,
     ) -> Result<pb::Instance, ApiError> {
+        let (kind, cause) = match cause {
+            Some((kind, text)) => (kind, Some(text)),
+            None => (pb::Cause::Stopped, None),
+        };
         if let Some(a) = self.books.record(id).and_then(|r| r.adopted)
             && !a.manage
         {
@@ -348,7 +363,7 @@ impl Agent {
                 a.pid
             )));
         }
-        let Some(c) = self.books.cancel(id, run) else {
+        let Some(c) = self.books.cancel(id, run, kind) else {
             return Err(ApiError::NotFound(match run {
                 Some(g) => format!("run {g} of instance '{id}' has ended"),
                 None => format!("no instance '{id}'"),

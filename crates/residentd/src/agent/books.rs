@@ -65,6 +65,9 @@ struct Inner {
     waiters: HashMap<String, Vec<oneshot::Sender<()>>>,
     /// Learned footprints, by workload name.
     learned: BTreeMap<String, learned::Learning>,
+    /// The config the ledger is set up for: an admission decided on
+    /// another snapshot (a reload between) is decided again.
+    config: Arc<Config>,
 }
 
 impl Inner {
@@ -107,7 +110,7 @@ pub(super) struct Books {
 }
 
 impl Books {
-    pub(super) fn new(config: &Config) -> Self {
+    pub(super) fn new(config: &Arc<Config>) -> Self {
         let mut ledger = NodeState::new(config.pool_configs(), config.groups.clone());
         ledger.set_gpu_choice(config.node.gpu_choice);
         Self {
@@ -118,6 +121,7 @@ impl Books {
                 generation: 0,
                 waiters: HashMap::new(),
                 learned: BTreeMap::new(),
+                config: config.clone(),
             }),
         }
     }

@@ -216,7 +216,8 @@ impl Agent {
             self.metrics.exposed(&g.workload);
             let me = self.clone();
             let (id, run) = (g.id, Some(g.generation));
-            tokio::spawn(async move { me.stop_because(&id, run, None, Some(what)).await });
+            let cause = Some((resident_api::pb::Cause::Exposed, what));
+            tokio::spawn(async move { me.stop_because(&id, run, None, cause).await });
         }
     }
 }

@@ -112,7 +112,7 @@ impl Agent {
         for (id, run) in self.books.idle(self.now_ms()) {
             tracing::info!(instance_id = %id, "idle TTL reached, stopping");
             let me = self.clone();
-            let cause = Some("stopped after its idle TTL".to_string());
+            let cause = Some((pb::Cause::Idle, "stopped after its idle TTL".to_string()));
             tokio::spawn(async move { me.stop_because(&id, Some(run), None, cause).await });
         }
     }
@@ -125,8 +125,9 @@ impl Agent {
         for (id, run, ms) in self.books.leases_expired(self.now_ms()) {
             tracing::info!(instance_id = %id, lease_ms = ms, "lease expired, stopping");
             let me = self.clone();
-            let cause = Some(format!(
-                "LEASE_EXPIRED: its owner did not renew its lease of {ms} ms"
+            let cause = Some((
+                pb::Cause::LeaseExpired,
+                format!("LEASE_EXPIRED: its owner did not renew its lease of {ms} ms"),
             ));
             tokio::spawn(async move { me.stop_because(&id, Some(run), None, cause).await });
         }
@@ -167,7 +168,7 @@ pub(super) async fn tick(agent: Weak<Agent>) {
             // Try again: starts resume once the state_dir takes writes.
             agent.persist();
         }
-        agent.refresh_probes();
+        agent.refresh_probes_async(&agent.config()).await;
         agent.tell_overruns();
         agent.expire_idle();
         agent.expire_leases();

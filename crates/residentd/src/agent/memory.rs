@@ -19,6 +19,25 @@ impl Agent {
         self.refresh_probes_with(&self.config());
     }
 
+    /// [`Agent::refresh_probes_with`] from async code. Where a device probe
+    /// is open (an NVML call, a reading file, and the /proc scan that
+    /// per-process device use needs) it runs on a blocking thread, so a
+    /// slow driver never holds one of the runtime's threads; a node of host
+    /// pools only reads /proc/meminfo (one small read) in place.
+    pub(super) async fn refresh_probes_async(self: &Arc<Self>, config: &Arc<Config>) {
+        let devices = !self
+            .devices
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_empty();
+        if !devices {
+            self.refresh_probes_with(config);
+            return;
+        }
+        let (me, config) = (self.clone(), config.clone());
+        let _ = tokio::task::spawn_blocking(move || me.refresh_probes_with(&config)).await;
+    }
+
     /// [`Agent::refresh_probes`] under the request's config snapshot.
     pub(super) fn refresh_probes_with(&self, config: &Config) {
         let mut readings = Readings {

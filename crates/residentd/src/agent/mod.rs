@@ -108,9 +108,10 @@ impl Agent {
             cgroups: config.node.cgroups,
             ..SupervisorConfig::default()
         };
+        let config = Arc::new(config);
         let agent = Arc::new(Self {
             books: Books::new(&config),
-            config: RwLock::new(Arc::new(config)),
+            config: RwLock::new(config),
             sup: Supervisor::new(sup_config, tx),
             events: EventLog::new(4096, 1024),
             host,

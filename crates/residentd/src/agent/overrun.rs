@@ -68,7 +68,10 @@ impl Agent {
             if let (true, Some(_)) = (stop, &change.overrun) {
                 tracing::warn!(instance_id = %change.id, "on_overrun = \"stop\": stopping");
                 let me = self.clone();
-                let cause = Some(format!("{message}; on_overrun = \"stop\""));
+                let cause = Some((
+                    pb::Cause::Overrun,
+                    format!("{message}; on_overrun = \"stop\""),
+                ));
                 let (id, run) = (change.id, change.generation);
                 tokio::spawn(async move { me.stop_because(&id, Some(run), None, cause).await });
             }

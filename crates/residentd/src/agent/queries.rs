@@ -43,6 +43,14 @@ impl Agent {
         if let Some(o) = record.overrun.as_ref().filter(|_| !ended) {
             out.message = format!("{}; {}", out.message, o.text);
         }
+        // The typed word beside the text: why a stop was asked, else what
+        // the agent tells of a running one.
+        out.cause = match (record.cause, &record.overrun, &record.note) {
+            (Some(cause), _, _) => cause,
+            (None, Some(_), _) if !ended => pb::Cause::Overrun,
+            (None, _, Some(note)) if !ended && note.starts_with("EXPOSED") => pb::Cause::Exposed,
+            _ => pb::Cause::Unspecified,
+        } as i32;
         for (pool, charge) in self.books.charges(&out.instance_id) {
             out.reserved_bytes = out.reserved_bytes.saturating_add(charge.counted());
             out.overrun_bytes = out.overrun_bytes.saturating_add(charge.overrun());
@@ -87,11 +95,15 @@ impl Agent {
     }
 
     /// The placement query: what a Start would do, changing nothing.
-    pub fn place(&self, workload: &str, policy: Option<Policy>) -> Result<pb::Placement, ApiError> {
+    pub async fn place(
+        self: &Arc<Self>,
+        workload: &str,
+        policy: Option<Policy>,
+    ) -> Result<pb::Placement, ApiError> {
         let config = self.config();
         let w = workload_of(&config, workload)?;
         let policy = policy.unwrap_or(config.node.on_full);
-        self.refresh_probes_with(&config);
+        self.refresh_probes_async(&config).await;
         let key = footprint_key(&config, &w);
         self.books.place(&w, policy, self.now_ms(), key)
     }
@@ -190,8 +202,11 @@ impl Agent {
         for w in &warnings {
             tracing::warn!("{w}");
         }
+        // The agent's snapshot first, then the books': an admission
+        // decided on either old snapshot meanwhile is decided again.
+        let new = Arc::new(new);
+        *self.config.write().unwrap_or_else(|e| e.into_inner()) = new.clone();
         self.books.reconfigure(&new);
-        *self.config.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(new);
         self.open_device_probes();
         self.refresh_probes();
         Ok(warnings)

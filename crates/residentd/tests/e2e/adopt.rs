@@ -220,6 +220,7 @@ async fn a_managed_adoption_is_stopped_and_an_exposed_one_only_reported() {
     })
     .await
     .expect("the exposure is reported");
+    assert_eq!(reported.cause, pb::Cause::Exposed as i32);
     assert!(
         reported.message.contains("reported and not stopped"),
         "{}",

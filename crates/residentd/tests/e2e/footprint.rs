@@ -56,6 +56,7 @@ async fn an_overrun_is_told_counted_and_refuses_what_fits_only_by_the_declaratio
         "{}",
         over.message
     );
+    assert_eq!(over.cause, pb::Cause::Overrun as i32, "the typed word");
     assert_eq!(
         over.demand[0].reserved_bytes,
         20 * MB,
@@ -139,6 +140,7 @@ async fn on_overrun_stop_stops_the_instance_with_reason_overrun() {
         "{}",
         ended.message
     );
+    assert_eq!(ended.cause, pb::Cause::Overrun as i32);
     assert_eq!(d.used().await, 0, "its memory is released");
 }
 
@@ -189,7 +191,8 @@ async fn a_footprint_is_learned_journaled_kept_across_a_restart_and_reset_by_ano
     // The run that taught it keeps what it was admitted with; the next
     // one reserves at least the learned bytes.
     assert_eq!(d.get("f").await.demand[0].reserved_bytes, 20 * MB);
-    d.stopped("f").await;
+    let stopped = d.stopped("f").await;
+    assert_eq!(stopped.cause, pb::Cause::Stopped as i32, "a Stop says so");
     let next = d.started("fat", "g").await;
     assert!(
         next.demand[0].reserved_bytes >= 120 * MB && next.demand[0].learned_bytes >= 120 * MB,

@@ -238,6 +238,7 @@ async fn evict_stops_the_least_recently_used_first_or_nothing() {
     let want =
         "evicted to make room for 'planner' (instance 'x') in pool 'unified' (killed by SIGTERM";
     assert!(a_now.message.starts_with(want), "{}", a_now.message);
+    assert_eq!(a_now.cause, pb::Cause::Evicted as i32);
     let exited = loop {
         let e = tokio::time::timeout(PATIENCE, events.next())
             .await

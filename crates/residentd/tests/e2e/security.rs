@@ -385,6 +385,7 @@ async fn a_server_listening_beyond_loopback_is_stopped_as_exposed() {
         "{}",
         out.message
     );
+    assert_eq!(out.cause, pb::Cause::Exposed as i32);
     assert_eq!(
         d.node().await.pools[0].used_bytes,
         2_000_000_000,

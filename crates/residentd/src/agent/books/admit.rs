@@ -54,6 +54,10 @@ pub(in crate::agent) enum Decision {
     /// The same instance is stopping; admit again once this fires (or
     /// its sender is dropped).
     Stopping(oneshot::Receiver<()>),
+    /// The config the call decided with is not the one the books hold (a
+    /// reload came between): nothing was decided; decide again on the
+    /// current one.
+    Reconfigured,
 }
 
 impl Books {
@@ -62,7 +66,7 @@ impl Books {
     #[allow(clippy::too_many_arguments)]
     pub(in crate::agent) fn admit(
         &self,
-        config: &Config,
+        config: &Arc<Config>,
         w: &Arc<Workload>,
         id: &InstanceId,
         policy: Policy,
@@ -71,6 +75,9 @@ impl Books {
         key: Option<u64>,
     ) -> Result<Decision, ApiError> {
         let mut b = self.lock();
+        if !Arc::ptr_eq(config, &b.config) {
+            return Ok(Decision::Reconfigured);
+        }
         let asked = b.learned_spec(w, key);
         if let Some(r) = b.ledger.resident(id.as_str())
             && r.leaving()
@@ -106,7 +113,12 @@ impl Books {
             .iter()
             .filter_map(|w| Some((w.to_string(), b.records.get(w.as_str())?.generation)))
             .collect();
-        let recovery = recovery(&b.ledger, config, &spec, &a.evict);
+        let recovery = b
+            .ledger
+            .recovery(&spec, &a.evict)
+            .into_iter()
+            .map(|(pool, bytes)| (pool.to_string(), bytes))
+            .collect();
         let devices = config.devices(&a.chosen);
         b.generation += 1;
         let generation = b.generation;
@@ -239,7 +251,12 @@ impl Books {
 
     /// Marks `id`'s current run as stopping; with `run`, only when that is
     /// the current run (a stop decided for one run never ends the next).
-    pub(in crate::agent) fn cancel(&self, id: &str, run: Option<u64>) -> Option<Cancelled> {
+    pub(in crate::agent) fn cancel(
+        &self,
+        id: &str,
+        run: Option<u64>,
+        cause: pb::Cause,
+    ) -> Option<Cancelled> {
         let mut b = self.lock();
         let resident = b.ledger.resident(id).is_some();
         let r = b
@@ -247,6 +264,8 @@ impl Books {
             .get_mut(id)
             .filter(|r| run.is_none_or(|g| g == r.generation))?;
         r.cancelled = true;
+        // The first stop asked is the one its end reports.
+        r.cause.get_or_insert(cause);
         let cancelled = Cancelled {
             generation: r.generation,
             spec: r.spec.clone(),
@@ -291,25 +310,7 @@ fn placement(ledger: &NodeState, plan: &Plan, spec: &Spec) -> pb::Placement {
         })
         .collect();
     let existing = matches!(plan, Plan::Existing);
-    out.free_after_bytes = spec
-        .demand
-        .keys()
-        .filter_map(|pool| {
-            let figures = pools.iter().find(|p| p.name == *pool)?;
-            let budget = figures.effective?;
-            let freed: u64 = victims
-                .iter()
-                .map(|v| v.charge(pool.as_str()).counted())
-                .sum();
-            let taken = if existing {
-                0
-            } else {
-                spec.footprint(pool.as_str())
-            };
-            let used = figures.used.saturating_sub(freed);
-            Some(budget.saturating_sub(used).saturating_sub(taken))
-        })
-        .min();
+    out.free_after_bytes = ledger.free_after(spec, evict, existing);
     out
 }
 
@@ -405,33 +406,6 @@ fn evictions(b: &Inner, spec: &Spec, id: &InstanceId, victims: &[InstanceId]) ->
         .collect()
 }
 
-/// For each live (probe-bound) pool `spec` needs: three quarters of what
-/// the victims are counted as holding there.
-fn recovery(
-    ledger: &NodeState,
-    config: &Config,
-    spec: &Spec,
-    victims: &[InstanceId],
-) -> Vec<(String, u64)> {
-    spec.demand
-        .keys()
-        .filter(|pool| {
-            config
-                .pools
-                .iter()
-                .any(|p| p.pool.name == **pool && p.pool.live)
-        })
-        .map(|pool| {
-            let held: u64 = victims
-                .iter()
-                .filter_map(|v| ledger.resident(v.as_str()))
-                .map(|r| r.charge(pool.as_str()).counted())
-                .fold(0, u64::saturating_add);
-            (pool.to_string(), held / 4 * 3)
-        })
-        .filter(|(_, want)| *want > 0)
-        .collect()
-}
 
 /// Keeps at most `keep` ended instances (the newest): without a bound, a
 /// caller that starts and stops ever-new ids would grow the table for

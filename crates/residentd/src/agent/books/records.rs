@@ -38,6 +38,8 @@ pub(in crate::agent) struct Record {
     pub(in crate::agent) footprint_key: Option<u64>,
     /// What its server reported allocating once READY (`report.rs`).
     pub(in crate::agent) report: Option<resident_config::report::Report>,
+    /// Why a stop was asked for this run (the typed form of its words).
+    pub(in crate::agent) cause: Option<resident_api::pb::Cause>,
 }
 
 /// A run measured above its reservation.
@@ -79,6 +81,7 @@ impl Record {
             overrun: None,
             footprint_key: None,
             report: None,
+            cause: None,
         }
     }
 }

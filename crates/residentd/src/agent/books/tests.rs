@@ -11,7 +11,7 @@ use proptest::prelude::*;
 use resident_core::Reason;
 
 use super::*;
-use resident_api::ApiError;
+use resident_api::{ApiError, pb};
 use resident_core::{Policy, PoolName};
 
 const GB: u64 = 1_000_000_000;
@@ -30,7 +30,7 @@ fn config() -> Config {
 
 fn admit(
     b: &Books,
-    c: &Config,
+    c: &Arc<Config>,
     workload: &str,
     id: &str,
     policy: Policy,
@@ -49,7 +49,8 @@ fn generation_of(d: Result<Decision, ApiError>) -> u64 {
 
 #[test]
 fn a_refusal_says_what_the_decision_saw() {
-    let (c, b) = (config(), Books::new(&config()));
+    let c = Arc::new(config());
+    let b = Books::new(&c);
     generation_of(admit(&b, &c, "big", "a", Policy::Refuse));
     let Err(ApiError::Refused { refusal, placement }) = admit(&b, &c, "big", "b", Policy::Refuse)
     else {
@@ -81,7 +82,8 @@ fn measure(b: &Books, id: &str, bytes: u64) -> bool {
 
 #[test]
 fn a_learned_footprint_raises_the_next_admission_of_the_same_command_only() {
-    let (c, b) = (config(), Books::new(&config()));
+    let c = Arc::new(config());
+    let b = Books::new(&c);
     let w = c.workloads["small"].clone();
     let start = |id: &str, key: u64| {
         let id = InstanceId::new(id).expect("an id");
@@ -142,10 +144,11 @@ fn a_learned_footprint_raises_the_next_admission_of_the_same_command_only() {
 
 #[test]
 fn a_stopping_resident_is_never_chosen_again_as_a_victim() {
-    let (c, b) = (config(), Books::new(&config()));
+    let c = Arc::new(config());
+    let b = Books::new(&c);
     generation_of(admit(&b, &c, "big", "a", Policy::Refuse));
     // A Stop is under way: "a" holds its memory until its release.
-    b.cancel("a", None).expect("a record");
+    b.cancel("a", None, pb::Cause::Stopped).expect("a record");
     assert!(b.lock().ledger.resident("a").is_some_and(|r| r.leaving()));
     // Evicting it again would stop a stopping run twice and count its
     // memory as freed twice: the start is refused instead.
@@ -156,8 +159,25 @@ fn a_stopping_resident_is_never_chosen_again_as_a_victim() {
 }
 
 #[test]
+fn an_admission_on_a_config_the_books_no_longer_hold_is_decided_again() {
+    let c = Arc::new(config());
+    let b = Books::new(&c);
+    // A reload: the books hold the new config; a call that took its
+    // snapshot before decides nothing and is told to decide again.
+    let reloaded = Arc::new(config());
+    b.reconfigure(&reloaded);
+    assert!(matches!(
+        admit(&b, &c, "small", "a", Policy::Refuse),
+        Ok(Decision::Reconfigured)
+    ));
+    assert!(b.lock().ledger.resident("a").is_none(), "nothing reserved");
+    generation_of(admit(&b, &reloaded, "small", "a", Policy::Refuse));
+}
+
+#[test]
 fn a_lease_lapses_unless_a_touch_renews_it_and_only_leased_residents_lapse() {
-    let (c, b) = (config(), Books::new(&config()));
+    let c = Arc::new(config());
+    let b = Books::new(&c);
     let leased = |id: &str, ms: u64| {
         let id = InstanceId::new(id).expect("an id");
         generation_of(b.admit(&c, &c.workloads["small"], &id, Policy::Refuse, 0, ms, None))
@@ -165,7 +185,7 @@ fn a_lease_lapses_unless_a_touch_renews_it_and_only_leased_residents_lapse() {
     leased("leased", 1_000);
     leased("unleased", 0);
     leased("cancelled", 1_000);
-    b.cancel("cancelled", None).expect("a record");
+    b.cancel("cancelled", None, pb::Cause::Stopped).expect("a record");
     assert!(b.leases_expired(999).is_empty(), "not yet");
     // A touch at 500 renews the lease for another 1000 ms.
     assert!(b.touch("leased", 500, Hold::For(0)));
@@ -182,9 +202,10 @@ fn a_lease_lapses_unless_a_touch_renews_it_and_only_leased_residents_lapse() {
 
 #[test]
 fn a_release_counts_only_for_the_run_it_names() {
-    let (c, b) = (config(), Books::new(&config()));
+    let c = Arc::new(config());
+    let b = Books::new(&c);
     let first = generation_of(admit(&b, &c, "small", "a", Policy::Refuse));
-    assert!(b.cancel("a", None).is_some());
+    assert!(b.cancel("a", None, pb::Cause::Stopped).is_some());
     assert!(matches!(
         admit(&b, &c, "small", "a", Policy::Refuse),
         Ok(Decision::Stopping(_))
@@ -201,7 +222,8 @@ fn a_release_counts_only_for_the_run_it_names() {
 
 #[test]
 fn an_eviction_names_its_run_and_never_stops_the_next_run_of_that_id() {
-    let (c, b) = (config(), Books::new(&config()));
+    let c = Arc::new(config());
+    let b = Books::new(&c);
     let victim = generation_of(admit(&b, &c, "big", "v", Policy::Refuse));
     let Ok(Decision::Admitted(a)) = admit(&b, &c, "big", "x", Policy::Evict) else {
         panic!("admitted by evicting v");
@@ -218,11 +240,11 @@ fn an_eviction_names_its_run_and_never_stops_the_next_run_of_that_id() {
     assert!(b.release("v", victim));
     let next = generation_of(admit(&b, &c, "big", "v", Policy::Evict));
     assert!(
-        b.cancel("v", Some(victim)).is_none(),
+        b.cancel("v", Some(victim), pb::Cause::Stopped).is_none(),
         "the chosen run has ended"
     );
     assert!(b.wanted("v", next), "the next run is untouched");
-    assert!(b.cancel("v", Some(next)).is_some());
+    assert!(b.cancel("v", Some(next), pb::Cause::Stopped).is_some());
     assert!(!b.wanted("v", next));
 }
 
@@ -245,7 +267,8 @@ fn op() -> impl Strategy<Value = Op> {
 proptest! {
     #[test]
     fn every_reservation_is_released_once_and_only_by_its_run(ops in proptest::collection::vec(op(), 1..60)) {
-        let (c, b) = (config(), Books::new(&config()));
+        let c = Arc::new(config());
+    let b = Books::new(&c);
         // The model: which (id, generation) hold a reservation.
         let mut held: BTreeSet<(String, u64)> = BTreeSet::new();
         for op in ops {
@@ -263,7 +286,7 @@ proptest! {
                     }
                 }
                 Op::Cancel(i) => {
-                    b.cancel(&format!("i{i}"), None);
+                    b.cancel(&format!("i{i}"), None, pb::Cause::Stopped);
                 }
                 Op::End(i, stale) => {
                     let id = format!("i{i}");

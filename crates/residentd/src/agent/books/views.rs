@@ -180,8 +180,10 @@ impl Books {
     }
 
     /// New pools and groups (a reload); residents keep their reservations.
-    pub(in crate::agent) fn reconfigure(&self, config: &Config) {
+    /// From here on, admissions decide on `config` only.
+    pub(in crate::agent) fn reconfigure(&self, config: &Arc<Config>) {
         let mut b = self.lock();
+        b.config = config.clone();
         b.ledger
             .reconfigure(config.pool_configs(), config.groups.clone());
         b.ledger.set_gpu_choice(config.node.gpu_choice);
