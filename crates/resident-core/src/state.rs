@@ -521,7 +521,11 @@ impl NodeState {
                 let figures = pools.iter().find(|p| p.name == *pool)?;
                 let budget = figures.effective?;
                 let freed = self.held_by(victims, pool.as_str());
-                let taken = if existing { 0 } else { spec.footprint(pool.as_str()) };
+                let taken = if existing {
+                    0
+                } else {
+                    spec.footprint(pool.as_str())
+                };
                 let used = figures.used.saturating_sub(freed);
                 Some(budget.saturating_sub(used).saturating_sub(taken))
             })

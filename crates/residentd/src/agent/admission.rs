@@ -188,8 +188,7 @@ impl Agent {
             stops.spawn(async move {
                 let run = Some(victim.generation);
                 let cause = Some((pb::Cause::Evicted, victim.cause));
-                me.stop_because(&victim.id, run, None, cause)
-                    .await
+                me.stop_because(&victim.id, run, None, cause).await
             });
         }
         while let Some(result) = stops.join_next().await {
@@ -238,7 +237,8 @@ impl Agent {
             // crash from here on restores it, and a journal that cannot be
             // written never has a process running that it does not list.
             if let Err(e) = self.durable(r.admitted).await {
-                self.books.cancel(id, Some(generation), pb::Cause::Unspecified);
+                self.books
+                    .cancel(id, Some(generation), pb::Cause::Unspecified);
                 self.books.release(id, generation);
                 self.publish_ended(id);
                 return Err(e);

@@ -63,7 +63,11 @@ async fn a_renewed_lease_keeps_its_instance_and_a_lapsed_one_stops_it() {
         "{}",
         lapsed.message
     );
-    assert_eq!(lapsed.cause, pb::Cause::LeaseExpired as i32, "the typed word too");
+    assert_eq!(
+        lapsed.cause,
+        pb::Cause::LeaseExpired as i32,
+        "the typed word too"
+    );
     let kept = d.get("kept").await;
     assert_eq!(kept.state, pb::State::Ready as i32, "renewed: {kept:?}");
     assert_eq!(

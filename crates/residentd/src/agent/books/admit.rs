@@ -406,7 +406,6 @@ fn evictions(b: &Inner, spec: &Spec, id: &InstanceId, victims: &[InstanceId]) ->
         .collect()
 }
 
-
 /// Keeps at most `keep` ended instances (the newest): without a bound, a
 /// caller that starts and stops ever-new ids would grow the table for
 /// good. Returns the records dropped.

@@ -185,7 +185,8 @@ fn a_lease_lapses_unless_a_touch_renews_it_and_only_leased_residents_lapse() {
     leased("leased", 1_000);
     leased("unleased", 0);
     leased("cancelled", 1_000);
-    b.cancel("cancelled", None, pb::Cause::Stopped).expect("a record");
+    b.cancel("cancelled", None, pb::Cause::Stopped)
+        .expect("a record");
     assert!(b.leases_expired(999).is_empty(), "not yet");
     // A touch at 500 renews the lease for another 1000 ms.
     assert!(b.touch("leased", 500, Hold::For(0)));
