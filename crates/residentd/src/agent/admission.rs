@@ -401,7 +401,12 @@ impl Agent {
             .or_else(|| self.sup.status(id))
             .filter(|s| s.generation == c.generation);
         if let Some(status) = ended {
-            return Ok(resident_api::instance(id, &c.spec, Some(&status)));
+            let mut out = resident_api::instance(id, &c.spec, Some(&status));
+            match self.books.record(id) {
+                Some(r) if r.generation == c.generation => self.with_record(&mut out, &r),
+                _ => out.cause = kind as i32,
+            }
+            return Ok(out);
         }
         // No process of the run: it was stopped before its spawn.
         Ok(match self.books.record(id) {
