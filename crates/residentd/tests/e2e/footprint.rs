@@ -4,7 +4,8 @@
 //! fits only by its declaration is refused, naming what it holds), and
 //! stopped under `on_overrun = "stop"`; what a workload was measured to
 //! hold is learned, journaled, reserved at its next start, kept across a
-//! restart, and starts afresh for another command or when forgotten.
+//! restart, and starts afresh for another command or when forgotten; a
+//! model file replaced under a running instance leaves its reservation.
 
 use crate::metrics::scrape;
 use crate::support::*;
@@ -241,5 +242,38 @@ async fn a_footprint_is_learned_journaled_kept_across_a_restart_and_reset_by_ano
     assert!(
         learned_line(&d, "fat").is_none(),
         "the journal no longer holds {relearned:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_file_replaced_under_a_running_instance_leaves_its_reservation() {
+    let Some(python) = crate::llama::python() else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = dir.path().join("m.gguf");
+    crate::llama::make_model(&python, &model, 64, 2);
+    let config = format!(
+        "[[pool]]\nname = \"ram\"\nbudget = \"4GB\"\n\n[[workload]]\nname = \"m\"\ncommand = [\"/bin/sleep\", \"3600\"]\nstop_grace = \"2s\"\n[workload.memory.ram]\nfrom_gguf = \"{}\"\nctx = 512\n",
+        model.display()
+    );
+    write_config(dir.path(), &config);
+    let mut d = Daemon::start_in(dir).await;
+    let before = d.started("m", "a").await.demand[0].reserved_bytes;
+    // A larger model in its place, read by a reload.
+    crate::llama::make_model(&python, &model, 256, 4);
+    d.client
+        .reload(pb::ReloadRequest {})
+        .await
+        .expect("reloaded");
+    assert_eq!(
+        d.get("a").await.demand[0].reserved_bytes,
+        before,
+        "the running instance keeps what it was admitted with"
+    );
+    let next = d.started("m", "b").await.demand[0].reserved_bytes;
+    assert!(
+        next > before + 5 * MB,
+        "the next start reserves the new file: {before} then {next}"
     );
 }
