@@ -7,8 +7,10 @@
 //!
 //! - Unix socket: every caller is a viewer and an operator (the socket's
 //!   mode 0660 already limits callers to the agent's user, the socket
-//!   group and root), and root and the agent's own uid are admins; with
-//!   `allow_uids` / `allow_gids`, callers outside them are viewers only.
+//!   group and root); with `allow_uids` / `allow_gids`, callers outside
+//!   them are viewers only.
+//! - Root and the agent's own uid over the Unix socket are admins always,
+//!   whatever `[node.access]` or `allow_uids` say: nothing locks them out.
 //! - TCP with mutual TLS: nothing, until `[node.access]` grants it.
 //! - Plain TCP (`insecure = true`): every caller is an operator, as the
 //!   operator chose; `[node.access]` can grant nothing to a caller without
@@ -202,7 +204,16 @@ impl Caller {
     }
 
     /// The highest role `config` grants this caller; `None`: no role.
+    /// Root and the agent's own uid on the Unix socket are admins whatever
+    /// the config says: they can do anything to the agent anyway, and a
+    /// `[node.access]` or `allow_uids` written for others must not lock
+    /// them out (health checks, `residentctl` as root).
     pub fn role(&self, config: &Config) -> Option<AccessRole> {
+        if let Self::Unix { uid, .. } = self
+            && (*uid == 0 || *uid == nix::unistd::geteuid().as_raw())
+        {
+            return Some(AccessRole::Admin);
+        }
         let Some(access) = &config.node.access else {
             return self.default_role(config);
         };
@@ -221,13 +232,10 @@ impl Caller {
     fn default_role(&self, config: &Config) -> Option<AccessRole> {
         match self {
             Self::Unix { uid, gid, .. } => {
-                let own = nix::unistd::geteuid().as_raw();
-                if !config.node.allow.permits(*uid, *gid) {
-                    Some(AccessRole::Viewer)
-                } else if *uid == 0 || *uid == own {
-                    Some(AccessRole::Admin)
-                } else {
+                if config.node.allow.permits(*uid, *gid) {
                     Some(AccessRole::Operator)
+                } else {
+                    Some(AccessRole::Viewer)
                 }
             }
             Self::Cert { .. } => None,
@@ -438,6 +446,53 @@ mod tests {
         );
         assert_eq!(required("/other.Service/Call"), None);
         assert_eq!(required("nonsense"), None);
+    }
+
+    #[test]
+    fn root_and_the_agents_own_uid_are_admins_whatever_the_config_says() {
+        let config = |node: &str| {
+            let text = format!(
+                "[node]\nname = \"n\"\nlisten = \"unix:///tmp/x.sock\"\n{node}\n[[pool]]\nname = \"ram\"\nbudget = \"1GB\"\n"
+            );
+            resident_config::parse(std::path::Path::new("roles.toml"), &text).expect("valid")
+        };
+        let unix = |uid: u32| Caller::Unix {
+            uid,
+            gid: uid,
+            pid: None,
+            groups: Vec::new(),
+        };
+        let own = nix::unistd::geteuid().as_raw();
+        let other = if own == 4321 { 4322 } else { 4321 };
+        // Monitoring let in as viewers: nobody else is named.
+        let viewers_only = config("[node.access]\nviewers = [\"uid:12345\"]");
+        let allow_list = config("allow_uids = [12345]");
+        let none = config("");
+        let table = [
+            (&viewers_only, 0, Some(AccessRole::Admin)),
+            (&viewers_only, own, Some(AccessRole::Admin)),
+            (&viewers_only, 12345, Some(AccessRole::Viewer)),
+            (&viewers_only, other, None),
+            (&allow_list, 0, Some(AccessRole::Admin)),
+            (&allow_list, own, Some(AccessRole::Admin)),
+            (&allow_list, 12345, Some(AccessRole::Operator)),
+            (&allow_list, other, Some(AccessRole::Viewer)),
+            (&none, 0, Some(AccessRole::Admin)),
+            (&none, other, Some(AccessRole::Operator)),
+        ];
+        for (config, uid, want) in table {
+            assert_eq!(unix(uid).role(config), want, "uid {uid}");
+        }
+        // A role granted to nobody is said.
+        assert!(
+            viewers_only
+                .warnings
+                .iter()
+                .any(|w| w.contains("grants operator to no one")),
+            "{:?}",
+            viewers_only.warnings
+        );
+        assert!(none.warnings.is_empty(), "{:?}", none.warnings);
     }
 
     #[test]

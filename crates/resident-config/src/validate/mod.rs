@@ -55,6 +55,7 @@ pub(crate) fn validate(file: &Path, text: &str, host: Lookups) -> Result<Config>
         .flat_map(|w| w.reservation_warnings.iter().cloned())
         .collect();
     warnings.extend(root_warnings(&node, &workloads, host));
+    warnings.extend(access_warnings(&node));
     Ok(Config {
         source: file.to_path_buf(),
         node,
@@ -75,6 +76,23 @@ fn programs(src: &Source<'_>, raw: &[Spanned<raw::Workload>], host: Lookups) -> 
             .map_err(|m| src.err(command.span(), format!("workload[{name}].command"), m))?;
     }
     Ok(())
+}
+
+/// Roles `[node.access]` grants to no one: root and the agent's own user
+/// hold every role anyway, and no one else holds these.
+fn access_warnings(node: &NodeConfig) -> Vec<String> {
+    let Some(a) = &node.access else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    if a.operators.is_empty() && a.admins.is_empty() {
+        out.push(if a.viewers.is_empty() {
+            "node.access grants no role to anyone: only root and the agent's own user may call the agent".to_string()
+        } else {
+            "node.access grants operator to no one: only root and the agent's own user may start, stop, touch or adopt".to_string()
+        });
+    }
+    out
 }
 
 /// Workloads that would run as root while the agent is root.

@@ -16,83 +16,82 @@ fn roster() -> String {
     format!("{POOL}{}", sleeper("nap", "ram", 1, ""))
 }
 
-#[tokio::test]
-async fn callers_outside_the_allowlist_change_nothing() {
-    let me = nix::unistd::getuid().as_raw();
-    let stranger = me.wrapping_add(4242);
-    let mut d = Daemon::start(&format!("allow_uids = [{stranger}]\n{}", roster())).await;
-    let denied = d
-        .client
-        .start(start_req("nap", "n1"))
-        .await
-        .expect_err("not in the allowlist");
-    assert_eq!(denied.code(), Code::PermissionDenied, "{denied:?}");
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn callers_outside_the_allowlist_change_nothing_and_root_is_never_locked_out() {
+    if !nix::unistd::geteuid().is_root() {
+        return skip("needs root: a caller of another user is made with setuid");
+    }
+    let stranger = 4242;
+    let allow = |extra: &str| {
+        format!(
+            "socket_group = \"nogroup\"\nallow_uids = [{stranger}]\n{extra}{}",
+            roster()
+        )
+    };
+    let mut d = Daemon::start(&allow("")).await;
+    // The socket's directory must let other users reach the socket.
+    std::fs::set_permissions(d.dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let text = |o: &std::process::Output| {
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        )
+    };
+    // uid 65534, outside the allowlist: a viewer. Every change is denied.
+    let socket = d.socket.clone();
+    let nobody =
+        |args: &[&str]| tokio::task::block_in_place(|| as_nobody_on(&socket, &[65534], args));
+    let pid = std::process::id().to_string();
+    for args in [
+        &["start", "nap", "--id", "n1"][..],
+        &["stop", "n1"],
+        &["touch", "n1", "--hold", "1s"],
+        &["adopt", &pid, "nap", "--id", "n2"],
+    ] {
+        let o = nobody(args);
+        assert!(!o.status.success(), "{args:?}: {}", text(&o));
+        assert!(
+            text(&o).contains("PERMISSION_DENIED"),
+            "{args:?}: {}",
+            text(&o)
+        );
+    }
+    let o = nobody(&["start", "nap", "--id", "n1"]);
     assert!(
-        denied.message().contains(&format!("uid {me}")),
-        "{denied:?}"
+        text(&o).contains("Start needs the operator role; uid 65534 gid 65534")
+            && text(&o).contains("has the viewer role"),
+        "{}",
+        text(&o)
     );
-    let stop = pb::StopRequest {
-        instance_id: "n1".into(),
-        grace_ms: 0,
-    };
-    let denied = d.client.stop(stop).await.expect_err("stop denied too");
-    assert_eq!(denied.code(), Code::PermissionDenied);
-    let touch = pb::TouchRequest {
-        instance_id: "n1".into(),
-        hold_ms: 1000,
-        ..Default::default()
-    };
-    let denied = d.client.touch(touch).await.expect_err("touch denied too");
-    assert_eq!(denied.code(), Code::PermissionDenied);
-    let adopt = pb::AdoptRequest {
-        pid: std::process::id(),
-        workload: "nap".into(),
-        instance_id: "n2".into(),
-        ..Default::default()
-    };
-    let denied = d.client.adopt(adopt).await.expect_err("adopt denied too");
-    assert_eq!(denied.code(), Code::PermissionDenied);
     // Reading is not restricted, and nothing changed.
+    assert!(nobody(&["ls"]).status.success());
+    assert!(nobody(&["place", "nap"]).status.success());
     assert!(d.ids().await.is_empty());
-    let place = pb::PlaceRequest {
-        workload: "nap".into(),
-        on_full: 0,
-    };
-    let placement = d.client.place(place).await.expect("place is a read");
-    assert!(placement.into_inner().admitted);
     assert_eq!(d.node().await.pools[0].used_bytes, 0);
     let log = d.log();
     let denied = log.lines().find(|l| {
         l.contains(" audit: ") && l.contains("rpc=\"Start\"") && l.contains("outcome=\"denied\"")
     });
     let denied = denied.unwrap_or_else(|| panic!("no audit line of the denied Start: {log}"));
-    assert!(
-        denied.contains("Start needs the operator role; uid ")
-            && denied.contains("has the viewer role"),
-        "{denied}"
-    );
+    assert!(denied.contains("uid=65534"), "{denied}");
+    // Root (this test) is not in the allowlist either, and stays admin:
+    // an allowlist written for others never locks it out.
+    d.started("nap", "root").await;
+    d.stopped("root").await;
 
     // The same caller, listed by group, may start.
-    let gid = nix::unistd::getgid().as_raw();
-    let text = config_text(
-        d.dir.path(),
-        &format!(
-            "allow_uids = [{stranger}]\nallow_gids = [{gid}]\n{}",
-            roster()
-        ),
-    );
-    std::fs::write(d.dir.path().join("residentd.toml"), text).expect("rewrite the config");
+    let text_config = config_text(d.dir.path(), &allow("allow_gids = [65534]\n"));
+    std::fs::write(d.dir.path().join("residentd.toml"), text_config).expect("rewrite the config");
     d.signal(nix::sys::signal::Signal::SIGHUP);
     // Denied until the reload takes; any other error is a failure.
-    let started = until(
-        async || match d.client.start(start_req("nap", "n1")).await {
-            Err(e) if e.code() == Code::PermissionDenied => None,
-            other => Some(other),
-        },
-    );
+    let started = until(async || {
+        let o = nobody(&["start", "nap", "--id", "n1"]);
+        (!text(&o).contains("PERMISSION_DENIED")).then_some(o)
+    });
     let started = started.await.expect("reload never took");
-    started.expect("the start, once the group is allowed");
-    assert_eq!(d.ids().await, ["n1"]);
+    assert!(started.status.success(), "{}", text(&started));
+    assert_eq!(d.ids().await, ["n1", "root"]);
 }
 
 #[tokio::test]
@@ -402,6 +401,11 @@ async fn a_server_listening_beyond_loopback_is_stopped_as_exposed() {
 /// with `groups` as its supplementary groups: another user, as an operator
 /// would see them.
 fn as_nobody(d: &Daemon, groups: &[u32], args: &[&str]) -> std::process::Output {
+    as_nobody_on(&d.socket, groups, args)
+}
+
+/// [`as_nobody`] against the agent on `socket`.
+fn as_nobody_on(socket: &std::path::Path, groups: &[u32], args: &[&str]) -> std::process::Output {
     let groups: Vec<String> = groups.iter().map(u32::to_string).collect();
     let drop = format!(
         "import os, sys\nos.setgroups([{}])\nos.setgid(65534)\nos.setuid(65534)\nos.execv(sys.argv[1], sys.argv[1:])\n",
@@ -409,7 +413,7 @@ fn as_nobody(d: &Daemon, groups: &[u32], args: &[&str]) -> std::process::Output 
     );
     Command::new("python3")
         .args(["-c", &drop, env!("CARGO_BIN_EXE_residentctl"), "--socket"])
-        .arg(&d.socket)
+        .arg(socket)
         .args(args)
         .output()
         .expect("python3 runs")
