@@ -302,10 +302,17 @@ async fn list_models(State(app): State<Arc<App>>) -> Response {
         Ok(i) => i,
         Err(s) => return app.failed("", RouterError::agent(s.message())),
     };
+    // The state of the instance that serves a workload: the router's own
+    // (its id is the name) unless another of the workload's is READY (an
+    // instance someone started under an id of their own serves as well).
     let state_of = |name: &str| {
-        instances
-            .iter()
-            .find(|i| i.instance_id == name)
+        let ready = |i: &&resident_api::pb::Instance| {
+            i.workload == name && i.state == resident_api::pb::State::Ready as i32
+        };
+        let own = instances.iter().find(|i| i.instance_id == name);
+        own.filter(ready)
+            .or_else(|| instances.iter().find(ready))
+            .or(own)
             .map_or("STOPPED", |i| {
                 resident_api::pb::State::try_from(i.state)
                     .map_or("STATE_UNSPECIFIED", |s| s.as_str_name())

@@ -3,8 +3,10 @@
 //! - The roster (names and aliases, concurrency limits) comes from the
 //!   agent's `Workloads` RPC and is asked again when a request names a model
 //!   the router does not know.
-//! - Each workload is served by one instance whose id is the workload's
-//!   name. A request *holds* it (Touch with a hold) while it is answered;
+//! - Each workload is served by one instance: a READY instance of it that
+//!   is already running, under whatever id it was started (by an operator,
+//!   an orchestrator), else one the router starts with the workload's name
+//!   as its id. A request *holds* it (Touch with a hold) while it is answered;
 //!   the holds of one model are counted here, renewed while any request is
 //!   in flight, and released (Touch `release_hold`) when the last one ends.
 //!   Count and RPC change under one lock per model, so a release can never
@@ -42,14 +44,22 @@ const MAX_STARTS: u32 = 3;
 /// One workload as the router serves it.
 #[derive(Debug)]
 pub struct Model {
-    /// The workload's name, also the id of the instance that serves it.
+    /// The workload's name, also the id of the instances the router starts.
     pub name: String,
     /// The concurrency limit (0: none) and its permits. A refresh that
     /// changes the limit puts new permits here; requests in flight keep
     /// theirs of the old ones.
     limits: Mutex<(u32, Arc<Semaphore>)>,
-    /// Requests in flight holding the instance.
-    holds: tokio::sync::Mutex<u32>,
+    /// Requests in flight holding the instance, and which instance.
+    holds: tokio::sync::Mutex<Holds>,
+}
+
+/// The instance a model is served through and the requests holding it.
+#[derive(Debug)]
+struct Holds {
+    count: u32,
+    /// Its id: the workload's name, or another READY instance's id.
+    instance: String,
 }
 
 fn permits(limit: u32) -> Arc<Semaphore> {
@@ -65,7 +75,10 @@ impl Model {
         Self {
             name: name.to_string(),
             limits: Mutex::new((limit, permits(limit))),
-            holds: tokio::sync::Mutex::new(0),
+            holds: tokio::sync::Mutex::new(Holds {
+                count: 0,
+                instance: name.to_string(),
+            }),
         }
     }
 
@@ -256,7 +269,7 @@ impl Models {
             ),
         };
         let deadline = Instant::now() + self.queue_timeout;
-        if !self.blocks(&model.name)
+        if !self.blocks(&model.holds.lock().await.instance)
             && let Some(held) = self.hold(&model).await?
         {
             return Ok(held.with(permit));
@@ -269,10 +282,24 @@ impl Models {
         // Set at the first temporary refusal, kept until this returns: new
         // requests queue behind this start meanwhile.
         let mut waiting: Option<Waiting<'_>> = None;
+        let mut looked = false;
         loop {
             if let Some(held) = self.hold(&model).await? {
                 drop(turn);
                 return Ok(held.with(permit));
+            }
+            // Not served through the instance it knew: one already READY
+            // under another id (started by an operator or an
+            // orchestrator) serves it as well as one of ours; else ours,
+            // started below under the workload's name.
+            let other = if looked {
+                None
+            } else {
+                looked = true;
+                self.running_instance(&model.name).await
+            };
+            if self.serve_through(&model, other.as_deref()).await {
+                continue;
             }
             if starts == MAX_STARTS {
                 return Err(RouterError::upstream(
@@ -359,16 +386,16 @@ impl Models {
     }
 
     async fn hold_now(self: Arc<Self>, model: Arc<Model>) -> Result<Option<Held>, RouterError> {
-        let mut count = model.holds.lock().await;
+        let mut holds = model.holds.lock().await;
         let instance = self
             .agent
-            .hold(&model.name, self.hold)
+            .hold(&holds.instance, self.hold)
             .await
             .map_err(|s| RouterError::agent(s.message()))?;
         match instance {
             Some(i) if i.state == pb::State::Ready as i32 && i.port != 0 => {
-                *count += 1;
-                drop(count);
+                holds.count += 1;
+                drop(holds);
                 self.metrics.in_flight(&model.name, 1);
                 Ok(Some(Held {
                     port: u16::try_from(i.port).unwrap_or(0),
@@ -378,22 +405,47 @@ impl Models {
                     permit: None,
                 }))
             }
-            Some(_) if *count == 0 => {
+            Some(_) if holds.count == 0 => {
                 // Resident but not serving (starting, restarting): our
                 // touch must not leave a hold on it.
-                let _ = self.agent.release(&model.name).await;
+                let _ = self.agent.release(&holds.instance).await;
                 Ok(None)
             }
             _ => Ok(None),
         }
     }
 
+    /// A READY instance of workload `name` running under another id than
+    /// its name, if the agent lists one (the oldest id first).
+    async fn running_instance(&self, name: &str) -> Option<String> {
+        let listed = self.agent.list().await.ok()?;
+        listed
+            .into_iter()
+            .filter(|i| i.workload == name && i.instance_id != name)
+            .find(|i| i.state == pb::State::Ready as i32 && i.port != 0)
+            .map(|i| i.instance_id)
+    }
+
+    /// Serves `model` through instance `other` (its own name when `None`)
+    /// from now on, unless requests in flight hold the one it has; says
+    /// whether that changed the instance it knew.
+    async fn serve_through(&self, model: &Model, other: Option<&str>) -> bool {
+        let mut holds = model.holds.lock().await;
+        let id = other.unwrap_or(&model.name);
+        if holds.count > 0 || holds.instance == id {
+            return false;
+        }
+        tracing::info!(model = %model.name, instance_id = id, "served through instance");
+        holds.instance = id.to_string();
+        other.is_some()
+    }
+
     /// One request of `model` is done: the last one releases the hold.
     async fn unhold(&self, model: &Model) {
-        let mut count = model.holds.lock().await;
-        *count = count.saturating_sub(1);
-        if *count == 0 {
-            if let Err(e) = self.agent.release(&model.name).await {
+        let mut holds = model.holds.lock().await;
+        holds.count = holds.count.saturating_sub(1);
+        if holds.count == 0 {
+            if let Err(e) = self.agent.release(&holds.instance).await {
                 tracing::warn!(model = %model.name, error = %e.message(), "could not release the hold; it lapses on its own");
             }
             self.released.notify_waiters();
@@ -412,9 +464,9 @@ impl Models {
                 roster.all.values().cloned().collect()
             };
             for m in models {
-                let count = m.holds.lock().await;
-                if *count > 0 {
-                    let _ = self.agent.hold(&m.name, self.hold).await;
+                let holds = m.holds.lock().await;
+                if holds.count > 0 {
+                    let _ = self.agent.hold(&holds.instance, self.hold).await;
                 }
             }
         }

@@ -508,3 +508,51 @@ async fn holds_limits_queue_timeouts_and_bad_input_are_answered_openai_style() {
     }
     drop(r);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_started_under_another_id_is_served_not_started_again() {
+    let Some(python) = venv_python("the router test's model server") else {
+        return;
+    };
+    let mut config = String::from("[[pool]]\nname = \"fake\"\nbudget = \"10GB\"\n\n");
+    // Its 6 GB fit once, not twice: a second instance would be refused.
+    config += &slow("demo", &python, "");
+    let mut d = Daemon::start(&config).await;
+    // Started as an operator or an orchestrator would, under its own id.
+    let mut req = start_req("demo", "mine");
+    req.wait_ready = true;
+    d.client.start(req).await.expect("started under its own id");
+    let r = router(&d.socket, Duration::from_secs(5)).await;
+    let get = |path: &str| {
+        format!("GET {path} HTTP/1.1\r\nHost: router\r\nConnection: close\r\n\r\n").into_bytes()
+    };
+    let (status, _, body) = raw(r.port, &get("/v1/models")).await;
+    assert_eq!(status, 200, "{body}");
+    let listed: Value = serde_json::from_str(&body).expect("JSON");
+    assert_eq!(listed["data"][0]["id"], "demo");
+    assert_eq!(listed["data"][0]["state"], "READY", "{body}");
+    // A request for the workload reaches the running instance.
+    let (status, _, body) = raw(r.port, &get("/upstream/demo/v1/models")).await;
+    assert_eq!(status, 200, "{body}");
+    ok(
+        &client(&python, &["chat", &r.base, "demo"]).await,
+        "demo, through mine",
+    );
+    assert_eq!(d.ids().await, ["mine"], "nothing started beside it");
+    // Once it is gone, the router starts its own, under the workload's
+    // name.
+    d.stopped("mine").await;
+    ok(
+        &client(&python, &["chat", &r.base, "demo"]).await,
+        "demo, started by the router",
+    );
+    let running: Vec<String> = d
+        .list()
+        .await
+        .into_iter()
+        .filter(|i| i.state == pb::State::Ready as i32)
+        .map(|i| i.instance_id)
+        .collect();
+    assert_eq!(running, ["demo"]);
+    drop(r);
+}
