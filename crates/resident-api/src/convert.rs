@@ -206,7 +206,7 @@ pub fn instance(id: &str, spec: &Spec, status: Option<&Status>) -> pb::Instance 
             out.exit_code = exit.code();
             out.exit_signal = match exit {
                 Exit::Signal(sig) => sig,
-                Exit::Code(_) => 0,
+                Exit::Code(_) | Exit::Unknown => 0,
             };
         }
     }

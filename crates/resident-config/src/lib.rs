@@ -91,6 +91,10 @@ pub struct NodeConfig {
     /// (in the journal) and reserved at its next admission
     /// (`learn_footprints`, default true).
     pub learn_footprints: bool,
+    /// Instances run on when the agent ends without stopping them (a
+    /// crash, kill -9), and the next agent takes them over
+    /// (`instances_outlive_agent`, default true).
+    pub instances_outlive_agent: bool,
     /// How an any-of demand chooses among pools that fit alike
     /// (`gpu_choice`, default binpack).
     pub gpu_choice: GpuChoice,

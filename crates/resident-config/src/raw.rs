@@ -117,6 +117,7 @@ pub struct Node {
     pub keepalive_timeout: Option<Spanned<String>>,
     pub durable_answers: Option<bool>,
     pub learn_footprints: Option<bool>,
+    pub instances_outlive_agent: Option<bool>,
     pub tls: Option<Spanned<Tls>>,
     pub gpu_choice: Option<Spanned<String>>,
     pub access: Option<Spanned<Access>>,

@@ -75,7 +75,7 @@ impl Watched {
     }
 
     /// Resolves once the process has exited.
-    async fn exited(&self) {
+    pub(crate) async fn exited(&self) {
         // A pidfd is readable from the moment its process exits, and stays
         // so; an error to wait on it would be a kernel without pidfd poll
         // support, which pidfd_open already ruled out.

@@ -1,7 +1,8 @@
 //! Spawning and reaping a child without fork: `clone(CLONE_VM |
 //! CLONE_VFORK)` (what posix_spawn does inside glibc), so a spawn costs the
 //! same however large the agent is, while the child still gets what
-//! posix_spawn cannot give: the parent-death signal. The exit is awaited
+//! posix_spawn cannot give: the parent-death signal (unless the instance
+//! is to outlive the agent, `Prepared::outlive_agent`). The exit is awaited
 //! through a pidfd, so this module is the one owner of reaping its
 //! children (tokio never sees them).
 //!
@@ -55,6 +56,9 @@ pub struct Prepared {
     /// inherits it. Left alone, the child never looks up its `/proc/PID`,
     /// whose entries its reaping would otherwise have to invalidate.
     reset_oom: bool,
+    /// Whether the child dies with its spawner thread (SIGKILL as its
+    /// parent-death signal); off for instances that outlive the agent.
+    parent_death: bool,
 }
 
 fn c_string(s: impl AsRef<[u8]>, what: &str) -> io::Result<CString> {
@@ -132,7 +136,13 @@ impl Prepared {
             cgroups: Vec::new(),
             output,
             reset_oom: crate::procfs::own_oom_score_adj() != Some(0),
+            parent_death: true,
         })
+    }
+
+    /// Lets the child run on when the agent ends (no parent-death signal).
+    pub fn outlive_agent(&mut self) {
+        self.parent_death = false;
     }
 
     /// Has the child join the cgroups whose `cgroup.procs` these are.
@@ -202,6 +212,7 @@ fn clone_exec_with(p: &Prepared, slots: &mut Slots) -> io::Result<Spawned> {
     let who = Who {
         user: p.user,
         reset_oom: p.reset_oom,
+        parent_death: p.parent_death,
     };
     let mut stack = vec![0u8; CHILD_STACK];
     let child = Box::new(move || {
@@ -378,6 +389,7 @@ fn start_ticks(before: Option<u64>, after: Option<u64>) -> Option<u64> {
 struct Who {
     user: Option<(u32, u32)>,
     reset_oom: bool,
+    parent_death: bool,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -562,11 +574,11 @@ unsafe fn child_main(
     }
     // After any credential change, which would clear it.
     // SAFETY: prctl with integer arguments.
-    if unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) } != 0 {
+    if who.parent_death && unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) } != 0 {
         return fail(fds);
     }
     // SAFETY: getppid takes nothing.
-    if unsafe { libc::getppid() } != parent {
+    if who.parent_death && unsafe { libc::getppid() } != parent {
         // SAFETY: as in `fail`.
         unsafe { libc::_exit(127) };
     }

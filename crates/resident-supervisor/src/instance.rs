@@ -1,6 +1,11 @@
 //! One task per instance drives its lifecycle: spawn, readiness, run, stop
 //! or exit, restart with backoff. It is the only writer of the instance's
 //! status, so its transitions are published in order.
+//!
+//! Its first run may be a process an earlier agent spawned and left
+//! running (`First`): taken over, not spawned. Such a process is no
+//! longer our child, so its exit is seen through a pidfd and its code is
+//! unknown (`Exit::Unknown`); the restart policy applies as to any exit.
 
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
@@ -14,6 +19,7 @@ use tokio::net::unix::pipe;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::{Instant, sleep, timeout};
 
+use crate::adopted::Watched;
 use crate::cgroup::{Cgroups, RunCgroup};
 use crate::child::Child;
 use crate::logs::{LogRing, OutputPipes, PipeSpares};
@@ -67,11 +73,51 @@ impl Shared {
 
 /// One run of the process: the child, its group and its cgroup.
 struct Run {
-    child: Child,
+    process: Process,
     pgid: i32,
     cgroup: Option<Arc<RunCgroup>>,
     /// Whether every process of the run is known to be gone.
     cleared: bool,
+}
+
+/// The process of a run: our child, or one taken over from an earlier
+/// agent.
+enum Process {
+    Child(Child),
+    TakenOver(Watched),
+}
+
+impl Process {
+    /// Resolves once it has exited, with how (unknown for a process that
+    /// is not our child). Cancel-safe.
+    async fn wait(&mut self) -> Exit {
+        match self {
+            Self::Child(c) => exit_of(c.wait().await),
+            Self::TakenOver(w) => {
+                w.exited().await;
+                Exit::Unknown
+            }
+        }
+    }
+
+    fn taken_over(&self) -> bool {
+        matches!(self, Self::TakenOver(_))
+    }
+}
+
+/// What an actor starts from instead of a spawn: a process an earlier
+/// agent spawned for the instance.
+pub(crate) enum First {
+    /// It still runs (checked through its pidfd): its run goes on.
+    Running {
+        watched: Watched,
+        pid: u32,
+        start_ticks: u64,
+        /// Its cgroup, when an earlier agent's supervisor made it.
+        cgroup: Option<Arc<RunCgroup>>,
+    },
+    /// It ended (or its pid was reused) while no agent ran: why.
+    Gone(String),
 }
 
 impl Shared {
@@ -110,6 +156,11 @@ pub(crate) struct Actor {
     pub(crate) pipes: Arc<PipeSpares>,
     /// The current run's output.
     pub(crate) output: Option<RunOutput>,
+    /// Where the named pipes of instances that outlive the agent are
+    /// (`None`: they die with it, and write into anonymous pipes).
+    pub(crate) outlive: Option<Arc<std::path::Path>>,
+    /// The process the first run takes over, if any.
+    pub(crate) first: Option<First>,
 }
 
 /// A run's output while it runs: the task reading it, the signal that has
@@ -127,21 +178,45 @@ impl Actor {
         self.lifecycle().await;
         self.shared.pgid.store(0, Ordering::Relaxed);
         self.ports.release(self.port);
+        if let Some(dir) = &self.outlive {
+            OutputPipes::remove_named(dir, &self.spec.instance);
+        }
     }
 
     async fn lifecycle(&mut self) {
         let mut consecutive = 0u32;
         loop {
-            let Some(mut run) = self.spawn().await else {
+            let run = match self.first.take() {
+                Some(First::Running {
+                    watched,
+                    pid,
+                    start_ticks,
+                    cgroup,
+                }) => Some(self.take_over(watched, pid, start_ticks, cgroup)),
+                Some(First::Gone(why)) => {
+                    // Long gone, for all we know: it counts as a run that
+                    // was stable.
+                    let long = self.spec.restart.stable_after;
+                    if self
+                        .after_exit(Exit::Unknown, why, long, &mut consecutive)
+                        .await
+                    {
+                        continue;
+                    }
+                    return;
+                }
+                None => self.spawn().await,
+            };
+            let Some(mut run) = run else {
                 return;
             };
             let started = Instant::now();
-            let end = match self.until_ready(&mut run.child).await {
+            let end = match self.until_ready(&mut run.process).await {
                 Ok(()) => {
                     self.shared.transition(State::Ready, "ready".into(), |_| {});
                     tokio::select! {
                         req = self.stops.recv() => End::Stop(req),
-                        status = run.child.wait() => End::Exited(exit_of(status)),
+                        exit = run.process.wait() => End::Exited(exit),
                     }
                 }
                 Err(end) => end,
@@ -179,41 +254,116 @@ impl Actor {
             };
             run.cleared = clear_leftovers(run.pgid, run.cgroup.as_deref()).await;
             let oom = self.end_run(&run, true).await;
-            let policy = self.spec.restart;
-            if started.elapsed() >= policy.stable_after {
-                consecutive = 0;
+            if !self
+                .after_exit(
+                    exit,
+                    format!("{exit}{oom}"),
+                    started.elapsed(),
+                    &mut consecutive,
+                )
+                .await
+            {
+                return;
             }
-            if !policy.wants_restart(exit.success()) {
-                let state = if exit.success() {
-                    State::Exited
-                } else {
-                    State::Failed
-                };
-                return self.finish(state, format!("{exit}{oom}"), Some(exit));
+        }
+    }
+
+    /// After a run ended by itself (`exit`, told as `what`, after
+    /// `ran_for`): ends the instance (false), or waits out the restart
+    /// policy's backoff and says to run again (true).
+    async fn after_exit(
+        &mut self,
+        exit: Exit,
+        what: String,
+        ran_for: Duration,
+        consecutive: &mut u32,
+    ) -> bool {
+        let policy = self.spec.restart;
+        if ran_for >= policy.stable_after {
+            *consecutive = 0;
+        }
+        if !policy.wants_restart(exit.success()) {
+            let state = if exit.success() || exit == Exit::Unknown {
+                State::Exited
+            } else {
+                State::Failed
+            };
+            self.finish(state, what, Some(exit));
+            return false;
+        }
+        if *consecutive >= policy.max_restarts {
+            let reason = format!("gave up after {consecutive} restarts: {what}");
+            self.finish(State::Failed, reason, Some(exit));
+            return false;
+        }
+        let delay = policy.delay(*consecutive);
+        *consecutive += 1;
+        let reason = format!(
+            "{what}; restart {consecutive} of {} in {delay:?}",
+            policy.max_restarts
+        );
+        self.shared.transition(State::Backoff, reason, |s| {
+            s.restarts += 1;
+            s.exit = Some(exit);
+            s.pid = None;
+            s.start_ticks = None;
+        });
+        tokio::select! {
+            _ = sleep(delay) => true,
+            _ = self.stops.recv() => {
+                self.finish(State::Exited, "stopped during backoff".into(), Some(exit));
+                false
             }
-            if consecutive >= policy.max_restarts {
-                let reason = format!("gave up after {consecutive} restarts: {exit}{oom}");
-                return self.finish(State::Failed, reason, Some(exit));
-            }
-            let delay = policy.delay(consecutive);
-            consecutive += 1;
-            let reason = format!(
-                "{exit}{oom}; restart {consecutive} of {} in {delay:?}",
-                policy.max_restarts
-            );
-            self.shared.transition(State::Backoff, reason, |s| {
-                s.restarts += 1;
-                s.exit = Some(exit);
-                s.pid = None;
-                s.start_ticks = None;
-            });
-            tokio::select! {
-                _ = sleep(delay) => {}
-                _ = self.stops.recv() => {
-                    return self.finish(State::Exited, "stopped during backoff".into(), Some(exit));
+        }
+    }
+
+    /// The run of a process an earlier agent spawned and left running:
+    /// its group, its cgroup, and its output read on from its named pipes.
+    fn take_over(
+        &mut self,
+        watched: Watched,
+        pid: u32,
+        start_ticks: u64,
+        cgroup: Option<Arc<RunCgroup>>,
+    ) -> Run {
+        let pgid = pid as i32;
+        self.shared.pgid.store(pgid, Ordering::Relaxed);
+        self.shared.set_cgroup(cgroup.clone());
+        if let Some(dir) = self.outlive.clone() {
+            match OutputPipes::named(&dir, &self.spec.instance) {
+                Ok(pipes) => self.capture(pipes),
+                Err(e) => {
+                    tracing::warn!(instance_id = %self.spec.instance, error = %e, "cannot read on from the output of a process taken over");
                 }
             }
         }
+        self.shared.transition(
+            State::Starting,
+            format!("taken over pid {pid} from an earlier agent"),
+            |s| {
+                s.pid = Some(pid);
+                s.start_ticks = Some(start_ticks);
+                s.started_at = Some(std::time::SystemTime::now());
+            },
+        );
+        Run {
+            process: Process::TakenOver(watched),
+            pgid,
+            cgroup,
+            cleared: false,
+        }
+    }
+
+    /// Starts reading a run's output from `pipes`.
+    fn capture(&mut self, pipes: OutputPipes) {
+        let ([out, err], writers) = pipes.split();
+        let (flush, flushed) = oneshot::channel();
+        let reader = tokio::spawn(self.shared.logs.clone().capture(out, err, flushed));
+        self.output = Some(RunOutput {
+            reader,
+            flush,
+            writers,
+        });
     }
 
     /// Spawns the process and publishes STARTING; FAILED when it cannot.
@@ -226,7 +376,11 @@ impl Actor {
             role: &spec.role,
         };
         let program = spec.argv.first().cloned().unwrap_or_default();
-        let pipes = match self.pipes.take() {
+        let pipes = match &self.outlive {
+            Some(dir) => OutputPipes::named(dir, &spec.instance),
+            None => self.pipes.take(),
+        };
+        let pipes = match pipes {
             Ok(pipes) => pipes,
             Err(e) => {
                 let reason = format!("cannot make the output pipes of {program:?}: {e}");
@@ -243,9 +397,13 @@ impl Actor {
                 return None;
             }
         };
+        let outlive = self.outlive.is_some();
         let prepared = command(spec, &macros, pipes.writers()).and_then(|mut cmd| {
             if let Some(cg) = &cgroup {
                 cmd.join_cgroups(cg.procs_files()?);
+            }
+            if outlive {
+                cmd.outlive_agent();
             }
             Ok(cmd)
         });
@@ -276,14 +434,7 @@ impl Actor {
         let start_ticks = child.start_ticks();
         self.shared.pgid.store(pgid, Ordering::Relaxed);
         self.shared.set_cgroup(cgroup.clone());
-        let ([out, err], writers) = pipes.split();
-        let (flush, flushed) = oneshot::channel();
-        let reader = tokio::spawn(self.shared.logs.clone().capture(out, err, flushed));
-        self.output = Some(RunOutput {
-            reader,
-            flush,
-            writers,
-        });
+        self.capture(pipes);
         self.shared
             .transition(State::Starting, format!("spawned pid {pid}"), |s| {
                 s.pid = Some(pid);
@@ -291,7 +442,7 @@ impl Actor {
                 s.started_at = Some(std::time::SystemTime::now());
             });
         Some(Run {
-            child,
+            process: Process::Child(child),
             pgid,
             cgroup,
             cleared: false,
@@ -323,7 +474,9 @@ impl Actor {
         // Emptied, a cgroup shows that no process of the run can still
         // write to its pipes (only a privileged one could have moved out
         // of it), so they can serve another run.
-        self.drain_logs(run.cleared && run.cgroup.is_some()).await;
+        // Named pipes are the instance's own: not spares for others.
+        let reusable = run.cleared && run.cgroup.is_some() && self.outlive.is_none();
+        self.drain_logs(reusable).await;
         self.shared.pgid.store(0, Ordering::Relaxed);
         self.shared.set_cgroup(None);
         let (Some(cg), Some(cgroups)) = (&run.cgroup, &self.cgroups) else {
@@ -332,7 +485,12 @@ impl Actor {
         };
         let kills = if may_be_oom { cg.oom_kills() } else { 0 };
         let limit = cg.limit();
-        cgroups.recycle(cg, run.cleared);
+        if run.process.taken_over() {
+            // An earlier agent's cgroup, not one of this supervisor's.
+            cg.remove();
+        } else {
+            cgroups.recycle(cg, run.cleared);
+        }
         self.set_oom_killed(kills > 0);
         match (kills, limit) {
             (0, _) => String::new(),
@@ -352,11 +510,11 @@ impl Actor {
     }
 
     /// Ok once ready; otherwise how the run ended first.
-    async fn until_ready(&mut self, child: &mut Child) -> Result<(), End> {
+    async fn until_ready(&mut self, process: &mut Process) -> Result<(), End> {
         let deadline = Instant::now() + self.spec.readiness_timeout;
         tokio::select! {
             req = self.stops.recv() => Err(End::Stop(req)),
-            status = child.wait() => Err(End::Exited(exit_of(status))),
+            exit = process.wait() => Err(End::Exited(exit)),
             ready = readiness::wait_ready(&self.spec.readiness, self.port, deadline, Some(self.shared.logs.wrote())) => {
                 if ready { Ok(()) } else { Err(End::NotReady) }
             }
@@ -374,15 +532,15 @@ impl Actor {
         // done, which spares every stop a read of the cgroup's members.
         let _ = signal_group(run.pgid, Signal::SIGTERM);
         let _ = signal_group(run.pgid, Signal::SIGCONT);
-        let exit = match timeout(grace, run.child.wait()).await {
-            Ok(status) => exit_of(status),
+        let exit = match timeout(grace, run.process.wait()).await {
+            Ok(exit) => exit,
             Err(_) => {
                 tracing::info!(instance_id = %self.spec.instance, pid = run.pgid, "grace over, killing the group");
                 let _ = signal_group(run.pgid, Signal::SIGKILL);
                 if let Some(cg) = cg {
                     cg.kill_all();
                 }
-                exit_of(run.child.wait().await)
+                run.process.wait().await
             }
         };
         run.cleared = clear_leftovers(run.pgid, cg).await;

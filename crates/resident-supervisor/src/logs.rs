@@ -12,6 +12,11 @@
 //! Otherwise (process groups only, or leftovers that outlived the run) the
 //! agent drops its write ends and the capture reads to end of file, as
 //! long as anything still writes.
+//!
+//! An instance that outlives the agent writes into named pipes instead
+//! (`OutputPipes::named`, one pair per instance in the state directory),
+//! which it holds open for reading too: its output waits in them while no
+//! agent runs, and the next agent reads on from the same paths.
 
 use std::collections::VecDeque;
 use std::io;
@@ -88,6 +93,10 @@ pub struct LogRing {
 
 /// Bytes read from a pipe at a time.
 const CHUNK: usize = 16 << 10;
+
+/// The buffer asked for each pipe of an instance that outlives the agent:
+/// what it can write while no agent reads before a write blocks.
+pub const OUTLIVE_PIPE_BYTES: usize = 1 << 20;
 
 impl LogRing {
     /// An empty ring.
@@ -290,6 +299,60 @@ impl OutputPipes {
             readers: [stdout, stderr],
             writers: [out_w, err_w],
         })
+    }
+
+    /// The pipes of instance `id` that outlive the agent: named pipes
+    /// `ID.stdout` and `ID.stderr` in `dir`, made when missing (or when
+    /// something else is at the path). The write ends are opened for
+    /// reading and writing, so a child holding them is a reader of its own
+    /// pipes: while no agent reads, a write never meets a pipe without a
+    /// reader (no EPIPE, no SIGPIPE), and what is written stays in the
+    /// pipe, whose buffer is raised to `OUTLIVE_PIPE_BYTES` where the
+    /// kernel allows (beyond that a write blocks, it never loses a byte).
+    /// The next agent opens the same paths and reads on from there.
+    pub fn named(dir: &std::path::Path, id: &str) -> io::Result<Self> {
+        use nix::fcntl::{FcntlArg, OFlag, fcntl, open};
+        use nix::sys::stat::{Mode, SFlag, stat};
+        std::fs::create_dir_all(dir)?;
+        let make = |stream: &str| -> io::Result<(pipe::Receiver, Arc<OwnedFd>)> {
+            let path = dir.join(format!("{id}.{stream}"));
+            let is_fifo = stat(&path).is_ok_and(|st| {
+                SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT == SFlag::S_IFIFO
+            });
+            if !is_fifo {
+                let _ = std::fs::remove_file(&path);
+                nix::unistd::mkfifo(&path, Mode::S_IRUSR | Mode::S_IWUSR)
+                    .map_err(|e| io::Error::other(format!("{}: {e}", path.display())))?;
+            }
+            let at = |e: nix::errno::Errno| io::Error::other(format!("{}: {e}", path.display()));
+            let writer =
+                open(&path, OFlag::O_RDWR | OFlag::O_CLOEXEC, Mode::empty()).map_err(at)?;
+            let size = i32::try_from(OUTLIVE_PIPE_BYTES).unwrap_or(i32::MAX);
+            if let Err(e) = fcntl(&writer, FcntlArg::F_SETPIPE_SZ(size)) {
+                tracing::debug!(pipe = %path.display(), error = %e, "cannot raise the pipe's buffer; it keeps the kernel's default");
+            }
+            let reader = open(
+                &path,
+                OFlag::O_RDONLY | OFlag::O_NONBLOCK | OFlag::O_CLOEXEC,
+                Mode::empty(),
+            )
+            .map_err(at)?;
+            Ok((pipe::Receiver::from_owned_fd(reader)?, Arc::new(writer)))
+        };
+        let (stdout, out_w) = make("stdout")?;
+        let (stderr, err_w) = make("stderr")?;
+        Ok(Self {
+            readers: [stdout, stderr],
+            writers: [out_w, err_w],
+        })
+    }
+
+    /// Removes instance `id`'s named pipes from `dir` (its last run has
+    /// ended).
+    pub fn remove_named(dir: &std::path::Path, id: &str) {
+        for stream in ["stdout", "stderr"] {
+            let _ = std::fs::remove_file(dir.join(format!("{id}.{stream}")));
+        }
     }
 
     /// The write ends, for stdout and stderr.

@@ -156,6 +156,14 @@ impl Ports {
         ))
     }
 
+    /// Marks `port` held (a process taken over already has it).
+    pub fn hold(&self, port: u16) {
+        self.held
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(port);
+    }
+
     /// Marks `port` free again.
     pub fn release(&self, port: u16) {
         self.held

@@ -62,6 +62,9 @@ pub enum Exit {
     Code(i32),
     /// A signal killed it.
     Signal(i32),
+    /// It ended while no agent was its parent (taken over after the agent
+    /// that started it ended): its exit status went to its new parent.
+    Unknown,
 }
 
 impl Exit {
@@ -75,6 +78,7 @@ impl Exit {
         match self {
             Self::Code(c) => c,
             Self::Signal(s) => 128 + s,
+            Self::Unknown => -1,
         }
     }
 }
@@ -98,6 +102,9 @@ impl fmt::Display for Exit {
                 Ok(sig) => write!(f, "killed by {sig} ({s})"),
                 Err(_) => write!(f, "killed by signal {s}"),
             },
+            Self::Unknown => {
+                f.write_str("exited (code unknown: it was taken over from an earlier agent)")
+            }
         }
     }
 }

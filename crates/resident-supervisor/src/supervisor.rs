@@ -12,7 +12,7 @@ use tokio::task::JoinSet;
 
 use crate::adopted::{AdoptActor, Adoption, Watched};
 use crate::cgroup::{CgroupMode, Cgroups};
-use crate::instance::{Actor, Shared, StopRequest};
+use crate::instance::{Actor, First, Shared, StopRequest};
 use crate::logs::{LogLimits, LogRing, PipeSpares};
 use crate::spawn::Ports;
 use crate::spec::LaunchSpec;
@@ -23,7 +23,7 @@ use crate::status::{State, Status};
 const PIPE_SPARES: usize = 256;
 
 /// Settings that apply to every instance.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct SupervisorConfig {
     /// How often the resident bytes of every group are sampled.
     pub sample_every: Duration,
@@ -31,6 +31,11 @@ pub struct SupervisorConfig {
     pub logs: LogLimits,
     /// Whether instances get cgroups of their own.
     pub cgroups: CgroupMode,
+    /// Instances outlive the supervisor: spawned without a parent-death
+    /// signal, writing into named pipes in this directory, and what dead
+    /// agents left in cgroups is cleared only once the caller has said
+    /// what it took over (`clear_dead_agents`). `None`: they die with it.
+    pub outlive: Option<std::path::PathBuf>,
 }
 
 impl Default for SupervisorConfig {
@@ -39,6 +44,7 @@ impl Default for SupervisorConfig {
             sample_every: Duration::from_secs(2),
             logs: LogLimits::default(),
             cgroups: CgroupMode::Auto,
+            outlive: None,
         }
     }
 }
@@ -79,6 +85,18 @@ pub enum SupervisorError {
         /// Why.
         message: String,
     },
+}
+
+/// A process an earlier agent spawned for an instance and left running,
+/// as its journal recorded it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TakeOver {
+    /// Its pid (the leader of its process group).
+    pub pid: u32,
+    /// Its start time (`/proc/PID/stat`), against a reused pid.
+    pub start_ticks: u64,
+    /// The port it was given.
+    pub port: u16,
 }
 
 #[derive(Debug)]
@@ -138,7 +156,7 @@ impl Supervisor {
     /// within a tokio runtime (it starts the memory sampler).
     pub fn new(config: SupervisorConfig, events: mpsc::UnboundedSender<Status>) -> Self {
         crate::spawn::start_spawners();
-        let cgroups = Cgroups::setup(config.cgroups).map(Arc::new);
+        let cgroups = Cgroups::setup(config.cgroups, config.outlive.is_some()).map(Arc::new);
         tracing::info!(
             "instances are contained by {}",
             crate::cgroup::describe(cgroups.as_deref())
@@ -152,7 +170,8 @@ impl Supervisor {
             cgroups,
             pipes: Arc::new(PipeSpares::new(PIPE_SPARES)),
         });
-        tokio::spawn(sample_memory(Arc::downgrade(&inner), config.sample_every));
+        let every = inner.config.sample_every;
+        tokio::spawn(sample_memory(Arc::downgrade(&inner), every));
         Self { inner }
     }
 
@@ -167,21 +186,89 @@ impl Supervisor {
     /// failed to spawn (FAILED). An ended instance of the same id is
     /// replaced (its log continues).
     pub async fn start(&self, spec: LaunchSpec) -> Result<Status, SupervisorError> {
+        self.launch(spec, None).await
+    }
+
+    /// Takes over instance `spec.instance`'s process that an earlier
+    /// agent spawned and left running (`TakeOver`): the same pid, port,
+    /// output (its named pipes) and cgroup; readiness is probed as after
+    /// a spawn, and from then on it is supervised like any run (stop,
+    /// exit, the restart policy; its exit code is unknown). A process
+    /// that is gone (or whose pid now names another process) counts as a
+    /// run that ended while no agent ran: the restart policy decides.
+    /// Answers as `start` does.
+    pub async fn take_over(
+        &self,
+        spec: LaunchSpec,
+        process: TakeOver,
+    ) -> Result<Status, SupervisorError> {
+        let first = match Watched::open(process.pid, process.start_ticks) {
+            Ok(watched) => First::Running {
+                watched,
+                pid: process.pid,
+                start_ticks: process.start_ticks,
+                cgroup: self
+                    .inner
+                    .cgroups
+                    .as_ref()
+                    .and_then(|c| c.run_of(process.pid))
+                    .map(Arc::new),
+            },
+            Err(e) => First::Gone(format!(
+                "pid {} ended while no agent ran ({e})",
+                process.pid
+            )),
+        };
+        self.launch(spec, Some((process.port, first))).await
+    }
+
+    /// After every take_over of a new agent: clears what agents that are
+    /// gone left in cgroups, except the cgroups of the processes taken
+    /// over. Nothing to do unless instances outlive the agent (otherwise
+    /// it was done at start).
+    pub fn clear_dead_agents(&self) {
+        let (Some(cgroups), Some(_)) = (&self.inner.cgroups, &self.inner.config.outlive) else {
+            return;
+        };
+        let keep: Vec<_> = self
+            .table()
+            .values()
+            .filter_map(|e| e.shared.cgroup())
+            .map(|cg| (*cg).clone())
+            .collect();
+        cgroups.clear_dead_agents(&keep);
+    }
+
+    async fn launch(
+        &self,
+        spec: LaunchSpec,
+        taken: Option<(u16, First)>,
+    ) -> Result<Status, SupervisorError> {
         if self.inner.closing.load(Ordering::Acquire) {
             return Err(SupervisorError::ShuttingDown);
         }
         let id = spec.instance.clone();
+        let (port, mut first) = match taken {
+            Some((port, first)) => (Some(port), Some(first)),
+            None => (None, None),
+        };
         let mut status_rx = {
             let mut table = self.table();
             let old_logs = ended_logs(&table, &id)?;
-            let port = self
-                .inner
-                .ports
-                .take()
-                .map_err(|e| SupervisorError::NoPort {
-                    instance: id.clone(),
-                    message: e.to_string(),
-                })?;
+            let port = match port {
+                Some(port) => {
+                    self.inner.ports.hold(port);
+                    port
+                }
+                None => self
+                    .inner
+                    .ports
+                    .take()
+                    .map_err(|e| SupervisorError::NoPort {
+                        instance: id.clone(),
+                        message: e.to_string(),
+                    })?,
+            };
             let (shared, status_rx) = self.shared(&spec, port, old_logs);
             let (stops_tx, stops_rx) = mpsc::channel(4);
             let grace = spec.stop_grace;
@@ -194,6 +281,8 @@ impl Supervisor {
                 cgroups: self.inner.cgroups.clone(),
                 pipes: self.inner.pipes.clone(),
                 output: None,
+                outlive: self.inner.config.outlive.as_deref().map(Arc::from),
+                first: first.take(),
             };
             table.insert(
                 id.clone(),
@@ -378,14 +467,14 @@ impl Supervisor {
             .map(|e| e.shared.status.borrow().clone())
     }
 
-    /// The pid of run `generation` of `id`, while it has one, and its
-    /// start time when known (no copy of the status: the journal asks for
-    /// every instance at every write).
-    pub fn pid(&self, id: &str, generation: u64) -> Option<(u32, Option<u64>)> {
+    /// The pid of run `generation` of `id`, while it has one, its start
+    /// time when known, and its port (no copy of the status: the journal
+    /// asks for every instance at every write).
+    pub fn pid(&self, id: &str, generation: u64) -> Option<(u32, Option<u64>, u16)> {
         let table = self.table();
         let status = table.get(id)?.shared.status.borrow();
         let pid = status.pid.filter(|_| status.generation == generation)?;
-        Some((pid, status.start_ticks))
+        Some((pid, status.start_ticks, status.port))
     }
 
     /// A receiver that sees every later status of `id`.

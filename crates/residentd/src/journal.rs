@@ -1,12 +1,16 @@
 //! The journal of instances that should be running, under `state_dir`.
-//! After a restart the agent kills what its previous run left behind and
-//! starts the journaled instances again, in their original order.
+//! After a restart the agent takes over the journaled instances whose
+//! processes still run (`instances_outlive_agent`), kills what else its
+//! previous run left behind, and starts the rest again, in their original
+//! order.
 //!
-//! Format: a header line `# residentd journal 3`, then one line per change,
+//! Format: a header line `# residentd journal 5`, then one line per change,
 //! tab-separated. An instance's line (put, or replace in place):
-//! `instance_id  workload  pgid  start_ticks  lease_ms [adopted port]`
-//! (pgid 0: not spawned yet; lease 0: none; a line without the lease, from
-//! before leases, reads as none; an adopted instance's pgid is its pid);
+//! `instance_id  workload  pgid  start_ticks  lease_ms [adopted port |
+//! run port]` (pgid 0: not spawned yet; lease 0: none; a line without the
+//! lease, from before leases, reads as none; an adopted instance's pgid is
+//! its pid; `run port`: the port of a spawned run, which a takeover needs:
+//! a line without it, from before format 5, is never taken over);
 //! its removal: `-  instance_id`. A workload's learned footprint
 //! (`learn_footprints`): `@  workload  key  pool=bytes ...` (the key a
 //! hex digest of what it was learned for, `Workload::footprint_key`; one
@@ -57,6 +61,8 @@ pub struct Entry {
     /// Entered by Adopt (its process is `pgid`, started at `start_ticks`):
     /// re-adopted, never killed, by the next agent.
     pub adopted: Option<Adopted>,
+    /// A spawned run's port (0: not known), for its takeover.
+    pub port: u16,
 }
 
 /// An adopted instance's terms.
@@ -83,7 +89,7 @@ pub struct Learned {
 
 /// The format this agent writes; a header with a higher one is from a
 /// newer agent.
-const FORMAT: u32 = 4;
+const FORMAT: u32 = 5;
 
 /// Lines appended since the journal was last written whole, beyond twice
 /// the instances it holds, after which it is written whole again.
@@ -357,6 +363,7 @@ fn put_line(text: &mut String, e: &Entry) {
             };
             writeln!(text, "\t{how}\t{}", a.port)
         }
+        None if e.port != 0 && e.pgid > 0 => writeln!(text, "\trun\t{}", e.port),
         None => writeln!(text),
     };
 }
@@ -486,21 +493,29 @@ fn parse(line: &str) -> Option<Line> {
             None => 0,
         },
         adopted: None,
+        port: 0,
     };
-    // An adopted instance has two more: how, and its port.
-    let adopted = match (fields.next(), fields.next()) {
-        (None, _) => None,
-        (Some(how), Some(port)) => Some(Adopted {
-            manage: match how {
+    // An adopted instance has two more: how, and its port; a spawned run
+    // may have `run` and its port.
+    let (adopted, port) = match (fields.next(), fields.next()) {
+        (None, _) => (None, 0),
+        (Some("run"), Some(port)) => (None, port.parse().ok()?),
+        (Some(how), Some(port)) => {
+            let manage = match how {
                 "adopted" => false,
                 "adopted-managed" => true,
                 _ => return None,
-            },
-            port: port.parse().ok()?,
-        }),
+            };
+            let port = port.parse().ok()?;
+            (Some(Adopted { manage, port }), port)
+        }
         (Some(_), None) => return None,
     };
-    let entry = Entry { adopted, ..entry };
+    let entry = Entry {
+        adopted,
+        port,
+        ..entry
+    };
     fields.next().is_none().then_some(Line::Put(entry))
 }
 
@@ -572,6 +587,7 @@ mod tests {
                 start_ticks: 7,
                 lease_ms: 30_000,
                 adopted: None,
+                port: 8081,
             },
             Entry {
                 instance: "c".into(),
@@ -583,6 +599,7 @@ mod tests {
                     manage: true,
                     port: 8080,
                 }),
+                port: 8080,
             },
             Entry {
                 instance: "a".into(),
@@ -591,6 +608,7 @@ mod tests {
                 start_ticks: 0,
                 lease_ms: 0,
                 adopted: None,
+                port: 0,
             },
         ];
         j.write(entries.clone(), Vec::new()).expect("write");
@@ -609,7 +627,13 @@ mod tests {
         let Some(Line::Put(old)) = parse("a\tb\t1\t2") else {
             panic!("a line of four fields");
         };
-        assert_eq!(old.lease_ms, 0);
+        assert_eq!((old.lease_ms, old.port), (0, 0));
+        // A spawned run's port (format 5), which a takeover needs.
+        let Some(Line::Put(run)) = parse("a\tb\t1\t2\t0\trun\t8090") else {
+            panic!("a line with its run's port");
+        };
+        assert_eq!((run.port, run.adopted), (8090, None));
+        assert_eq!(parse("a\tb\t1\t2\t0\trun\tx"), None);
         assert_eq!(parse("-\ta"), Some(Line::Remove("a".into())));
         let _ = std::fs::remove_dir_all(dir);
     }
@@ -622,6 +646,7 @@ mod tests {
             start_ticks: 7,
             lease_ms: 0,
             adopted: None,
+            port: 0,
         }
     }
 

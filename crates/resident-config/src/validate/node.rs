@@ -120,6 +120,7 @@ pub(super) fn node(src: &Source<'_>, n: &Spanned<raw::Node>, host: Lookups) -> R
         keepalive_timeout,
         durable_answers: n.durable_answers.unwrap_or(true),
         learn_footprints: n.learn_footprints.unwrap_or(true),
+        instances_outlive_agent: n.instances_outlive_agent.unwrap_or(true),
         gpu_choice,
         access,
     })

@@ -3,7 +3,7 @@
 //! removed, in the background from when a supervisor sets up its cgroups.
 
 use std::fs;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use super::{BASE_PREFIX, RunCgroup};
@@ -11,22 +11,25 @@ use super::{BASE_PREFIX, RunCgroup};
 /// Kills and removes what agents that are gone left below `own`, on a
 /// thread of its own: a new agent does not wait for it to serve. Every
 /// leftover run is killed first and only then waited for, so clearing 200
-/// runs costs about one wait, not 200 in a row.
-pub(super) fn clear_dead_agents(own: &Path) {
+/// runs costs about one wait, not 200 in a row. The run cgroups in `keep`
+/// (of processes taken over) are left alone, and so is their agent's
+/// directory while it holds them.
+pub(super) fn clear_dead_agents(own: &Path, keep: &[PathBuf]) {
     let dead = dead_agents(own);
     if dead.is_empty() {
         return;
     }
+    let keep = keep.to_vec();
     let spawned = std::thread::Builder::new()
         .name("resident-leftovers".into())
-        .spawn(move || clear(&dead));
+        .spawn(move || clear(&dead, &keep));
     if let Err(e) = spawned {
         tracing::warn!(error = %e, "cannot clear a dead agent's cgroups");
     }
 }
 
 /// The `residentd-PID-N` directories below `own` of a PID that is gone.
-fn dead_agents(own: &Path) -> Vec<std::path::PathBuf> {
+fn dead_agents(own: &Path) -> Vec<PathBuf> {
     let Ok(entries) = fs::read_dir(own) else {
         return Vec::new();
     };
@@ -46,11 +49,11 @@ fn dead_agents(own: &Path) -> Vec<std::path::PathBuf> {
         .collect()
 }
 
-fn clear(dead: &[std::path::PathBuf]) {
-    let runs: Vec<(std::path::PathBuf, RunCgroup, usize)> = dead
+fn clear(dead: &[PathBuf], keep: &[PathBuf]) {
+    let runs: Vec<(PathBuf, RunCgroup, usize)> = dead
         .iter()
         .flat_map(|base| fs::read_dir(base).into_iter().flatten().flatten())
-        .filter(|r| r.path().is_dir())
+        .filter(|r| r.path().is_dir() && !keep.contains(&r.path()))
         .map(|run| {
             let left = RunCgroup::at(run.path());
             let killed = left.members().len();

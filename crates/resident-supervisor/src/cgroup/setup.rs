@@ -51,21 +51,26 @@ impl Cgroups {
     /// Sets up this supervisor's directories in every writable hierarchy,
     /// after clearing what dead agents left there. `None` when `mode` is
     /// off or nothing is writable.
-    pub fn setup(mode: CgroupMode) -> Option<Self> {
+    /// With `keep_dead` (instances outlive the agent), what dead agents
+    /// left is cleared only when the caller says what it took over
+    /// (`clear_dead_agents`).
+    pub fn setup(mode: CgroupMode, keep_dead: bool) -> Option<Self> {
         if mode == CgroupMode::Off {
             return None;
         }
-        Self::setup_in(&Hierarchies::of_self())
+        Self::setup_in(&Hierarchies::of_self(), keep_dead)
     }
 
     /// As `setup`, in the given hierarchies.
-    pub fn setup_in(h: &Hierarchies) -> Option<Self> {
+    pub fn setup_in(h: &Hierarchies, keep_dead: bool) -> Option<Self> {
         static SUPERVISORS: AtomicU64 = AtomicU64::new(0);
         let n = SUPERVISORS.fetch_add(1, Ordering::Relaxed);
         let name = format!("{BASE_PREFIX}{}-{n}", std::process::id());
         let mut v2_memory = false;
         let v2 = h.v2.as_ref().and_then(|own| {
-            clear_dead_agents(own);
+            if !keep_dead {
+                clear_dead_agents(own, &[]);
+            }
             let base = own.join(&name);
             if let Err(e) = make_dir(&base) {
                 tracing::debug!(error = %e, "no cgroup v2 directory for instances");
@@ -75,7 +80,9 @@ impl Cgroups {
             Some(base)
         });
         let v1_memory = h.v1_memory.as_ref().and_then(|own| {
-            clear_dead_agents(own);
+            if !keep_dead {
+                clear_dead_agents(own, &[]);
+            }
             let base = own.join(&name);
             match make_dir(&base) {
                 Ok(()) => Some(base),
@@ -171,6 +178,53 @@ impl Cgroups {
         Ok(run)
     }
 
+    /// Clears what agents that are gone left beside this supervisor's
+    /// directories (in the background), except the run cgroups of
+    /// processes it took over (`keep`, as `run_of` found them).
+    pub fn clear_dead_agents(&self, keep: &[RunCgroup]) {
+        let keep: Vec<PathBuf> = keep.iter().flat_map(RunCgroup::dirs).cloned().collect();
+        for base in self.bases() {
+            if let Some(own) = base.parent() {
+                clear_dead_agents(own, &keep);
+            }
+        }
+    }
+
+    /// The run cgroup that process `pid` is in, when an agent's
+    /// supervisor beside this one made it (`residentd-PID-N/slot.K`
+    /// below the same cgroup): a process taken over from an agent that
+    /// ended keeps its cgroup, and is sampled and stopped through it.
+    pub fn run_of(&self, pid: u32) -> Option<RunCgroup> {
+        let mounts = fs::read_to_string("/proc/self/mountinfo").ok()?;
+        let theirs = fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+        let found = Hierarchies::parse(&mounts, &theirs);
+        let ours = |dir: Option<PathBuf>, base: Option<&PathBuf>| -> Option<PathBuf> {
+            let (dir, base) = (dir?, base?);
+            let agent = dir.parent()?;
+            let named = agent
+                .file_name()?
+                .to_str()
+                .is_some_and(|n| n.starts_with(BASE_PREFIX));
+            (named && agent.parent() == base.parent()).then_some(dir)
+        };
+        let v2 = ours(found.v2, self.v2.as_ref());
+        let v1_memory = ours(found.v1_memory, self.v1_memory.as_ref());
+        if v2.is_none() && v1_memory.is_none() {
+            return None;
+        }
+        let v2_memory = v2.as_ref().is_some_and(|d| d.join("memory.max").exists());
+        let mut run = RunCgroup {
+            v2,
+            v2_memory,
+            v1_memory,
+            limit: None,
+            oom_base: 0,
+            counters: std::sync::Arc::default(),
+        };
+        run.oom_base = run.oom_count();
+        Some(run)
+    }
+
     /// Takes back the cgroups of a run whose processes are all gone (the
     /// caller may know they are: `known_empty`), for reuse; removes them
     /// when enough are spare, or tries to when one is not empty.
@@ -254,7 +308,7 @@ mod tests {
             v2: Some(own.clone()),
             v1_memory: None,
         };
-        let cg = Cgroups::setup_in(&h).expect("a writable tree");
+        let cg = Cgroups::setup_in(&h, false).expect("a writable tree");
         assert!(cg.limits_memory(), "{}", describe(Some(&cg)));
         let base = cg.v2.clone().expect("a v2 base");
         let read = |p: &Path| fs::read_to_string(p).expect("read");

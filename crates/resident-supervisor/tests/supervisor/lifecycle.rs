@@ -405,7 +405,7 @@ async fn a_runs_start_time_is_known_from_its_spawn_as_proc_gives_it() {
         }
         assert_eq!(
             h.sup.pid(&id, status.generation),
-            Some((pid, status.start_ticks))
+            Some((pid, status.start_ticks, status.port))
         );
         h.sup.stop(&id, None).await.expect("stops");
     }

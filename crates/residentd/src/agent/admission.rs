@@ -45,6 +45,19 @@ pub(super) struct Request {
     answer: Answer,
     /// The journal change that records the admission.
     admitted: u64,
+    /// A process an earlier agent left running for it, taken over instead
+    /// of spawning one (a restore).
+    take_over: Option<resident_supervisor::TakeOver>,
+}
+
+impl Request {
+    /// Takes over `process` instead of spawning.
+    pub(super) fn taking_over(self, process: resident_supervisor::TakeOver) -> Self {
+        Self {
+            take_over: Some(process),
+            ..self
+        }
+    }
 }
 
 impl Agent {
@@ -162,6 +175,7 @@ impl Agent {
             wait_ready,
             answer,
             admitted: admitted_change,
+            take_over: None,
         };
         Ok(Admission::New(request, admitted))
     }
@@ -245,7 +259,11 @@ impl Agent {
             }
         }
         let spec = r.workload.launch(id, generation, &r.config.node, devices);
-        match self.sup.start(spec).await {
+        let launched = match r.take_over {
+            Some(process) => self.sup.take_over(spec, process).await,
+            None => self.sup.start(spec).await,
+        };
+        match launched {
             // Failed with no exit: the process never ran (spawn error). Its
             // terminal event releases the reservation.
             Ok(status) if status.state == State::Failed && status.exit.is_none() => {

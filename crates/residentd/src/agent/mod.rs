@@ -106,6 +106,10 @@ impl Agent {
         let sup_config = SupervisorConfig {
             sample_every: config.node.sample_every,
             cgroups: config.node.cgroups,
+            outlive: config
+                .node
+                .instances_outlive_agent
+                .then(|| config.node.state_dir.join("output")),
             ..SupervisorConfig::default()
         };
         let config = Arc::new(config);

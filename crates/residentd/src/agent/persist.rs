@@ -20,24 +20,35 @@ use super::Agent;
 use crate::journal;
 
 impl Agent {
-    /// After a restart: kills what the previous run left behind (recorded
-    /// process groups, checked against pid reuse), admits the journaled
-    /// instances again in their original order (PENDING, memory reserved)
-    /// and returns, so the agent serves at once; each is then spawned in a
-    /// task of its own. Adopted ones are never killed: adopted again when
-    /// the same process (pid and start time) still runs. Instances that no
-    /// longer fit, or whose workload left the roster, are reported and
-    /// dropped.
+    /// After a restart: admits the journaled instances again in their
+    /// original order (PENDING, memory reserved) and returns, so the agent
+    /// serves at once; each is then taken over or spawned in a task of its
+    /// own. With `instances_outlive_agent`, a run the previous agent left
+    /// running (the same pid and start time, its port journaled) is taken
+    /// over, never restarted; one that ended meanwhile goes by its restart
+    /// policy. What else the previous run left behind (recorded process
+    /// groups, checked against pid reuse) is killed first. Adopted ones
+    /// are never killed: adopted again when the same process still runs.
+    /// Instances that no longer fit, or whose workload left the roster,
+    /// are reported and dropped (a process left running for one is
+    /// stopped).
     pub async fn restore(self: &Arc<Self>) {
         let found = self.journal.read();
         self.books.set_learned(found.learned);
         let entries = found.entries;
         if entries.is_empty() {
+            self.sup.clear_dead_agents();
             return;
         }
-        let killed = journal::kill_leftovers(&entries);
+        let outlive = self.config().node.instances_outlive_agent;
+        let (taken, others): (Vec<_>, Vec<_>) = entries
+            .iter()
+            .cloned()
+            .partition(|e| outlive && taken_over(e).is_some_and(|p| still_runs(&p)));
+        let killed = journal::kill_leftovers(&others);
         tracing::info!(
             instances = entries.len(),
+            taking_over = taken.len(),
             killed,
             "restoring journaled instances"
         );
@@ -57,21 +68,34 @@ impl Agent {
             // A restored lease runs afresh from now: its owner has had no
             // agent to renew it with.
             let answer = super::admission::Answer::Prompt;
+            let process = taken_over(&e).filter(|_| outlive);
             match self
                 .admit_start(workload, Some(id), policy, false, e.lease_ms, answer)
                 .await
             {
                 Ok(super::admission::Admission::New(request, a)) => {
-                    admitted.push((e, request, a));
+                    let request = match process {
+                        Some(p) => request.taking_over(p),
+                        None => request,
+                    };
+                    admitted.push((e, request, a, process.is_some()));
                 }
                 Ok(super::admission::Admission::Existing(_)) => {}
-                Err(err) => tracing::warn!(
-                    instance_id = %e.instance, workload = %e.workload, error = %err,
-                    "a journaled instance could not be restored"
-                ),
+                Err(err) => {
+                    tracing::warn!(
+                        instance_id = %e.instance, workload = %e.workload, error = %err,
+                        "a journaled instance could not be restored"
+                    );
+                    if process.is_some() {
+                        journal::kill_leftovers(std::slice::from_ref(&e));
+                    }
+                }
             }
         }
         self.persist();
+        // Every process taken over has its run (and its cgroup) by now
+        // (taken-over runs are launched below, before any other spawn);
+        // what else dead agents left in cgroups can go.
         let me = self.clone();
         tokio::spawn(async move {
             // What the previous run left of the journaled groups is gone
@@ -80,9 +104,20 @@ impl Agent {
             // memory and does not count.
             let groups: std::collections::HashSet<i32> = admitted
                 .iter()
-                .filter(|(e, _, _)| e.pgid > 1)
-                .map(|(e, _, _)| e.pgid)
+                .filter(|(e, _, _, taken)| e.pgid > 1 && !taken)
+                .map(|(e, _, _, _)| e.pgid)
                 .collect();
+            // Processes taken over first: their runs exist (and their
+            // cgroups are known) once each launch has answered.
+            let (first, rest): (Vec<_>, Vec<_>) =
+                admitted.into_iter().partition(|(_, _, _, taken)| *taken);
+            let mut launches = tokio::task::JoinSet::new();
+            for (e, request, a, _) in first {
+                let me = me.clone();
+                launches.spawn(async move { me.restored(e, request, a).await });
+            }
+            while launches.join_next().await.is_some() {}
+            me.sup.clear_dead_agents();
             let deadline = Instant::now() + Duration::from_secs(5);
             while !groups.is_empty() && Instant::now() < deadline {
                 let left = resident_supervisor::procfs::scan()
@@ -93,21 +128,29 @@ impl Agent {
                 }
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
-            for (e, request, a) in admitted {
+            for (e, request, a, _) in rest {
                 let me = me.clone();
-                tokio::spawn(async move {
-                    match me.carry_out(request, a).await {
-                        Ok(_) => {
-                            tracing::info!(instance_id = %e.instance, workload = %e.workload, "restored")
-                        }
-                        Err(err) => tracing::warn!(
-                            instance_id = %e.instance, workload = %e.workload, error = %err,
-                            "a journaled instance could not be restored"
-                        ),
-                    }
-                });
+                tokio::spawn(async move { me.restored(e, request, a).await });
             }
         });
+    }
+
+    /// Carries out one restored admission, saying how it went.
+    async fn restored(
+        self: Arc<Self>,
+        e: journal::Entry,
+        request: super::admission::Request,
+        a: super::books::Admitted,
+    ) {
+        match self.carry_out(request, a).await {
+            Ok(_) => {
+                tracing::info!(instance_id = %e.instance, workload = %e.workload, pid = e.pgid, "restored")
+            }
+            Err(err) => tracing::warn!(
+                instance_id = %e.instance, workload = %e.workload, error = %err,
+                "a journaled instance could not be restored"
+            ),
+        }
     }
 
     /// Adopts a journaled adoption again if its process (the same pid and
@@ -253,10 +296,13 @@ impl Agent {
         live.into_iter()
             .map(|row| {
                 let (id, generation) = (row.id, row.generation);
-                let (pid, spawned_at) = self.sup.pid(&id, generation).unzip();
-                let pid = pid.map_or(0, |p| p as i32);
+                let run = self.sup.pid(&id, generation);
+                let (pid, spawned_at, port) = match run {
+                    Some((pid, ticks, port)) => (pid as i32, ticks, port),
+                    None => (0, None, 0),
+                };
                 // Kept for the run and its pid, so a reused pid is read anew.
-                let start_ticks = match (known.get(id.as_str()), spawned_at.flatten()) {
+                let start_ticks = match (known.get(id.as_str()), spawned_at) {
                     // Known from the spawn itself: the child's /proc entry
                     // is never looked up.
                     (_, Some(ticks)) if pid > 0 => ticks,
@@ -290,6 +336,7 @@ impl Agent {
                             manage: a.manage,
                             port: a.port,
                         }),
+                        port: a.port,
                     },
                     None => journal::Entry {
                         instance: id,
@@ -298,11 +345,32 @@ impl Agent {
                         start_ticks,
                         lease_ms: row.lease_ms,
                         adopted: None,
+                        port,
                     },
                 }
             })
             .collect()
     }
+}
+
+/// The process a journaled spawned run left, as a takeover names it: only
+/// a run whose port was journaled (format 5 on) can be taken over.
+fn taken_over(e: &journal::Entry) -> Option<resident_supervisor::TakeOver> {
+    let pid = u32::try_from(e.pgid).ok().filter(|p| *p > 1)?;
+    (e.adopted.is_none() && e.port != 0 && e.start_ticks != 0).then_some(
+        resident_supervisor::TakeOver {
+            pid,
+            start_ticks: e.start_ticks,
+            port: e.port,
+        },
+    )
+}
+
+/// Whether the process is still the one journaled (pid and start time).
+fn still_runs(p: &resident_supervisor::TakeOver) -> bool {
+    let pid = i32::try_from(p.pid).unwrap_or(0);
+    resident_supervisor::procfs::stat(pid)
+        .is_some_and(|s| s.start_ticks == p.start_ticks && s.state != 'Z')
 }
 
 impl Durable {

@@ -412,7 +412,12 @@ async fn random_operations_leave_the_books_straight() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_during_a_start_storm_leaves_no_orphan_and_reserves_once() {
-    let mut d = Daemon::start(&(pool("ram", "1000GB") + &sleeper("nap", "ram", 1, ""))).await;
+    // Instances that die with the agent: every one is restored by a new
+    // spawn (takeover.rs has those that outlive it).
+    let config = "instances_outlive_agent = false\n".to_string()
+        + &pool("ram", "1000GB")
+        + &sleeper("nap", "ram", 1, "");
+    let mut d = Daemon::start(&config).await;
     const PER_CLIENT: usize = 60;
     let seen = Arc::new(Mutex::new(Seen::default()));
     let watcher = watch_all(d.client.clone(), seen.clone()).await;

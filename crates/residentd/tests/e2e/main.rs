@@ -29,4 +29,5 @@ mod router;
 mod security;
 mod shutdown;
 mod systemd;
+mod takeover;
 mod tls;

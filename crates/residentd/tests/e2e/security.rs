@@ -404,21 +404,6 @@ fn as_nobody(d: &Daemon, groups: &[u32], args: &[&str]) -> std::process::Output 
     as_nobody_on(&d.socket, groups, args)
 }
 
-/// [`as_nobody`] against the agent on `socket`.
-fn as_nobody_on(socket: &std::path::Path, groups: &[u32], args: &[&str]) -> std::process::Output {
-    let groups: Vec<String> = groups.iter().map(u32::to_string).collect();
-    let drop = format!(
-        "import os, sys\nos.setgroups([{}])\nos.setgid(65534)\nos.setuid(65534)\nos.execv(sys.argv[1], sys.argv[1:])\n",
-        groups.join(", ")
-    );
-    Command::new("python3")
-        .args(["-c", &drop, env!("CARGO_BIN_EXE_residentctl"), "--socket"])
-        .arg(socket)
-        .args(args)
-        .output()
-        .expect("python3 runs")
-}
-
 #[tokio::test]
 async fn unix_callers_get_the_roles_their_uid_and_groups_are_granted() {
     if !nix::unistd::geteuid().is_root() {

@@ -44,7 +44,9 @@ async fn sigterm_stops_every_child_and_exits_zero() {
 
 #[tokio::test]
 async fn after_kill_9_the_next_start_clears_leftovers_and_restores_the_journal() {
-    let mut config = ram();
+    // Instances that die with the agent (takeover.rs has those that
+    // outlive it).
+    let mut config = "instances_outlive_agent = false\n".to_string() + &ram();
     // The shell forks a helper into its group; only the shell gets the
     // parent-death signal, so the helper is a leftover to clear.
     config += &shell(
@@ -113,7 +115,8 @@ async fn after_kill_9_the_next_start_clears_leftovers_and_restores_the_journal()
 
 #[tokio::test]
 async fn kill_9_of_the_agent_leaves_no_child_behind() {
-    let mut config = ram();
+    // Unless they are to outlive it (takeover.rs).
+    let mut config = "instances_outlive_agent = false\n".to_string() + &ram();
     config += &sleeper("a", "ram", 1, "");
     config += &sleeper("b", "ram", 1, "");
     let mut d = Daemon::start(&config).await;
@@ -252,7 +255,7 @@ async fn a_damaged_journal_restores_what_it_can_and_is_kept_aside() {
         String::from_utf8_lossy(&bytes).into_owned()
     };
     let whole =
-        eventually(async || journal().starts_with("# residentd journal 4\nkeep\tnap\t")).await;
+        eventually(async || journal().starts_with("# residentd journal 5\nkeep\tnap\t")).await;
     assert!(whole, "{}", journal());
 }
 

@@ -207,8 +207,9 @@ impl Daemon {
         reached.unwrap_or_else(|| panic!("{id} never reached {state:?}: {last:?}"))
     }
 
-    /// kill -9 of the agent (its children die with it, by their
-    /// parent-death signal); returns once it is reaped.
+    /// kill -9 of the agent; returns once it is reaped. Its instances run
+    /// on (`instances_outlive_agent`, the default) for the next agent to
+    /// take over, or die with it when the config turns that off.
     pub fn kill(&mut self) {
         let mut agent = self.child.take().expect("running");
         agent.kill().expect("kill -9");
@@ -246,12 +247,16 @@ impl Daemon {
 }
 
 impl Drop for Daemon {
-    /// A test that did not stop the agent itself: SIGKILL (its children die
-    /// with it, by their parent-death signal).
+    /// A test that did not stop the agent itself: SIGKILL, then the process
+    /// groups its journal lists (its instances outlive it).
     fn drop(&mut self) {
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
             let _ = child.wait();
+        }
+        let state = self.dir.path().join("state");
+        if let Ok(journal) = residentd::journal::Journal::open(&state) {
+            residentd::journal::kill_leftovers(&journal.peek().entries);
         }
     }
 }
@@ -351,4 +356,22 @@ pub fn journaled_in(state_dir: &Path) -> Vec<residentd::journal::Entry> {
         .expect("the state directory")
         .peek()
         .entries
+}
+
+/// residentctl with `args` against the agent on `socket`, run as uid and
+/// gid 65534 (nobody, nogroup) with `groups` as its supplementary groups:
+/// another user, as an operator would see them (root only: made with
+/// setuid).
+pub fn as_nobody_on(socket: &Path, groups: &[u32], args: &[&str]) -> std::process::Output {
+    let groups: Vec<String> = groups.iter().map(u32::to_string).collect();
+    let drop = format!(
+        "import os, sys\nos.setgroups([{}])\nos.setgid(65534)\nos.setuid(65534)\nos.execv(sys.argv[1], sys.argv[1:])\n",
+        groups.join(", ")
+    );
+    Command::new("python3")
+        .args(["-c", &drop, env!("CARGO_BIN_EXE_residentctl"), "--socket"])
+        .arg(socket)
+        .args(args)
+        .output()
+        .expect("python3 runs")
 }

@@ -58,7 +58,7 @@ fn the_unit_verifies() {
         "Restart=on-failure",
         "RestartSec=1s",
         "RestartPreventExitStatus=78",
-        "KillMode=mixed",
+        "KillMode=process",
         "Delegate=yes",
         "OOMPolicy=continue",
         "OOMScoreAdjust=-900",
