@@ -87,6 +87,13 @@ impl NodeAgent for Floor {
     ) -> Result<Response<pb::ReloadResponse>, Status> {
         none()
     }
+
+    async fn upgrade(
+        &self,
+        _: Request<pb::UpgradeRequest>,
+    ) -> Result<Response<pb::UpgradeResponse>, Status> {
+        none()
+    }
 }
 
 /// Serves the floor on `socket` until killed.

@@ -174,9 +174,14 @@ impl AdoptActor {
 
     /// A Stop: signalled when managed; otherwise (and at shutdown) let go.
     async fn stop(&mut self, req: Option<StopRequest>, leader: bool) {
-        let Some(req) = req else {
+        let Some(mut req) = req else {
             return self.finish(State::Exited, "no longer watched".into());
         };
+        if let Some(done) = req.hand_over.take() {
+            // The next agent adopts it again; nothing is published.
+            let _ = done.send(());
+            return;
+        }
         if req.detach || !self.adoption.manage {
             let pid = self.adoption.pid;
             let reason = format!("let go: adopted pid {pid} runs on, no longer watched");

@@ -666,6 +666,14 @@ impl Child {
     }
 }
 
+impl Child {
+    /// Lets the child go without waiting for it (handed over to the next
+    /// agent, which watches it through a pidfd of its own).
+    pub fn let_go(mut self) {
+        self.status = Some(ExitStatus::from_raw(0));
+    }
+}
+
 impl Drop for Child {
     fn drop(&mut self) {
         if self.status.is_none() {

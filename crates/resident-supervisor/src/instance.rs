@@ -44,6 +44,11 @@ pub(crate) struct StopRequest {
     /// Let an adopted process go without a signal (shutdown); a child's
     /// actor never gets one.
     pub(crate) detach: bool,
+    /// A hand-over to the next agent (an upgrade): the actor lets its
+    /// process run on without a signal and ends without a transition (the
+    /// instance is not ended: the next agent takes it over), its named
+    /// pipes left in place, and says so here.
+    pub(crate) hand_over: Option<oneshot::Sender<()>>,
 }
 
 /// What the supervisor and the actor share about one instance.
@@ -161,6 +166,8 @@ pub(crate) struct Actor {
     pub(crate) outlive: Option<Arc<std::path::Path>>,
     /// The process the first run takes over, if any.
     pub(crate) first: Option<First>,
+    /// Handed over to the next agent: nothing of the instance is undone.
+    pub(crate) handed_over: bool,
 }
 
 /// A run's output while it runs: the task reading it, the signal that has
@@ -178,9 +185,28 @@ impl Actor {
         self.lifecycle().await;
         self.shared.pgid.store(0, Ordering::Relaxed);
         self.ports.release(self.port);
-        if let Some(dir) = &self.outlive {
+        if let Some(dir) = &self.outlive
+            && !self.handed_over
+        {
             OutputPipes::remove_named(dir, &self.spec.instance);
         }
+    }
+
+    /// Lets `run` go to the next agent: its output is no longer read here
+    /// (what is unread stays in its named pipes), its process is not
+    /// signalled, and no transition is published.
+    fn hand_over(&mut self, run: Option<Run>, done: oneshot::Sender<()>) {
+        if let Some(output) = self.output.take() {
+            output.reader.abort();
+        }
+        if let Some(run) = run {
+            match run.process {
+                Process::Child(child) => child.let_go(),
+                Process::TakenOver(watched) => drop(watched),
+            }
+        }
+        self.handed_over = true;
+        let _ = done.send(());
     }
 
     async fn lifecycle(&mut self) {
@@ -222,6 +248,12 @@ impl Actor {
                 Err(end) => end,
             };
             let exit = match end {
+                End::Stop(Some(StopRequest {
+                    hand_over: Some(done),
+                    ..
+                })) => {
+                    return self.hand_over(Some(run), done);
+                }
                 End::Stop(req) => {
                     let grace = req.as_ref().map_or(self.spec.stop_grace, |r| r.grace);
                     let cause = req.as_ref().and_then(|r| r.cause.clone());
@@ -310,8 +342,13 @@ impl Actor {
         });
         tokio::select! {
             _ = sleep(delay) => true,
-            _ = self.stops.recv() => {
-                self.finish(State::Exited, "stopped during backoff".into(), Some(exit));
+            req = self.stops.recv() => {
+                match req.and_then(|r| r.hand_over) {
+                    // No process to hand over: the next agent finds it
+                    // gone and restarts it by the same policy.
+                    Some(done) => self.hand_over(None, done),
+                    None => self.finish(State::Exited, "stopped during backoff".into(), Some(exit)),
+                }
                 false
             }
         }

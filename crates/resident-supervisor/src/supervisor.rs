@@ -283,6 +283,7 @@ impl Supervisor {
                 output: None,
                 outlive: self.inner.config.outlive.as_deref().map(Arc::from),
                 first: first.take(),
+                handed_over: false,
             };
             table.insert(
                 id.clone(),
@@ -449,6 +450,7 @@ impl Supervisor {
             grace: grace.unwrap_or(own_grace),
             cause,
             detach,
+            hand_over: None,
         };
         // The answer is the run's terminal status, not a reply to the
         // request: a send that races the actor's end can land after the
@@ -536,6 +538,38 @@ impl Supervisor {
         while stops.join_next().await.is_some() {}
         if let Some(cg) = &self.inner.cgroups {
             cg.remove();
+        }
+    }
+
+    /// Hands every instance over to the next agent (an upgrade): refuses
+    /// new starts, and each actor lets its process run on unsignalled and
+    /// ends without a transition, its output left unread in its named
+    /// pipes; answers once all have, or at `bound`. Only for instances
+    /// that outlive the agent (`SupervisorConfig::outlive`); after it, this
+    /// supervisor serves nothing.
+    pub async fn hand_over(&self, bound: Duration) {
+        self.inner.closing.store(true, Ordering::Release);
+        let stops: Vec<mpsc::Sender<StopRequest>> =
+            self.table().values().map(|e| e.stops.clone()).collect();
+        let mut done = JoinSet::new();
+        for stops in stops {
+            done.spawn(async move {
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                let request = StopRequest {
+                    grace: Duration::ZERO,
+                    cause: None,
+                    detach: false,
+                    hand_over: Some(tx),
+                };
+                // An actor that has ended has nothing to hand over.
+                if stops.send(request).await.is_ok() {
+                    let _ = rx.await;
+                }
+            });
+        }
+        let all = async { while done.join_next().await.is_some() {} };
+        if tokio::time::timeout(bound, all).await.is_err() {
+            tracing::warn!("some instances were not handed over within {bound:?}");
         }
     }
 

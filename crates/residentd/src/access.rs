@@ -106,6 +106,13 @@ where
         let need = required(&path);
         let has = caller.role(&config);
         match (need, has) {
+            (Some(need), Some(_)) if need >= AccessRole::Operator && self.agent.upgrading() => {
+                // A change now would fall between the two agents.
+                let status = tonic::Status::unavailable(
+                    "the agent is being upgraded to a new binary; try again in a moment",
+                );
+                Box::pin(async move { Ok(status.into_http()) })
+            }
             (Some(need), Some(role)) if role >= need => {
                 req.extensions_mut().insert(Authorized { caller, role });
                 // The service that was polled ready takes the call; a
@@ -318,7 +325,7 @@ fn deny(
 }
 
 /// The audit line of a call that changes something (Start, Stop, Touch,
-/// Adopt, Reload, ForgetFootprint), allowed or not, with stable fields: `rpc`, `caller`
+/// Adopt, Reload, ForgetFootprint, Upgrade), allowed or not, with stable fields: `rpc`, `caller`
 /// (as messages name it), `uid`, `gid` and `pid` for a Unix caller,
 /// `instance_id` (at most 32 characters of it), `outcome` (`ok`, `denied`,
 /// `refused`, or the gRPC code of the error) and `reason`. Logged under the
@@ -360,7 +367,7 @@ pub fn required(path: &str) -> Option<AccessRole> {
     match service {
         "resident.v1.NodeAgent" => match method {
             "Start" | "Stop" | "Touch" | "Adopt" => Some(AccessRole::Operator),
-            "Reload" | "ForgetFootprint" => Some(AccessRole::Admin),
+            "Reload" | "ForgetFootprint" | "Upgrade" => Some(AccessRole::Admin),
             _ => Some(AccessRole::Viewer),
         },
         "grpc.health.v1.Health"

@@ -72,6 +72,46 @@ impl EventLog {
         inner.revision
     }
 
+    /// Writes the revision and the kept history to `path`, for the agent
+    /// an upgrade hands over to (`load`).
+    pub fn save(&self, path: &std::path::Path) -> std::io::Result<()> {
+        use prost::Message as _;
+        let inner = self.lock();
+        let mut bytes = inner.revision.to_le_bytes().to_vec();
+        for e in &inner.history {
+            e.encode_length_delimited(&mut bytes)
+                .map_err(std::io::Error::other)?;
+        }
+        std::fs::write(path, bytes)
+    }
+
+    /// Takes over what `save` wrote at `path`, if anything, and removes
+    /// the file: revisions go on from where the previous agent's ended,
+    /// and a watcher resumes across the upgrade without a gap.
+    pub fn load(&self, path: &std::path::Path) {
+        use prost::Message as _;
+        let Ok(bytes) = std::fs::read(path) else {
+            return;
+        };
+        let _ = std::fs::remove_file(path);
+        let Some((revision, mut rest)) = bytes.split_first_chunk::<8>() else {
+            return;
+        };
+        let mut inner = self.lock();
+        inner.revision = u64::from_le_bytes(*revision);
+        while !rest.is_empty() {
+            match pb::Event::decode_length_delimited(&mut rest) {
+                Ok(e) => {
+                    if inner.history.len() == self.keep {
+                        inner.history.pop_front();
+                    }
+                    inner.history.push_back(e);
+                }
+                Err(_) => break,
+            }
+        }
+    }
+
     /// Every event published from now on (no snapshot, no history).
     pub fn subscribe(&self) -> broadcast::Receiver<pb::Event> {
         self.live.subscribe()

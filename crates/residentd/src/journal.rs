@@ -665,7 +665,7 @@ mod tests {
         j.write(live.clone(), Vec::new()).expect("write");
         assert_eq!(
             text(),
-            "# residentd journal 4\na\tw\t0\t7\t0\nb\tw\t0\t7\t0\n"
+            "# residentd journal 5\na\tw\t0\t7\t0\nb\tw\t0\t7\t0\n"
         );
         let first = inode(&path);
         // A change in place, a removal and an addition are appended.
@@ -726,7 +726,7 @@ mod tests {
         j.write(live.clone(), known.clone()).expect("write");
         assert_eq!(
             text(),
-            "# residentd journal 4\na\tw\t5\t7\t0\n@\tw\t0000000000000abc\tgpu=7\thost=120000000\n"
+            "# residentd journal 5\na\tw\t5\t7\t0\n@\tw\t0000000000000abc\tgpu=7\thost=120000000\n"
         );
         assert_eq!(j.peek().learned, known);
         // A higher figure replaces the line (appended); another workload

@@ -15,6 +15,7 @@ pub mod metrics;
 pub mod server;
 pub mod service;
 pub mod tls;
+pub mod upgrade;
 pub mod validate;
 
 /// The example configuration `residentd` runs when given no `--config`:

@@ -104,6 +104,7 @@ fn main() -> ExitCode {
             return ExitCode::from(EX_CONFIG);
         }
     };
+    residentd::upgrade::remember_invocation(args.config.as_deref());
     raise_open_file_limit();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

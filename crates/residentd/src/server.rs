@@ -2,7 +2,9 @@
 //! mutual TLS through `tls.rs`, or plain TCP), grpc.health.v1, server
 //! reflection, every service behind the access layer (`access.rs`), every
 //! connection within the limits of `connections.rs` and pinged by HTTP/2
-//! keepalive, and the orderly shutdown on SIGTERM/SIGINT.
+//! keepalive, and the orderly shutdown on SIGTERM/SIGINT. Every listening
+//! socket is kept for an upgrade (`upgrade.rs`; SIGUSR2 starts one), and
+//! taken from the agent this one replaces when it was started by one.
 
 use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt as _;
@@ -41,26 +43,62 @@ pub enum Bound {
     Unix(UnixListener, std::path::PathBuf),
     /// A TCP address.
     Tcp(tokio::net::TcpListener, SocketAddr),
+    /// The metrics endpoint's address (`metrics_listen`).
+    Metrics(tokio::net::TcpListener, SocketAddr),
 }
 
-/// Binds every address of `listen`. Done before the journal is restored,
-/// so a second agent started on a node that runs one stops here, before
-/// it touches the first one's instances or journal.
+/// Binds every address of `listen` and `metrics_listen`, or takes the
+/// sockets the agent this one replaces handed over (an upgrade). Done
+/// before the journal is restored, so a second agent started on a node
+/// that runs one stops here, before it touches the first one's instances
+/// or journal. Each socket is kept for a later upgrade.
 pub async fn bind(config: &resident_config::Config) -> anyhow::Result<Vec<Bound>> {
+    let mut inherited = crate::upgrade::Inherited::from_env();
+    if !inherited.is_empty() {
+        tracing::info!("taking the listening sockets over from the agent this one replaces");
+    }
+    let tcp = |fd: std::os::fd::OwnedFd| -> std::io::Result<tokio::net::TcpListener> {
+        let std = std::net::TcpListener::from(fd);
+        std.set_nonblocking(true)?;
+        tokio::net::TcpListener::from_std(std)
+    };
+    let bind_tcp =
+        async |kind: &str, addr: &SocketAddr, inherited: &mut crate::upgrade::Inherited| {
+            let key = crate::upgrade::key_tcp(kind, addr);
+            let listener = match inherited.take(&key) {
+                Some(fd) => tcp(fd).with_context(|| format!("the inherited socket of {addr}"))?,
+                None => tokio::net::TcpListener::bind(addr)
+                    .await
+                    .with_context(|| format!("cannot listen on {addr}"))?,
+            };
+            crate::upgrade::keep_listener(key, std::os::fd::AsFd::as_fd(&listener))?;
+            Ok::<_, anyhow::Error>(listener)
+        };
     let mut out = Vec::new();
     for listen in &config.node.listen {
         out.push(match listen {
-            Listen::Unix(path) => Bound::Unix(
-                bind_unix(path, config.node.socket_group.as_ref())?,
-                path.clone(),
-            ),
-            Listen::Tcp(addr) => Bound::Tcp(
-                tokio::net::TcpListener::bind(addr)
-                    .await
-                    .with_context(|| format!("cannot listen on {addr}"))?,
-                *addr,
-            ),
+            Listen::Unix(path) => {
+                let key = crate::upgrade::key_unix(path);
+                let listener = match inherited.take(&key) {
+                    Some(fd) => {
+                        let std = std::os::unix::net::UnixListener::from(fd);
+                        std.set_nonblocking(true)?;
+                        UnixListener::from_std(std)
+                            .with_context(|| format!("the inherited socket {}", path.display()))?
+                    }
+                    None => bind_unix(path, config.node.socket_group.as_ref())?,
+                };
+                crate::upgrade::keep_listener(key, std::os::fd::AsFd::as_fd(&listener))?;
+                Bound::Unix(listener, path.clone())
+            }
+            Listen::Tcp(addr) => Bound::Tcp(bind_tcp("api", addr, &mut inherited).await?, *addr),
         });
+    }
+    if let Some(addr) = config.node.metrics_listen {
+        out.push(Bound::Metrics(
+            bind_tcp("metrics", &addr, &mut inherited).await?,
+            addr,
+        ));
     }
     Ok(out)
 }
@@ -131,6 +169,7 @@ pub async fn serve(agent: Arc<Agent>, listeners: Vec<Bound>) -> anyhow::Result<(
     let term = signal(SignalKind::terminate()).context("watching SIGTERM")?;
     let int = signal(SignalKind::interrupt()).context("watching SIGINT")?;
     let hup = signal(SignalKind::hangup()).context("watching SIGHUP")?;
+    let usr2 = signal(SignalKind::user_defined2()).context("watching SIGUSR2")?;
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let (drained_tx, drained_rx) = tokio::sync::oneshot::channel::<()>();
     let drained = {
@@ -154,18 +193,17 @@ pub async fn serve(agent: Arc<Agent>, listeners: Vec<Bound>) -> anyhow::Result<(
     };
     tokio::spawn(drained);
     tokio::spawn(reload_on_sighup(agent.clone(), hup));
-    if let Some(addr) = config.node.metrics_listen {
-        let weak = Arc::downgrade(&agent);
-        tokio::spawn(async move {
-            if let Err(e) = serve_metrics(addr, weak).await {
-                tracing::error!(%addr, error = %e, "the metrics endpoint stopped");
-            }
-        });
-    }
-    // Each listener is served by a clone of the router; all stop together.
+    tokio::spawn(upgrade_on_sigusr2(agent.clone(), usr2));
+    // Each listener is served by a clone of the router; all stop together:
+    // at shutdown, or once an upgrade hands everything over (the sockets
+    // stay open for the next agent; what arrives waits in their backlog).
     let (stopping_tx, stopping) = tokio::sync::watch::channel(false);
+    let handing_over = agent.handing_over();
     tokio::spawn(async move {
-        let _ = stop_rx.await;
+        tokio::select! {
+            _ = stop_rx => {}
+            () = handing_over => {}
+        }
         let _ = stopping_tx.send(true);
     });
     let drain_bound = async {
@@ -178,6 +216,15 @@ pub async fn serve(agent: Arc<Agent>, listeners: Vec<Bound>) -> anyhow::Result<(
     // Every listener's connections count against the same limits.
     let connections = Connections::new(agent.clone());
     for bound in listeners {
+        if let Bound::Metrics(listener, addr) = bound {
+            let weak = Arc::downgrade(&agent);
+            tokio::spawn(async move {
+                if let Err(e) = serve_metrics(listener, addr, weak).await {
+                    tracing::error!(%addr, error = %e, "the metrics endpoint stopped");
+                }
+            });
+            continue;
+        }
         let router = router.clone();
         let mut stopping = stopping.clone();
         let shutdown = async move {
@@ -204,6 +251,7 @@ pub async fn serve(agent: Arc<Agent>, listeners: Vec<Bound>) -> anyhow::Result<(
                 });
                 servers.spawn(router.serve_with_incoming_shutdown(incoming, shutdown));
             }
+            Bound::Metrics(..) => {}
             Bound::Tcp(listener, addr) => match agent.tls() {
                 Some(tls) => {
                     tracing::info!(%addr, node = %config.node.name, "serving TCP with mutual TLS");
@@ -223,21 +271,54 @@ pub async fn serve(agent: Arc<Agent>, listeners: Vec<Bound>) -> anyhow::Result<(
         }
     }
     let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
+    crate::upgrade::report_ready();
     let all = async {
         while let Some(done) = servers.join_next().await {
             done.context("a listener's task")??;
         }
         Ok::<(), anyhow::Error>(())
     };
+    let upgraded = {
+        let upgraded = agent.upgraded();
+        async move {
+            upgraded.await;
+            tokio::time::sleep(DRAIN).await;
+        }
+    };
     tokio::select! {
         result = all => result?,
         () = drain_bound => {}
+        () = upgraded => {
+            // The next agent serves on the same sockets and runs every
+            // instance: nothing of theirs is undone here.
+            tracing::warn!("connections still open {DRAIN:?} after the upgrade; exiting anyway");
+            return Ok(());
+        }
+    }
+    if agent.upgrading() {
+        // The calls in flight have been answered; the next agent serves.
+        agent.upgraded().await;
+        tracing::info!("handed over to the upgraded agent; exiting");
+        return Ok(());
     }
     for path in sockets {
         let _ = std::fs::remove_file(path);
     }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// SIGUSR2 upgrades the agent to the binary now at its path (as the
+/// `Upgrade` RPC does); the outcome is logged.
+async fn upgrade_on_sigusr2(agent: Arc<Agent>, mut usr2: Signal) {
+    while usr2.recv().await.is_some() {
+        match agent.clone().upgrade().await {
+            Ok(r) => {
+                tracing::info!(old = %r.old_version, new = %r.new_version, "upgraded (SIGUSR2)")
+            }
+            Err(e) => tracing::error!(error = %e, "the upgrade (SIGUSR2) did not happen"),
+        }
+    }
 }
 
 /// SIGHUP re-reads the configuration; a bad file is logged and ignored.
@@ -270,7 +351,17 @@ async fn wait_for_signal(mut term: Signal, mut int: Signal) {
 /// Pets systemd's watchdog at half its interval, when it is enabled.
 fn start_watchdog() {
     let mut usec = 0;
-    if !sd_notify::watchdog_enabled(false, &mut usec) || usec == 0 {
+    let enabled = sd_notify::watchdog_enabled(false, &mut usec)
+        // Started by an upgrade: the watchdog was set for the agent this
+        // one replaces (WATCHDOG_PID names it), and is this one's once it
+        // is the service's main process.
+        || (std::env::var_os(crate::upgrade::READY_ENV).is_some()
+            && std::env::var("WATCHDOG_USEC")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .inspect(|v| usec = *v)
+                .is_some());
+    if !enabled || usec == 0 {
         return;
     }
     let every = Duration::from_micros(usec / 2);
@@ -285,8 +376,11 @@ fn start_watchdog() {
 
 /// Serves `GET /metrics` (plain HTTP) on `addr` until the process ends,
 /// the gauges read from the agent at each scrape.
-async fn serve_metrics(addr: SocketAddr, agent: Weak<Agent>) -> std::io::Result<()> {
-    let listener = tokio::net::TcpListener::bind(addr).await?;
+async fn serve_metrics(
+    listener: tokio::net::TcpListener,
+    addr: SocketAddr,
+    agent: Weak<Agent>,
+) -> std::io::Result<()> {
     tracing::info!(%addr, "serving metrics");
     let app = axum::Router::new().route(
         "/metrics",

@@ -344,6 +344,7 @@ impl pb::node_agent_server::NodeAgent for Service {
         Ok(Response::new(pb::NodeStatus {
             node: self.agent.config().node.name.clone(),
             version: env!("CARGO_PKG_VERSION").to_string(),
+            agent_pid: std::process::id(),
             pools: self.agent.pools(),
             instances: self.agent.list(),
         }))
@@ -356,6 +357,19 @@ impl pb::node_agent_server::NodeAgent for Service {
         let _timer = self.agent.metrics().time("Workloads");
         let workloads = self.agent.workloads();
         Ok(Response::new(pb::WorkloadsResponse { workloads }))
+    }
+
+    async fn upgrade(
+        &self,
+        req: Request<pb::UpgradeRequest>,
+    ) -> Result<Response<pb::UpgradeResponse>, Status> {
+        let _timer = self.agent.metrics().time("Upgrade");
+        let caller = Caller::of(&req);
+        let call = async { Ok(self.agent.clone().upgrade().await?) };
+        let answer = self
+            .audited("Upgrade", &caller, "", call, |_| String::new())
+            .await?;
+        Ok(Response::new(answer))
     }
 
     async fn forget_footprint(

@@ -34,6 +34,7 @@ mod memory;
 mod overrun;
 mod persist;
 mod queries;
+mod upgrade;
 
 pub use adoption::AdoptCall;
 use books::Books;
@@ -88,6 +89,8 @@ pub struct Agent {
     /// instance, run and pid.
     start_ticks: Mutex<std::collections::HashMap<String, persist::Ticks>>,
     metrics: crate::metrics::Metrics,
+    /// Where an upgrade stands (`upgrade.rs`).
+    upgrade: tokio::sync::watch::Sender<u8>,
 }
 
 impl Agent {
@@ -112,18 +115,22 @@ impl Agent {
                 .then(|| config.node.state_dir.join("output")),
             ..SupervisorConfig::default()
         };
+        // The history handed over by the agent an upgrade replaced, if any.
+        let events = EventLog::new(4096, 1024);
+        events.load(&upgrade::events_file(&config.node.state_dir));
         let config = Arc::new(config);
         let agent = Arc::new(Self {
             books: Books::new(&config),
             config: RwLock::new(config),
             sup: Supervisor::new(sup_config, tx),
-            events: EventLog::new(4096, 1024),
+            events,
             host,
             devices: RwLock::new(Vec::new()),
             epoch: Instant::now(),
             id_seq: AtomicU64::new(0),
             closing: AtomicBool::new(false),
             closed: tokio::sync::watch::Sender::new(false),
+            upgrade: tokio::sync::watch::Sender::new(0),
             journal,
             journal_dirty: tokio::sync::Notify::new(),
             journal_lock: Mutex::new(()),

@@ -106,13 +106,22 @@ impl Daemon {
 
     /// As `start_in`, letting the test adjust the command first.
     pub async fn start_in_with(dir: tempfile::TempDir, adjust: impl FnOnce(&mut Command)) -> Self {
+        Self::start_program(Path::new(RESIDENTD), dir, adjust).await
+    }
+
+    /// As `start_in_with`, running the residentd binary at `program`.
+    pub async fn start_program(
+        program: &Path,
+        dir: tempfile::TempDir,
+        adjust: impl FnOnce(&mut Command),
+    ) -> Self {
         let config = dir.path().join("residentd.toml");
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(dir.path().join("residentd.log"))
             .expect("log file");
-        let mut cmd = Command::new(RESIDENTD);
+        let mut cmd = Command::new(program);
         cmd.arg("--config")
             .arg(&config)
             .env("RUST_LOG", "info,residentd=debug")

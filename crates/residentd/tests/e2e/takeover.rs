@@ -246,3 +246,234 @@ async fn what_ended_while_no_agent_ran_goes_by_its_restart_policy() {
         nix::sys::signal::SIGKILL,
     );
 }
+
+/// The pid of the agent serving on `socket` (as it says: the socket's
+/// peer credentials name whoever listened first).
+async fn agent_pid(socket: &Path) -> i32 {
+    let mut c = connect(socket).await;
+    let node = c.node(pb::NodeRequest {}).await.expect("node");
+    node.into_inner().agent_pid as i32
+}
+
+/// Kills an agent a test started by an upgrade (the `Daemon` knows only
+/// the one it spawned).
+struct Upgraded(i32);
+
+impl Drop for Upgraded {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.0),
+            nix::sys::signal::SIGKILL,
+        );
+    }
+}
+
+/// residentctl with `args` against the agent on `socket`.
+fn residentctl(socket: &Path, args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_residentctl"))
+        .arg("--socket")
+        .arg(socket)
+        .args(args)
+        .output()
+        .expect("residentctl runs")
+}
+
+/// Every event of `stream` until it ends (bounded).
+async fn until_end(stream: &mut tonic::Streaming<pb::Event>) -> Vec<pb::Event> {
+    let mut seen = Vec::new();
+    loop {
+        match tokio::time::timeout(PATIENCE, stream.message()).await {
+            Ok(Ok(Some(e))) => seen.push(e),
+            Ok(Ok(None) | Err(_)) => return seen,
+            Err(_) => panic!("the watch did not end at the upgrade"),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgrade_hands_every_instance_and_the_watchers_to_the_new_agent() {
+    let config = pool("ram", "10GB")
+        + &talker("talk", "policy = \"on-failure\"")
+        + &sleeper("nap", "ram", 2, "");
+    let mut d = Daemon::start(&config).await;
+    d.started("talk", "t").await;
+    d.started("nap", "n").await;
+    let t = d.wait_state("t", pb::State::Ready).await;
+    let n = d.wait_state("n", pb::State::Ready).await;
+    journaled_running(&d, &["t", "n"]).await;
+    let used = d.used().await;
+    let old_pid = agent_pid(&d.socket).await;
+    let mut watch = d.watch(0).await;
+    let snapshot = watch.message().await.expect("a snapshot").expect("event");
+    let _ = get(t.port, "/say/2").await;
+
+    // By the RPC (residentctl upgrade): it answers once the new agent
+    // serves.
+    let socket = d.socket.clone();
+    let o = tokio::task::spawn_blocking(move || residentctl(&socket, &["upgrade"]))
+        .await
+        .expect("joined");
+    let said = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success() && said.contains("upgraded residentd"),
+        "{said}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let new_pid = agent_pid(&d.socket).await;
+    let _new = Upgraded(new_pid);
+    assert_ne!(new_pid, old_pid, "a new agent serves");
+    let old = d.child.as_mut().expect("the old agent");
+    let exited = until(async || old.try_wait().expect("wait")).await;
+    assert!(
+        exited.is_some_and(|s| s.success()),
+        "the old agent exited cleanly"
+    );
+    d.client = connect(&d.socket).await;
+    assert_eq!(d.used().await, used, "the books are exact");
+    for (before, id) in [(&t, "t"), (&n, "n")] {
+        let i = d.wait_state(id, pb::State::Ready).await;
+        assert_eq!((i.pid, i.restarts), (before.pid, 0), "{id}: taken over");
+    }
+    // The watch ended at the hand-over; resumed by revision, it goes on
+    // without a gap: every event after the last one seen, in order.
+    let mut seen = vec![snapshot];
+    seen.extend(until_end(&mut watch).await);
+    let last = seen.iter().map(|e| e.revision).max().unwrap_or(0);
+    let mut resumed = d.watch(last).await;
+    d.started("nap", "n2").await;
+    let mut revisions = Vec::new();
+    let reached = until(async || {
+        let e = resumed.message().await.ok()??;
+        revisions.push(e.revision);
+        let n2_ready = e
+            .instance
+            .as_ref()
+            .is_some_and(|i| i.instance_id == "n2" && i.state == pb::State::Ready as i32);
+        n2_ready.then_some(())
+    })
+    .await;
+    assert!(
+        reached.is_some(),
+        "the resumed watch shows n2: {revisions:?}"
+    );
+    let expected: Vec<u64> = (last + 1..=last + revisions.len() as u64).collect();
+    assert_eq!(
+        revisions, expected,
+        "no gap, no repeat after revision {last}"
+    );
+    // The output goes on where the old agent let go.
+    assert_eq!(get(t.port, "/say/1").await, "3");
+    let tail = until(async || {
+        let got = said_of(&mut d, "t").await;
+        got.contains(&3).then_some(got)
+    })
+    .await;
+    assert!(tail.is_some(), "the new agent reads the output");
+
+    // And again by SIGUSR2, to the agent the first upgrade started.
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(new_pid),
+        nix::sys::signal::SIGUSR2,
+    )
+    .expect("SIGUSR2");
+    let socket = d.socket.clone();
+    let third = until(async || {
+        let pid = agent_pid(&socket).await;
+        (pid != new_pid).then_some(pid)
+    })
+    .await
+    .expect("a third agent serves after SIGUSR2");
+    let _third = Upgraded(third);
+    d.client = connect(&d.socket).await;
+    for (before, id) in [(&t, "t"), (&n, "n")] {
+        let i = d.wait_state(id, pb::State::Ready).await;
+        assert_eq!(
+            (i.pid, i.restarts),
+            (before.pid, 0),
+            "{id}: taken over again"
+        );
+    }
+    assert!(alive(t.pid as i32) && alive(n.pid as i32));
+}
+
+async fn said_of(d: &mut Daemon, id: &str) -> Vec<u32> {
+    said(&log_lines(d, id).await)
+}
+
+/// Puts `text` at `path` as a new file (a running binary cannot be
+/// written in place), executable.
+fn replace_file(path: &Path, text: &[u8]) {
+    use std::os::unix::fs::PermissionsExt as _;
+    let tmp = path.with_extension("new");
+    std::fs::write(&tmp, text).expect("write");
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    std::fs::rename(&tmp, path).expect("rename");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_binary_that_fails_its_check_or_its_start_leaves_the_agent_serving() {
+    // The agent runs from a copy of its binary, which the test replaces.
+    let bin = tempfile::tempdir().expect("tempdir");
+    let program = bin.path().join("residentd");
+    std::fs::copy(RESIDENTD, &program).expect("copy residentd");
+    let dir = tempfile::tempdir().expect("tempdir");
+    write_config(
+        dir.path(),
+        &(pool("ram", "10GB") + &sleeper("nap", "ram", 2, "")),
+    );
+    let mut d = Daemon::start_program(&program, dir, |_| {}).await;
+    d.started("nap", "n").await;
+    let n = d.wait_state("n", pb::State::Ready).await;
+    journaled_running(&d, &["n"]).await;
+    let pid = agent_pid(&d.socket).await;
+
+    // Not a residentd at all: refused by the check, nothing changed.
+    replace_file(&program, b"#!/bin/sh\necho 'not residentd' >&2\nexit 3\n");
+    let socket = d.socket.clone();
+    let o = tokio::task::spawn_blocking(move || residentctl(&socket, &["upgrade"]))
+        .await
+        .expect("joined");
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(!o.status.success(), "{err}");
+    assert!(
+        err.contains("FAILED_PRECONDITION")
+            && err.contains("--version")
+            && err.contains("not residentd"),
+        "{err}"
+    );
+    assert_eq!(agent_pid(&d.socket).await, pid, "the same agent serves");
+    d.started("nap", "n2").await;
+
+    // Passes the check, then fails to start: the agent executes itself
+    // afresh (the same pid) and takes its instances over again.
+    let script = format!(
+        "#!/bin/sh\ncase \"$1\" in --version|--check-config) exec {real} \"$@\";; esac\necho 'crashing on purpose' >&2\nexit 1\n",
+        real = RESIDENTD
+    );
+    replace_file(&program, script.as_bytes());
+    let socket = d.socket.clone();
+    let o = tokio::task::spawn_blocking(move || residentctl(&socket, &["upgrade"]))
+        .await
+        .expect("joined");
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(!o.status.success(), "{err}");
+    assert!(
+        err.contains("did not start") && err.contains("exited"),
+        "says why: {err}"
+    );
+    d.client = connect(&d.socket).await;
+    assert_eq!(
+        agent_pid(&d.socket).await,
+        pid,
+        "the agent itself, executed afresh"
+    );
+    let i = d.wait_state("n", pb::State::Ready).await;
+    assert_eq!((i.pid, i.restarts), (n.pid, 0), "taken over again");
+    d.wait_state("n2", pb::State::Ready).await;
+    assert_eq!(d.used().await, 4_000_000_000, "the books are exact");
+    let log = d.log();
+    assert!(
+        log.contains("crashing on purpose"),
+        "the new binary's words reach the log"
+    );
+}

@@ -136,6 +136,10 @@ enum Command {
     /// Re-read the agent's configuration file, as SIGHUP does (needs the
     /// admin role).
     Reload,
+    /// Replace the agent with the binary now at its path, without
+    /// stopping a model (needs the admin role): answers once the new
+    /// agent serves.
+    Upgrade,
     /// The roster: every workload with what it declares, what was learned
     /// of it (the high-water measured for its command and model files)
     /// and what its next start reserves.
@@ -463,6 +467,10 @@ async fn run(cli: &Cli) -> Result<ExitCode, Failure> {
         Command::Reload => {
             let r = c.reload(pb::ReloadRequest {}).await?.into_inner();
             render::reloaded(&r, json)?;
+        }
+        Command::Upgrade => {
+            let r = c.upgrade(pb::UpgradeRequest {}).await?.into_inner();
+            render::upgraded(&r, json)?;
         }
         Command::Workloads => {
             let r = c.workloads(pb::WorkloadsRequest {}).await?.into_inner();

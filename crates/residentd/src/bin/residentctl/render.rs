@@ -452,6 +452,15 @@ pub fn reloaded(r: &pb::ReloadResponse, json: bool) -> io::Result<()> {
     Ok(())
 }
 
+/// An upgrade: from which version to which.
+pub fn upgraded(r: &pb::UpgradeResponse, json: bool) -> io::Result<()> {
+    if json {
+        return print_json(&json!({ "old_version": r.old_version, "new_version": r.new_version }));
+    }
+    out!("upgraded residentd {} -> {}", r.old_version, r.new_version);
+    Ok(())
+}
+
 /// One log line, on stdout whichever stream it came from.
 pub fn log_line(l: &pb::LogLine, json: bool) -> io::Result<()> {
     if json {
