@@ -37,6 +37,7 @@ impl Agent {
         self.books.set_learned(found.learned);
         let entries = found.entries;
         if entries.is_empty() {
+            self.take_holds();
             self.sup.clear_dead_agents();
             return;
         }
@@ -93,6 +94,7 @@ impl Agent {
             }
         }
         self.persist();
+        self.take_holds();
         // Every process taken over has its run (and its cgroup) by now
         // (taken-over runs are launched below, before any other spawn);
         // what else dead agents left in cgroups can go.

@@ -32,7 +32,30 @@ pub(super) fn events_file(state_dir: &std::path::Path) -> std::path::PathBuf {
     state_dir.join("events.handover")
 }
 
+/// Where the holds in force wait for the next agent: `ID<TAB>MS` lines.
+fn holds_file(state_dir: &std::path::Path) -> std::path::PathBuf {
+    state_dir.join("holds.handover")
+}
+
 impl Agent {
+    /// After a restore: the holds the agent an upgrade replaced handed
+    /// over, each for what was left of it (the file is removed).
+    pub(super) fn take_holds(&self) {
+        let path = holds_file(&self.config().node.state_dir);
+        let Ok(text) = std::fs::read_to_string(&path) else {
+            return;
+        };
+        let _ = std::fs::remove_file(&path);
+        for line in text.lines() {
+            let Some((id, ms)) = line.split_once('\t') else {
+                continue;
+            };
+            if let Ok(ms) = ms.parse::<u64>() {
+                self.books.touch(id, self.now_ms(), super::Hold::For(ms));
+            }
+        }
+    }
+
     /// Whether an upgrade is under way (changes are refused meanwhile).
     pub fn upgrading(&self) -> bool {
         *self.upgrade.borrow() != IDLE
@@ -117,6 +140,15 @@ impl Agent {
         let state_dir = self.config().node.state_dir.clone();
         if let Err(e) = self.events.save(&events_file(&state_dir)) {
             tracing::warn!(error = %e, "cannot hand the event history over; watchers will list again");
+        }
+        let holds: String = self
+            .books
+            .holds(self.now_ms())
+            .into_iter()
+            .map(|(id, ms)| format!("{id}\t{ms}\n"))
+            .collect();
+        if let Err(e) = std::fs::write(holds_file(&state_dir), holds) {
+            tracing::warn!(error = %e, "cannot hand the holds over; their holders renew them");
         }
         tracing::info!("every instance handed over; starting the new binary");
         match crate::upgrade::start_next().await {

@@ -272,8 +272,13 @@ fn slow(name: &str, python: &Path, extra: &str) -> String {
 /// Opens a streamed chat completion of `model` through the router and
 /// returns the connection once the first chunk has arrived.
 async fn open_stream(port: u16, model: &str) -> TcpStream {
+    open_stream_of(port, model, 2000).await
+}
+
+/// As [`open_stream`], for a stream of `chunks` chunks (one every 50 ms).
+async fn open_stream_of(port: u16, model: &str, chunks: u32) -> TcpStream {
     let body = format!(
-        r#"{{"model": "{model}", "stream": true, "max_tokens": 2000, "messages": [{{"role": "user", "content": "hi"}}]}}"#
+        r#"{{"model": "{model}", "stream": true, "max_tokens": {chunks}, "messages": [{{"role": "user", "content": "hi"}}]}}"#
     );
     let mut s = TcpStream::connect(("127.0.0.1", port))
         .await
@@ -555,4 +560,52 @@ async fn an_instance_started_under_another_id_is_served_not_started_again() {
         .collect();
     assert_eq!(running, ["demo"]);
     drop(r);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_and_its_hold_go_on_across_an_upgrade_of_the_agent() {
+    let Some(python) = venv_python("the router test's OpenAI client") else {
+        return;
+    };
+    let mut config =
+        String::from("on_full = \"evict\"\n\n[[pool]]\nname = \"fake\"\nbudget = \"10GB\"\n\n");
+    config += &slow("slow", &python, "");
+    config += &slow("other", &python, "");
+    let mut d = Daemon::start(&config).await;
+    let r = router(&d.socket, Duration::from_secs(2)).await;
+    // A stream of 120 chunks (6 s) under way holds `slow`.
+    let mut stream = open_stream_of(r.port, "slow", 120).await;
+    assert_eq!(place_temporary(&mut d, "other").await, Some(true), "held");
+    let old = agent_pid(&d.socket).await;
+    let socket = d.socket.clone();
+    let o = tokio::task::spawn_blocking(move || residentctl(&socket, &["upgrade"]))
+        .await
+        .expect("joined");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let new = agent_pid(&d.socket).await;
+    let _new = Upgraded(new);
+    assert_ne!(new, old, "a new agent serves");
+    d.client = connect(&d.socket).await;
+    // The new agent has the hold at once (handed over, not waiting for the
+    // router's next renewal).
+    assert_eq!(
+        place_temporary(&mut d, "other").await,
+        Some(true),
+        "the hold went over with the instance"
+    );
+    // The stream never noticed.
+    let mut rest = Vec::new();
+    let read = tokio::time::timeout(PATIENCE, stream.read_to_end(&mut rest)).await;
+    read.expect("the stream ends in time").expect("read");
+    let rest = String::from_utf8_lossy(&rest);
+    assert!(
+        rest.contains("data: [DONE]"),
+        "the stream ended whole: {rest}"
+    );
+    // And the router reaches the new agent for what comes next.
+    ok(
+        &client(&python, &["chat", &r.base, "slow"]).await,
+        "slow, after the upgrade",
+    );
+    assert_eq!(d.ids().await, ["slow"], "served by the instance it had");
 }

@@ -384,3 +384,34 @@ pub fn as_nobody_on(socket: &Path, groups: &[u32], args: &[&str]) -> std::proces
         .output()
         .expect("python3 runs")
 }
+
+/// The pid of the agent serving on `socket` (as it says: the socket's
+/// peer credentials name whoever listened first).
+pub async fn agent_pid(socket: &Path) -> i32 {
+    let mut c = connect(socket).await;
+    let node = c.node(pb::NodeRequest {}).await.expect("node");
+    node.into_inner().agent_pid as i32
+}
+
+/// Kills an agent a test started by an upgrade (the `Daemon` knows only
+/// the one it spawned).
+pub struct Upgraded(pub i32);
+
+impl Drop for Upgraded {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.0),
+            nix::sys::signal::SIGKILL,
+        );
+    }
+}
+
+/// residentctl with `args` against the agent on `socket`.
+pub fn residentctl(socket: &Path, args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_residentctl"))
+        .arg("--socket")
+        .arg(socket)
+        .args(args)
+        .output()
+        .expect("residentctl runs")
+}

@@ -247,37 +247,6 @@ async fn what_ended_while_no_agent_ran_goes_by_its_restart_policy() {
     );
 }
 
-/// The pid of the agent serving on `socket` (as it says: the socket's
-/// peer credentials name whoever listened first).
-async fn agent_pid(socket: &Path) -> i32 {
-    let mut c = connect(socket).await;
-    let node = c.node(pb::NodeRequest {}).await.expect("node");
-    node.into_inner().agent_pid as i32
-}
-
-/// Kills an agent a test started by an upgrade (the `Daemon` knows only
-/// the one it spawned).
-struct Upgraded(i32);
-
-impl Drop for Upgraded {
-    fn drop(&mut self) {
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(self.0),
-            nix::sys::signal::SIGKILL,
-        );
-    }
-}
-
-/// residentctl with `args` against the agent on `socket`.
-fn residentctl(socket: &Path, args: &[&str]) -> std::process::Output {
-    std::process::Command::new(env!("CARGO_BIN_EXE_residentctl"))
-        .arg("--socket")
-        .arg(socket)
-        .args(args)
-        .output()
-        .expect("residentctl runs")
-}
-
 /// Every event of `stream` until it ends (bounded).
 async fn until_end(stream: &mut tonic::Streaming<pb::Event>) -> Vec<pb::Event> {
     let mut seen = Vec::new();

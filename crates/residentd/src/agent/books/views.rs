@@ -165,6 +165,17 @@ impl Books {
         }
     }
 
+    /// Every hold still in force at `now`: the instance and how many
+    /// milliseconds are left of it (an upgrade hands them over).
+    pub(in crate::agent) fn holds(&self, now: u64) -> Vec<(String, u64)> {
+        let b = self.lock();
+        b.ledger
+            .residents()
+            .filter(|r| r.hold_until > now)
+            .map(|r| (r.id.to_string(), r.hold_until - now))
+            .collect()
+    }
+
     /// Resident instances no Stop asked for whose lease ran out by `now`,
     /// with the lease's length.
     pub(in crate::agent) fn leases_expired(&self, now: u64) -> Vec<(String, u64, u64)> {
