@@ -1,7 +1,9 @@
-//! The comeback: an agent killed (kill -9) with N instances running, then
-//! started again on the same state. How long until it serves again (its
-//! first answer), and until every journaled instance is READY again;
-//! beside an agent started on an empty journal, side by side.
+//! The comeback: an agent whose instances die with it
+//! (`instances_outlive_agent = false`) killed (kill -9) with N instances
+//! running, then started again on the same state. How long until it serves
+//! again (its first answer), and until every journaled instance is READY
+//! again (spawned anew); beside an agent started on an empty journal, side
+//! by side. `takeover.rs` has the default, instances that outlive it.
 
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -11,7 +13,7 @@ use anyhow::Context as _;
 use resident_api::pb;
 
 use crate::report::{Row, Table};
-use crate::{Plan, connect, measure, spawn_agent, start};
+use crate::{Plan, connect, measure, spawn_agent, spawn_agent_with, start};
 
 pub async fn rows(plan: &Plan, residentd: &Path, table: &mut Table) -> anyhow::Result<()> {
     let n = plan.comeback_instances;
@@ -27,7 +29,7 @@ pub async fn rows(plan: &Plan, residentd: &Path, table: &mut Table) -> anyhow::R
         fresh.push(t.elapsed());
         drop(empty);
 
-        let mut agent = spawn_agent(residentd)?;
+        let mut agent = spawn_agent_with(residentd, "instances_outlive_agent = false")?;
         let c = connect(&agent.socket).await?;
         let mut starts = tokio::task::JoinSet::new();
         for i in 0..n {

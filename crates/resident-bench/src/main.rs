@@ -33,6 +33,7 @@ mod measure;
 mod readiness;
 mod report;
 mod router;
+mod takeover;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -283,7 +284,7 @@ fn main() -> anyhow::Result<()> {
         .position(|a| a == "--venv-python")
         .and_then(|i| args.get(i + 1))
         .map(PathBuf::from);
-    // `--only place|startstop|crash|idle|churn|readiness|router|fleet|comeback`
+    // `--only place|startstop|crash|idle|churn|readiness|router|fleet|comeback|takeover`
     // runs one part, for working on it.
     let only = args
         .iter()
@@ -317,6 +318,9 @@ fn main() -> anyhow::Result<()> {
         }
         if runs("comeback") {
             comeback::rows(&plan, &residentd, &mut table).await?;
+        }
+        if runs("takeover") {
+            takeover::rows(&plan, &residentd, &mut table).await?;
         }
         if runs("readiness") {
             readiness::rows(&plan, &residentd, &mut table).await?;
