@@ -118,6 +118,7 @@ pub(crate) enum First {
         watched: Watched,
         pid: u32,
         start_ticks: u64,
+        restarts: u32,
         /// Its cgroup, when an earlier agent's supervisor made it.
         cgroup: Option<Arc<RunCgroup>>,
     },
@@ -217,8 +218,9 @@ impl Actor {
                     watched,
                     pid,
                     start_ticks,
+                    restarts,
                     cgroup,
-                }) => Some(self.take_over(watched, pid, start_ticks, cgroup)),
+                }) => Some(self.take_over(watched, (pid, start_ticks, restarts), cgroup)),
                 Some(First::Gone(why)) => {
                     // Long gone, for all we know: it counts as a run that
                     // was stable.
@@ -359,8 +361,7 @@ impl Actor {
     fn take_over(
         &mut self,
         watched: Watched,
-        pid: u32,
-        start_ticks: u64,
+        (pid, start_ticks, restarts): (u32, u64, u32),
         cgroup: Option<Arc<RunCgroup>>,
     ) -> Run {
         let pgid = pid as i32;
@@ -380,6 +381,7 @@ impl Actor {
             |s| {
                 s.pid = Some(pid);
                 s.start_ticks = Some(start_ticks);
+                s.restarts = restarts;
                 s.started_at = Some(std::time::SystemTime::now());
             },
         );

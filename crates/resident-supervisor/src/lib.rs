@@ -31,4 +31,6 @@ pub use child::resolve as find_program;
 pub use logs::{LogLimits, LogLine, LogRing, Stream};
 pub use spec::{LaunchSpec, MACROS, Macros, Readiness, RestartMode, RestartPolicy};
 pub use status::{Exit, State, Status};
-pub use supervisor::{Stopping, Supervisor, SupervisorConfig, SupervisorError, TakeOver};
+pub use supervisor::{
+    RunProcess, Stopping, Supervisor, SupervisorConfig, SupervisorError, TakeOver,
+};

@@ -87,6 +87,19 @@ pub enum SupervisorError {
     },
 }
 
+/// A run's process as the journal records it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RunProcess {
+    /// Its pid (the leader of its process group).
+    pub pid: u32,
+    /// Its start time, when its spawn could tell.
+    pub start_ticks: Option<u64>,
+    /// Its port.
+    pub port: u16,
+    /// The instance's restarts so far.
+    pub restarts: u32,
+}
+
 /// A process an earlier agent spawned for an instance and left running,
 /// as its journal recorded it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -97,6 +110,8 @@ pub struct TakeOver {
     pub start_ticks: u64,
     /// The port it was given.
     pub port: u16,
+    /// The instance's restarts so far (its status goes on from there).
+    pub restarts: u32,
 }
 
 #[derive(Debug)]
@@ -156,7 +171,8 @@ impl Supervisor {
     /// within a tokio runtime (it starts the memory sampler).
     pub fn new(config: SupervisorConfig, events: mpsc::UnboundedSender<Status>) -> Self {
         crate::spawn::start_spawners();
-        let cgroups = Cgroups::setup(config.cgroups, config.outlive.is_some()).map(Arc::new);
+        let lineage = config.outlive.as_deref().map(crate::cgroup::lineage);
+        let cgroups = Cgroups::setup(config.cgroups, lineage).map(Arc::new);
         tracing::info!(
             "instances are contained by {}",
             crate::cgroup::describe(cgroups.as_deref())
@@ -207,6 +223,7 @@ impl Supervisor {
                 watched,
                 pid: process.pid,
                 start_ticks: process.start_ticks,
+                restarts: process.restarts,
                 cgroup: self
                     .inner
                     .cgroups
@@ -230,13 +247,21 @@ impl Supervisor {
         let (Some(cgroups), Some(_)) = (&self.inner.cgroups, &self.inner.config.outlive) else {
             return;
         };
-        let keep: Vec<_> = self
-            .table()
-            .values()
-            .filter_map(|e| e.shared.cgroup())
-            .map(|cg| (*cg).clone())
-            .collect();
-        cgroups.clear_dead_agents(&keep);
+        let (keep, pids): (Vec<_>, Vec<_>) = {
+            let table = self.table();
+            let keep = table
+                .values()
+                .filter_map(|e| e.shared.cgroup())
+                .map(|cg| (*cg).clone())
+                .collect();
+            let pids = table
+                .values()
+                .map(|e| e.shared.pgid.load(Ordering::Relaxed))
+                .filter(|p| *p > 1)
+                .collect();
+            (keep, pids)
+        };
+        cgroups.clear_dead_agents(&keep, &pids);
     }
 
     async fn launch(
@@ -469,14 +494,18 @@ impl Supervisor {
             .map(|e| e.shared.status.borrow().clone())
     }
 
-    /// The pid of run `generation` of `id`, while it has one, its start
-    /// time when known, and its port (no copy of the status: the journal
-    /// asks for every instance at every write).
-    pub fn pid(&self, id: &str, generation: u64) -> Option<(u32, Option<u64>, u16)> {
+    /// Run `generation` of `id` while it has a process (no copy of the
+    /// status: the journal asks for every instance at every write).
+    pub fn pid(&self, id: &str, generation: u64) -> Option<RunProcess> {
         let table = self.table();
         let status = table.get(id)?.shared.status.borrow();
         let pid = status.pid.filter(|_| status.generation == generation)?;
-        Some((pid, status.start_ticks, status.port))
+        Some(RunProcess {
+            pid,
+            start_ticks: status.start_ticks,
+            port: status.port,
+            restarts: status.restarts,
+        })
     }
 
     /// A receiver that sees every later status of `id`.

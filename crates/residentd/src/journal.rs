@@ -7,10 +7,11 @@
 //! Format: a header line `# residentd journal 5`, then one line per change,
 //! tab-separated. An instance's line (put, or replace in place):
 //! `instance_id  workload  pgid  start_ticks  lease_ms [adopted port |
-//! run port]` (pgid 0: not spawned yet; lease 0: none; a line without the
-//! lease, from before leases, reads as none; an adopted instance's pgid is
-//! its pid; `run port`: the port of a spawned run, which a takeover needs:
-//! a line without it, from before format 5, is never taken over);
+//! run port restarts]` (pgid 0: not spawned yet; lease 0: none; a line
+//! without the lease, from before leases, reads as none; an adopted
+//! instance's pgid is its pid; `run port restarts`: the port of a spawned
+//! run and the instance's restarts so far, which a takeover needs: a line
+//! without them, from before format 5, is never taken over);
 //! its removal: `-  instance_id`. A workload's learned footprint
 //! (`learn_footprints`): `@  workload  key  pool=bytes ...` (the key a
 //! hex digest of what it was learned for, `Workload::footprint_key`; one
@@ -63,6 +64,8 @@ pub struct Entry {
     pub adopted: Option<Adopted>,
     /// A spawned run's port (0: not known), for its takeover.
     pub port: u16,
+    /// The instance's restarts so far (a spawned run's).
+    pub restarts: u32,
 }
 
 /// An adopted instance's terms.
@@ -363,7 +366,9 @@ fn put_line(text: &mut String, e: &Entry) {
             };
             writeln!(text, "\t{how}\t{}", a.port)
         }
-        None if e.port != 0 && e.pgid > 0 => writeln!(text, "\trun\t{}", e.port),
+        None if e.port != 0 && e.pgid > 0 => {
+            writeln!(text, "\trun\t{}\t{}", e.port, e.restarts)
+        }
         None => writeln!(text),
     };
 }
@@ -494,12 +499,17 @@ fn parse(line: &str) -> Option<Line> {
         },
         adopted: None,
         port: 0,
+        restarts: 0,
     };
     // An adopted instance has two more: how, and its port; a spawned run
-    // may have `run` and its port.
+    // may have `run`, its port and the restarts so far.
+    let mut restarts = 0;
     let (adopted, port) = match (fields.next(), fields.next()) {
         (None, _) => (None, 0),
-        (Some("run"), Some(port)) => (None, port.parse().ok()?),
+        (Some("run"), Some(port)) => {
+            restarts = fields.next()?.parse().ok()?;
+            (None, port.parse().ok()?)
+        }
         (Some(how), Some(port)) => {
             let manage = match how {
                 "adopted" => false,
@@ -514,6 +524,7 @@ fn parse(line: &str) -> Option<Line> {
     let entry = Entry {
         adopted,
         port,
+        restarts,
         ..entry
     };
     fields.next().is_none().then_some(Line::Put(entry))
@@ -588,6 +599,7 @@ mod tests {
                 lease_ms: 30_000,
                 adopted: None,
                 port: 8081,
+                restarts: 2,
             },
             Entry {
                 instance: "c".into(),
@@ -600,6 +612,7 @@ mod tests {
                     port: 8080,
                 }),
                 port: 8080,
+                restarts: 0,
             },
             Entry {
                 instance: "a".into(),
@@ -609,6 +622,7 @@ mod tests {
                 lease_ms: 0,
                 adopted: None,
                 port: 0,
+                restarts: 0,
             },
         ];
         j.write(entries.clone(), Vec::new()).expect("write");
@@ -629,11 +643,12 @@ mod tests {
         };
         assert_eq!((old.lease_ms, old.port), (0, 0));
         // A spawned run's port (format 5), which a takeover needs.
-        let Some(Line::Put(run)) = parse("a\tb\t1\t2\t0\trun\t8090") else {
-            panic!("a line with its run's port");
+        let Some(Line::Put(run)) = parse("a\tb\t1\t2\t0\trun\t8090\t3") else {
+            panic!("a line with its run's port and restarts");
         };
-        assert_eq!((run.port, run.adopted), (8090, None));
-        assert_eq!(parse("a\tb\t1\t2\t0\trun\tx"), None);
+        assert_eq!((run.port, run.restarts, run.adopted), (8090, 3, None));
+        assert_eq!(parse("a\tb\t1\t2\t0\trun\tx\t0"), None);
+        assert_eq!(parse("a\tb\t1\t2\t0\trun\t8090"), None);
         assert_eq!(parse("-\ta"), Some(Line::Remove("a".into())));
         let _ = std::fs::remove_dir_all(dir);
     }
@@ -647,6 +662,7 @@ mod tests {
             lease_ms: 0,
             adopted: None,
             port: 0,
+            restarts: 0,
         }
     }
 

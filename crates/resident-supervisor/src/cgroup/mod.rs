@@ -2,7 +2,8 @@
 //! memory limit, and OOM-kill detection.
 //!
 //! Each run of an instance gets a cgroup of its own below a directory of
-//! this supervisor (`residentd-PID-N`), in every hierarchy the agent can write
+//! this supervisor (`residentd-PID-N`, or `residentd-LINEAGE-PID-N` when
+//! instances outlive the agent), in every hierarchy the agent can write
 //! to:
 //!
 //! - cgroup v2 (the unified mount, or `/sys/fs/cgroup/unified` on a hybrid
@@ -49,8 +50,36 @@ pub enum CgroupMode {
 }
 
 /// The prefix of every supervisor's directory: `residentd-PID-N`, for the
-/// N-th supervisor of process PID.
+/// N-th supervisor of process PID, or `residentd-LINEAGE-PID-N` for one
+/// whose instances outlive it: LINEAGE names its state (`lineage`), so an
+/// agent clears and takes over only what agents of its own state left,
+/// never the live instances of another agent's state beside it.
 const BASE_PREFIX: &str = "residentd-";
+
+/// The lineage tag of instances that outlive their agent, kept in `state`:
+/// `s` and 16 hex digits of a hash of the path (never a number, so it is
+/// not read as a pid).
+pub fn lineage(state: &Path) -> String {
+    // FNV-1a: stable across builds and runs, unlike std's hasher.
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in state.as_os_str().as_encoded_bytes() {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("s{h:016x}")
+}
+
+/// The pid of the agent whose directory is `name`, when it is of
+/// `lineage` ("": the untagged `residentd-PID-N`).
+fn agent_of(name: &str, lineage: &str) -> Option<i32> {
+    let rest = name.strip_prefix(BASE_PREFIX)?;
+    let rest = if lineage.is_empty() {
+        rest
+    } else {
+        rest.strip_prefix(lineage)?.strip_prefix('-')?
+    };
+    rest.split('-').next()?.parse().ok()
+}
 
 /// `e`, with the path it happened at in its message.
 fn at_path(path: &Path, e: io::Error) -> io::Error {

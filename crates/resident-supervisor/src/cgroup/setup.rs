@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::leftovers::clear_dead_agents;
-use super::{BASE_PREFIX, CgroupMode, Hierarchies, RunCgroup, make_dir, write};
+use super::{BASE_PREFIX, CgroupMode, Hierarchies, RunCgroup, agent_of, make_dir, write};
 
 /// A supervisor's cgroup directories, one per usable hierarchy.
 #[derive(Debug)]
@@ -22,6 +22,8 @@ pub struct Cgroups {
     /// Emptied run cgroups kept for the next runs: making and removing a
     /// cgroup costs the kernel far more than a spawn does.
     spare: std::sync::Mutex<Vec<RunCgroup>>,
+    /// Whose runs outlive their agent ("": they do not).
+    lineage: String,
 }
 
 /// At most this many emptied cgroups are kept for reuse.
@@ -51,25 +53,33 @@ impl Cgroups {
     /// Sets up this supervisor's directories in every writable hierarchy,
     /// after clearing what dead agents left there. `None` when `mode` is
     /// off or nothing is writable.
-    /// With `keep_dead` (instances outlive the agent), what dead agents
-    /// left is cleared only when the caller says what it took over
-    /// (`clear_dead_agents`).
-    pub fn setup(mode: CgroupMode, keep_dead: bool) -> Option<Self> {
+    /// With a `lineage` (instances outlive the agent: `super::lineage`
+    /// of its state), the directories are named with it, and what dead
+    /// agents of the same lineage left is cleared only when the caller
+    /// says what it took over (`clear_dead_agents`).
+    pub fn setup(mode: CgroupMode, lineage: Option<String>) -> Option<Self> {
         if mode == CgroupMode::Off {
             return None;
         }
-        Self::setup_in(&Hierarchies::of_self(), keep_dead)
+        Self::setup_in(&Hierarchies::of_self(), lineage)
     }
 
     /// As `setup`, in the given hierarchies.
-    pub fn setup_in(h: &Hierarchies, keep_dead: bool) -> Option<Self> {
+    pub fn setup_in(h: &Hierarchies, lineage: Option<String>) -> Option<Self> {
         static SUPERVISORS: AtomicU64 = AtomicU64::new(0);
         let n = SUPERVISORS.fetch_add(1, Ordering::Relaxed);
-        let name = format!("{BASE_PREFIX}{}-{n}", std::process::id());
+        let keep_dead = lineage.is_some();
+        let lineage = lineage.unwrap_or_default();
+        let tag = if lineage.is_empty() {
+            String::new()
+        } else {
+            format!("{lineage}-")
+        };
+        let name = format!("{BASE_PREFIX}{tag}{}-{n}", std::process::id());
         let mut v2_memory = false;
         let v2 = h.v2.as_ref().and_then(|own| {
             if !keep_dead {
-                clear_dead_agents(own, &[]);
+                clear_dead_agents(own, "", &[], &[]);
             }
             let base = own.join(&name);
             if let Err(e) = make_dir(&base) {
@@ -81,7 +91,7 @@ impl Cgroups {
         });
         let v1_memory = h.v1_memory.as_ref().and_then(|own| {
             if !keep_dead {
-                clear_dead_agents(own, &[]);
+                clear_dead_agents(own, "", &[], &[]);
             }
             let base = own.join(&name);
             match make_dir(&base) {
@@ -101,6 +111,7 @@ impl Cgroups {
             v1_memory,
             next: AtomicU64::new(0),
             spare: std::sync::Mutex::new(Vec::new()),
+            lineage,
         })
     }
 
@@ -180,12 +191,13 @@ impl Cgroups {
 
     /// Clears what agents that are gone left beside this supervisor's
     /// directories (in the background), except the run cgroups of
-    /// processes it took over (`keep`, as `run_of` found them).
-    pub fn clear_dead_agents(&self, keep: &[RunCgroup]) {
+    /// processes it took over (`keep`, as `run_of` found them) and any
+    /// that holds one of `keep_pids`.
+    pub fn clear_dead_agents(&self, keep: &[RunCgroup], keep_pids: &[i32]) {
         let keep: Vec<PathBuf> = keep.iter().flat_map(RunCgroup::dirs).cloned().collect();
         for base in self.bases() {
             if let Some(own) = base.parent() {
-                clear_dead_agents(own, &keep);
+                clear_dead_agents(own, &self.lineage, &keep, keep_pids);
             }
         }
     }
@@ -204,7 +216,8 @@ impl Cgroups {
             let named = agent
                 .file_name()?
                 .to_str()
-                .is_some_and(|n| n.starts_with(BASE_PREFIX));
+                .and_then(|n| agent_of(n, &self.lineage))
+                .is_some();
             (named && agent.parent() == base.parent()).then_some(dir)
         };
         let v2 = ours(found.v2, self.v2.as_ref());
@@ -308,7 +321,7 @@ mod tests {
             v2: Some(own.clone()),
             v1_memory: None,
         };
-        let cg = Cgroups::setup_in(&h, false).expect("a writable tree");
+        let cg = Cgroups::setup_in(&h, None).expect("a writable tree");
         assert!(cg.limits_memory(), "{}", describe(Some(&cg)));
         let base = cg.v2.clone().expect("a v2 base");
         let read = |p: &Path| fs::read_to_string(p).expect("read");

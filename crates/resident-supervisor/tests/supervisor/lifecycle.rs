@@ -405,7 +405,12 @@ async fn a_runs_start_time_is_known_from_its_spawn_as_proc_gives_it() {
         }
         assert_eq!(
             h.sup.pid(&id, status.generation),
-            Some((pid, status.start_ticks, status.port))
+            Some(resident_supervisor::RunProcess {
+                pid,
+                start_ticks: status.start_ticks,
+                port: status.port,
+                restarts: 0,
+            })
         );
         h.sup.stop(&id, None).await.expect("stops");
     }

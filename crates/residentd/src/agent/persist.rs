@@ -299,9 +299,9 @@ impl Agent {
             .map(|row| {
                 let (id, generation) = (row.id, row.generation);
                 let run = self.sup.pid(&id, generation);
-                let (pid, spawned_at, port) = match run {
-                    Some((pid, ticks, port)) => (pid as i32, ticks, port),
-                    None => (0, None, 0),
+                let (pid, spawned_at, port, restarts) = match run {
+                    Some(r) => (r.pid as i32, r.start_ticks, r.port, r.restarts),
+                    None => (0, None, 0, 0),
                 };
                 // Kept for the run and its pid, so a reused pid is read anew.
                 let start_ticks = match (known.get(id.as_str()), spawned_at) {
@@ -339,6 +339,7 @@ impl Agent {
                             port: a.port,
                         }),
                         port: a.port,
+                        restarts: 0,
                     },
                     None => journal::Entry {
                         instance: id,
@@ -348,6 +349,7 @@ impl Agent {
                         lease_ms: row.lease_ms,
                         adopted: None,
                         port,
+                        restarts,
                     },
                 }
             })
@@ -364,6 +366,7 @@ fn taken_over(e: &journal::Entry) -> Option<resident_supervisor::TakeOver> {
             pid,
             start_ticks: e.start_ticks,
             port: e.port,
+            restarts: e.restarts,
         },
     )
 }

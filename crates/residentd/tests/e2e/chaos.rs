@@ -606,3 +606,127 @@ struct Contention {
     evicted: usize,
     ended: Vec<(String, u64)>,
 }
+
+/// The books at quiescence, when instances may have been taken over (no
+/// longer the agent's children): the pool holds exactly the footprints of
+/// the instances that hold memory, each runs, and no process seen before
+/// that is not one of them is left.
+async fn check_taken_books(d: &mut Daemon, seed: u64, seen: &mut BTreeSet<i32>) {
+    // A process a client killed last may not have been seen exit yet:
+    // settled means READY ones run too (bounded).
+    let mut list = quiescent(d, seed).await;
+    for _ in 0..100 {
+        let dead = list
+            .iter()
+            .any(|i| i.state == pb::State::Ready as i32 && !alive(i.pid as i32));
+        if !dead {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        list = quiescent(d, seed).await;
+    }
+    let declared: u64 = list
+        .iter()
+        .filter(|i| holds_memory(i.state))
+        .flat_map(|i| i.demand.iter())
+        .map(|dm| dm.weights_bytes + dm.kv_budget_bytes)
+        .sum();
+    let used = d.node().await.pools[0].used_bytes;
+    assert_eq!(used, declared, "seed {seed}: ledger vs instances {list:?}");
+    let running: BTreeSet<i32> = list
+        .iter()
+        .filter(|i| holds_memory(i.state))
+        .map(|i| i.pid as i32)
+        .collect();
+    assert!(
+        !running.contains(&0),
+        "seed {seed}: a READY instance without a pid"
+    );
+    for pid in &running {
+        assert!(alive(*pid), "seed {seed}: READY pid {pid} is gone");
+    }
+    let gone = eventually(async || seen.iter().all(|p| running.contains(p) || !alive(*p))).await;
+    let left: Vec<&i32> = seen
+        .iter()
+        .filter(|p| !running.contains(p) && alive(**p))
+        .collect();
+    assert!(gone, "seed {seed}: processes of ended runs left: {left:?}");
+    seen.extend(running);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_kills_and_upgrades_among_random_operations_leave_the_books_straight() {
+    let seed = seed();
+    eprintln!("chaos seed {seed} (replay with CHAOS_SEED={seed})");
+    let mut d = Daemon::start(&roster()).await;
+    let mut rng = Rng(seed.max(1) ^ 0x5eed);
+    let mut seen = BTreeSet::new();
+    let mut upgraded = Vec::new();
+    let mut total = Tally::default();
+    for round in 0..4 {
+        let clients: Vec<_> = (0..CLIENTS)
+            .map(|_| {
+                let child_rng = Rng(rng.next() | 1);
+                tokio::spawn(client_ops(d.socket.clone(), child_rng, 25))
+            })
+            .collect();
+        for c in clients {
+            let t = c.await.expect("a client panicked");
+            total.admitted += t.admitted;
+            total.killed += t.killed;
+        }
+        check_taken_books(&mut d, seed, &mut seen).await;
+        let before: BTreeMap<String, (u32, u32)> = d
+            .list()
+            .await
+            .into_iter()
+            .filter(|i| i.state == pb::State::Ready as i32 && i.workload != "crashy")
+            .map(|i| (i.instance_id, (i.pid, i.restarts)))
+            .collect();
+        let journaled = eventually(async || {
+            let entries = d.journaled();
+            before.iter().all(|(id, (pid, _))| {
+                entries
+                    .iter()
+                    .any(|e| &e.instance == id && e.pgid == *pid as i32)
+            })
+        })
+        .await;
+        assert!(journaled, "seed {seed}: the journal caught up");
+        if round % 2 == 0 {
+            d.kill();
+            d = d.restart().await;
+        } else {
+            let answer = d.client.upgrade(pb::UpgradeRequest {}).await;
+            assert!(answer.is_ok(), "seed {seed}: {answer:?}");
+            d.client = connect(&d.socket).await;
+            upgraded.push(Upgraded(agent_pid(&d.socket).await));
+        }
+        // What was READY (and cannot crash on its own) runs on, taken
+        // over: the same pid, no restart.
+        for (id, (pid, restarts)) in &before {
+            let i = d.get(id).await;
+            assert_eq!(
+                (i.pid, i.restarts),
+                (*pid, *restarts),
+                "seed {seed} round {round}: {id} was not taken over: {i:?}"
+            );
+        }
+        check_taken_books(&mut d, seed, &mut seen).await;
+    }
+    eprintln!("seed {seed}: {total:?}");
+    assert!(
+        total.admitted > 10,
+        "seed {seed}: too little happened: {total:?}"
+    );
+    for i in d.list().await {
+        let stop = pb::StopRequest {
+            instance_id: i.instance_id.clone(),
+            grace_ms: 0,
+        };
+        d.client.stop(stop).await.expect("stop");
+    }
+    assert_eq!(d.node().await.pools[0].used_bytes, 0, "seed {seed}");
+    let left: Vec<&i32> = seen.iter().filter(|p| alive(**p)).collect();
+    assert!(left.is_empty(), "seed {seed}: processes left: {left:?}");
+}

@@ -25,7 +25,7 @@ fn talker(name: &str, restart: &str) -> String {
 async fn get(port: u32, path: &str) -> String {
     let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port as u16))
         .await
-        .expect("connect to the instance");
+        .unwrap_or_else(|e| panic!("connect to the instance on {port} for {path}: {e}"));
     let ask = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
     s.write_all(ask.as_bytes()).await.expect("ask");
     let mut answer = String::new();
@@ -176,13 +176,14 @@ fn journal_a_reused_pid(state: &Path, id: &str) {
         .find(|e| e.instance == id)
         .expect("journaled");
     let line = format!(
-        "{}\t{}\t{}\t{}\t{}\trun\t{}\n",
+        "{}\t{}\t{}\t{}\t{}\trun\t{}\t{}\n",
         entry.instance,
         entry.workload,
         entry.pgid,
         entry.start_ticks + 1,
         entry.lease_ms,
-        entry.port
+        entry.port,
+        entry.restarts
     );
     let path = state.join("instances.journal");
     let mut text = std::fs::read_to_string(&path).expect("the journal");
