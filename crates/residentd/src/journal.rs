@@ -7,11 +7,13 @@
 //! Format: a header line `# residentd journal 5`, then one line per change,
 //! tab-separated. An instance's line (put, or replace in place):
 //! `instance_id  workload  pgid  start_ticks  lease_ms [adopted port |
-//! run port restarts]` (pgid 0: not spawned yet; lease 0: none; a line
-//! without the lease, from before leases, reads as none; an adopted
+//! run port restarts [choice]]` (pgid 0: not spawned yet; lease 0: none; a
+//! line without the lease, from before leases, reads as none; an adopted
 //! instance's pgid is its pid; `run port restarts`: the port of a spawned
 //! run and the instance's restarts so far, which a takeover needs: a line
-//! without them, from before format 5, is never taken over);
+//! without them, from before format 5, is never taken over; `choice`: the
+//! pools chosen for its any-of demands, `a,b;c` for two labels, which a
+//! takeover keeps);
 //! its removal: `-  instance_id`. A workload's learned footprint
 //! (`learn_footprints`): `@  workload  key  pool=bytes ...` (the key a
 //! hex digest of what it was learned for, `Workload::footprint_key`; one
@@ -66,6 +68,9 @@ pub struct Entry {
     pub port: u16,
     /// The instance's restarts so far (a spawned run's).
     pub restarts: u32,
+    /// The pools chosen for each any-of demand, in label order (a spawned
+    /// run's; empty when it has none).
+    pub chosen: Vec<Vec<String>>,
 }
 
 /// An adopted instance's terms.
@@ -367,7 +372,12 @@ fn put_line(text: &mut String, e: &Entry) {
             writeln!(text, "\t{how}\t{}", a.port)
         }
         None if e.port != 0 && e.pgid > 0 => {
-            writeln!(text, "\trun\t{}\t{}", e.port, e.restarts)
+            let _ = write!(text, "\trun\t{}\t{}", e.port, e.restarts);
+            if !e.chosen.is_empty() {
+                let choice: Vec<String> = e.chosen.iter().map(|pools| pools.join(",")).collect();
+                let _ = write!(text, "\t{}", choice.join(";"));
+            }
+            writeln!(text)
         }
         None => writeln!(text),
     };
@@ -500,14 +510,22 @@ fn parse(line: &str) -> Option<Line> {
         adopted: None,
         port: 0,
         restarts: 0,
+        chosen: Vec::new(),
     };
     // An adopted instance has two more: how, and its port; a spawned run
-    // may have `run`, its port and the restarts so far.
+    // may have `run`, its port, the restarts so far, and its choice.
     let mut restarts = 0;
+    let mut chosen = Vec::new();
     let (adopted, port) = match (fields.next(), fields.next()) {
         (None, _) => (None, 0),
         (Some("run"), Some(port)) => {
             restarts = fields.next()?.parse().ok()?;
+            if let Some(choice) = fields.next() {
+                chosen = choice
+                    .split(';')
+                    .map(|pools| pools.split(',').map(str::to_string).collect())
+                    .collect();
+            }
             (None, port.parse().ok()?)
         }
         (Some(how), Some(port)) => {
@@ -525,6 +543,7 @@ fn parse(line: &str) -> Option<Line> {
         adopted,
         port,
         restarts,
+        chosen,
         ..entry
     };
     fields.next().is_none().then_some(Line::Put(entry))
@@ -600,6 +619,7 @@ mod tests {
                 adopted: None,
                 port: 8081,
                 restarts: 2,
+                chosen: vec![vec!["gpu1".into(), "gpu3".into()], vec!["host".into()]],
             },
             Entry {
                 instance: "c".into(),
@@ -613,6 +633,7 @@ mod tests {
                 }),
                 port: 8080,
                 restarts: 0,
+                chosen: Vec::new(),
             },
             Entry {
                 instance: "a".into(),
@@ -623,6 +644,7 @@ mod tests {
                 adopted: None,
                 port: 0,
                 restarts: 0,
+                chosen: Vec::new(),
             },
         ];
         j.write(entries.clone(), Vec::new()).expect("write");
@@ -663,6 +685,7 @@ mod tests {
             adopted: None,
             port: 0,
             restarts: 0,
+            chosen: Vec::new(),
         }
     }
 

@@ -74,7 +74,7 @@ impl Agent {
     ) -> Result<Started, ApiError> {
         let answer = Answer::Durable;
         let admission = self
-            .admit_start(workload, id, policy, wait_ready, lease_ms, answer)
+            .admit_start(workload, id, policy, wait_ready, lease_ms, answer, &[])
             .await?;
         let (request, admitted) = match admission {
             Admission::Existing(started) => return Ok(started),
@@ -87,7 +87,10 @@ impl Agent {
     }
 
     /// The decision half of a Start: the books admit it (or it exists, or
-    /// it is refused); nothing is stopped or spawned yet.
+    /// it is refused); nothing is stopped or spawned yet. `pinned`: the
+    /// pools each any-of demand must take (a run taken over keeps what it
+    /// was given), when they are still among its candidates.
+    #[allow(clippy::too_many_arguments)]
     pub(super) async fn admit_start(
         self: &Arc<Self>,
         workload: &str,
@@ -96,9 +99,10 @@ impl Agent {
         wait_ready: bool,
         lease_ms: u64,
         answer: Answer,
+        pinned: &[Vec<String>],
     ) -> Result<Admission, ApiError> {
         let mut config = self.config();
-        let mut w = workload_of(&config, workload)?;
+        let mut w = pin(workload_of(&config, workload)?, pinned);
         let id = match id {
             Some(id) => id,
             None => generated_id(&w, self.id_seq.fetch_add(1, Ordering::Relaxed) + 1),
@@ -157,7 +161,7 @@ impl Agent {
                     // books: decide again on the config the books hold.
                     tokio::task::yield_now().await;
                     config = self.config();
-                    w = workload_of(&config, workload)?;
+                    w = pin(workload_of(&config, workload)?, pinned);
                     policy = asked.unwrap_or(config.node.on_full);
                     key = footprint_key(&config, &w);
                 }
@@ -435,6 +439,30 @@ impl Agent {
 }
 
 /// The workload `name` (or alias) of `config`'s roster.
+/// `w` with each any-of demand's candidates narrowed to the pools
+/// `pinned` names for it, where those are still `count` of its
+/// candidates; `w` itself when nothing is pinned.
+fn pin(w: Arc<Workload>, pinned: &[Vec<String>]) -> Arc<Workload> {
+    if pinned.is_empty() || pinned.len() != w.spec.any_of.len() {
+        return w;
+    }
+    let mut spec = (*w.spec).clone();
+    for (a, pools) in spec.any_of.iter_mut().zip(pinned) {
+        let chosen: Vec<_> = a
+            .candidates
+            .iter()
+            .filter(|c| pools.iter().any(|p| p == c.as_str()))
+            .cloned()
+            .collect();
+        if chosen.len() == a.count && chosen.len() == pools.len() {
+            a.candidates = chosen;
+        }
+    }
+    let mut pinned = (*w).clone();
+    pinned.spec = Arc::new(spec);
+    Arc::new(pinned)
+}
+
 pub(super) fn workload_of(config: &Config, name: &str) -> Result<Arc<Workload>, ApiError> {
     if name.is_empty() {
         return Err(ApiError::invalid(

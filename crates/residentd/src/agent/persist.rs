@@ -70,8 +70,22 @@ impl Agent {
             // agent to renew it with.
             let answer = super::admission::Answer::Prompt;
             let process = taken_over(&e).filter(|_| outlive);
+            // A run taken over holds the pools it was given.
+            let pinned = if process.is_some() {
+                &e.chosen[..]
+            } else {
+                &[]
+            };
             match self
-                .admit_start(workload, Some(id), policy, false, e.lease_ms, answer)
+                .admit_start(
+                    workload,
+                    Some(id),
+                    policy,
+                    false,
+                    e.lease_ms,
+                    answer,
+                    pinned,
+                )
                 .await
             {
                 Ok(super::admission::Admission::New(request, a)) => {
@@ -340,6 +354,7 @@ impl Agent {
                         }),
                         port: a.port,
                         restarts: 0,
+                        chosen: Vec::new(),
                     },
                     None => journal::Entry {
                         instance: id,
@@ -350,6 +365,7 @@ impl Agent {
                         adopted: None,
                         port,
                         restarts,
+                        chosen: row.chosen,
                     },
                 }
             })

@@ -188,3 +188,47 @@ async fn binpack_fills_one_device_before_the_next() {
         (vec!["gpu0".to_string()], "4")
     );
 }
+
+#[tokio::test]
+async fn a_run_taken_over_after_kill_9_keeps_the_device_it_was_given() {
+    let mut d = two_gpus("spread").await;
+    d.started("any", "a").await;
+    d.started("any", "b").await;
+    // Keep the one on gpu1: with both devices empty, a new choice would
+    // take gpu0.
+    let (gone, kept) = if pools_of(&d.get("a").await) == ["gpu0"] {
+        ("a", "b")
+    } else {
+        ("b", "a")
+    };
+    d.stopped(gone).await;
+    let before = d.get(kept).await;
+    assert_eq!(pools_of(&before), ["gpu1"], "{before:?}");
+    let journaled = eventually(async || {
+        d.journaled()
+            .iter()
+            .any(|e| e.instance == kept && e.pgid == before.pid as i32 && e.chosen == [["gpu1"]])
+    })
+    .await;
+    assert!(
+        journaled,
+        "the journal records the choice: {:?}",
+        d.journaled()
+    );
+    d.kill();
+    let mut d = d.restart().await;
+    let after = d.wait_state(kept, pb::State::Ready).await;
+    assert_eq!(after.pid, before.pid, "taken over");
+    assert_eq!(
+        pools_of(&after),
+        ["gpu1"],
+        "the device it runs on, not a new pick"
+    );
+    assert_eq!(after.devices, before.devices);
+    let pools = d.node().await.pools;
+    let used = |name: &str| pools.iter().find(|p| p.name == name).map(|p| p.used_bytes);
+    assert_eq!(
+        (used("gpu0"), used("gpu1")),
+        (Some(0), Some(10_000_000_000))
+    );
+}

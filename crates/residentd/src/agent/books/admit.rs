@@ -129,6 +129,7 @@ impl Books {
         }
         let record = Record {
             devices: devices.clone(),
+            chosen: a.chosen.clone(),
             lease: Lease::new(lease_ms, now),
             footprint_key: key,
             ..Record::run(w, spec, generation)

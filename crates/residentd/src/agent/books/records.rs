@@ -16,6 +16,9 @@ pub(in crate::agent) struct Record {
     pub(in crate::agent) spec: Arc<Spec>,
     /// The device indexes of the chosen pools (`CUDA_VISIBLE_DEVICES`).
     pub(in crate::agent) devices: Vec<u32>,
+    /// The pools chosen for each any-of demand, in label order (journaled:
+    /// a run taken over keeps them).
+    pub(in crate::agent) chosen: Vec<Vec<PoolName>>,
     /// Bumped at every admission of this id; tags the supervisor's run.
     pub(in crate::agent) generation: u64,
     /// A Stop (or an eviction) has been asked for this run. While the run
@@ -73,6 +76,7 @@ impl Record {
             workload: w.clone(),
             spec,
             devices: Vec::new(),
+            chosen: Vec::new(),
             generation,
             cancelled: false,
             lease: None,

@@ -270,6 +270,11 @@ impl Books {
                 generation: r.generation,
                 lease_ms: r.lease.map_or(0, |l| l.ms),
                 adopted: r.adopted,
+                chosen: r
+                    .chosen
+                    .iter()
+                    .map(|pools| pools.iter().map(|p| p.to_string()).collect())
+                    .collect(),
             })
             .collect();
         rows.sort_by_key(|r| r.generation);
@@ -301,6 +306,8 @@ pub(in crate::agent) struct JournalRow {
     pub(in crate::agent) generation: u64,
     pub(in crate::agent) lease_ms: u64,
     pub(in crate::agent) adopted: Option<Adoption>,
+    /// The pools chosen for each any-of demand, in label order.
+    pub(in crate::agent) chosen: Vec<Vec<String>>,
 }
 
 /// Probe readings for [`Books::set_readings`].
