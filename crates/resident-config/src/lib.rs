@@ -364,7 +364,10 @@ impl Workload {
     /// none when it declares no host memory. `devices` are the indexes of
     /// the devices its any-of demands were given (`Config::devices`): they
     /// fill in `${DEVICE}` and `CUDA_VISIBLE_DEVICES` (unless the workload
-    /// sets that itself), comma-separated.
+    /// sets that itself), comma-separated, with `CUDA_DEVICE_ORDER=PCI_BUS_ID`
+    /// (unless the workload sets it): NVML numbers GPUs in PCI bus order,
+    /// and CUDA by default fastest first, which on a node of mixed cards
+    /// would hand the server another card than the one reserved.
     pub fn launch(
         &self,
         instance: &str,
@@ -388,6 +391,8 @@ impl Workload {
                 }
             }
             env.entry("CUDA_VISIBLE_DEVICES".into()).or_insert(list);
+            env.entry("CUDA_DEVICE_ORDER".into())
+                .or_insert_with(|| "PCI_BUS_ID".into());
         }
         LaunchSpec {
             instance: instance.to_string(),

@@ -93,6 +93,27 @@ impl MemoryProbe for FileProbe {
     }
 }
 
+/// Whether this build reads GPUs through NVML (the `nvml` feature).
+pub const NVML_BUILT: bool = cfg!(feature = "nvml");
+
+/// What a config's `nvml:` pools get from this build, for people: a
+/// warning per such pool when it was built without NVML (each keeps its
+/// static budget: foreign GPU memory is never seen).
+pub fn build_warnings(devices: impl IntoIterator<Item = (String, String)>) -> Vec<String> {
+    if NVML_BUILT {
+        return Vec::new();
+    }
+    devices
+        .into_iter()
+        .filter(|(_, device)| device.starts_with("nvml:"))
+        .map(|(pool, device)| {
+            format!(
+                "pool '{pool}': device = \"{device}\", but this residentd was built without the nvml feature: the pool keeps its static budget and memory other processes hold on the GPU is not seen (build with `cargo build --release --features nvml`)"
+            )
+        })
+        .collect()
+}
+
 #[cfg(feature = "nvml")]
 mod nvml;
 #[cfg(feature = "nvml")]

@@ -64,7 +64,7 @@ fn main() -> ExitCode {
         };
         return match resident_config::load_with(path, host) {
             Ok(c) => {
-                for w in &c.warnings {
+                for w in c.warnings.iter().chain(&build_warnings(&c)) {
                     eprintln!("residentd: warning: {w}");
                 }
                 println!(
@@ -94,7 +94,7 @@ fn main() -> ExitCode {
     };
     let config = match config {
         Ok(c) => {
-            for w in &c.warnings {
+            for w in c.warnings.iter().chain(&build_warnings(&c)) {
                 tracing::warn!("{w}");
             }
             c
@@ -134,6 +134,17 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// What this build cannot do of what `config` asks (GPU pools without
+/// NVML).
+fn build_warnings(config: &resident_config::Config) -> Vec<String> {
+    resident_probe::build_warnings(
+        config
+            .pools
+            .iter()
+            .filter_map(|p| Some((p.pool.name.to_string(), p.device.clone()?))),
+    )
 }
 
 /// Raises the soft limit on open files to the hard one. The agent keeps a

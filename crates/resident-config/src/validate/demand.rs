@@ -388,6 +388,13 @@ fn from_gguf(
             return Err(src.err(path.span(), k("kv"), msg));
         }
     };
+    let (weights_source, kv_source) = if host.local() {
+        (weights_source, kv_source)
+    } else {
+        // --for-another-host: the file is on the node; nothing was read.
+        let there = "sized from the GGUF file on its node, not read here".to_string();
+        (there.clone(), there)
+    };
     Ok(Sized {
         weights,
         kv,

@@ -287,3 +287,35 @@ async fn pool_event(events: &mut tonic::Streaming<pb::Event>, want: &str) -> pb:
         }
     }
 }
+
+#[test]
+fn the_multi_gpu_example_checks_by_the_command_its_header_gives() {
+    let example = workspace().join("examples/multi-gpu.toml");
+    let text = std::fs::read_to_string(&example).expect("the example");
+    let command = text
+        .lines()
+        .take_while(|l| l.starts_with('#'))
+        .find_map(|l| l.trim_start_matches('#').trim().strip_prefix("residentd "))
+        .expect("a residentd command in the header");
+    let args: Vec<&str> = command.split_whitespace().collect();
+    let out = std::process::Command::new(RESIDENTD)
+        .args(&args)
+        .current_dir(workspace())
+        .output()
+        .expect("residentd runs");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(
+        out.status.success(),
+        "`residentd {command}`: {stdout}{stderr}"
+    );
+    assert!(stdout.contains("valid (5 pools, 3 workloads)"), "{stdout}");
+    // A build without NVML says what that means for each GPU pool.
+    for gpu in ["gpu0", "gpu1", "gpu2", "gpu3"] {
+        let warned = stderr.contains(&format!("pool '{gpu}': device = \"nvml:"))
+            && stderr.contains("built without the nvml feature");
+        assert_eq!(warned, !resident_probe::NVML_BUILT, "{gpu}: {stderr}");
+    }
+}

@@ -177,6 +177,11 @@ async fn binpack_fills_one_device_before_the_next() {
         "binpack: the same device while it fits"
     );
     assert_eq!(env_of(b.pid, "CUDA_VISIBLE_DEVICES").as_deref(), Some("4"));
+    // Numbered as NVML numbers them, not fastest first.
+    assert_eq!(
+        env_of(b.pid, "CUDA_DEVICE_ORDER").as_deref(),
+        Some("PCI_BUS_ID")
+    );
     // 4 GB are left on gpu0: the third goes to gpu1.
     let c = d.started("any", "c").await;
     assert_eq!(pools_of(&c), ["gpu1"]);
