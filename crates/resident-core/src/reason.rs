@@ -198,16 +198,72 @@ impl fmt::Display for Reason {
     }
 }
 
-/// `coder-daily 55.0 GB, coder-small 9.0 GB`, or `nothing`.
+/// `coder-daily 55.0 GB, coder-small 9.0 GB`, or `nothing`: each holder
+/// by its instance id, with its role where that differs (`c1 (coder)
+/// 9.0 GB`: two instances of one role are told apart).
 fn write_holders(f: &mut fmt::Formatter<'_>, holders: &[Holder]) -> fmt::Result {
     if holders.is_empty() {
         return f.write_str("nothing");
     }
     for (i, h) in holders.iter().enumerate() {
         let sep = if i == 0 { "" } else { ", " };
-        write!(f, "{sep}{} {}", h.role, Gb(h.bytes))?;
+        write!(f, "{sep}{}", h.instance_id)?;
+        if h.role.as_str() != h.instance_id.as_str() {
+            write!(f, " ({})", h.role)?;
+        }
+        write!(f, " {}", Gb(h.bytes))?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn holder(id: &str, role: &str, bytes: u64) -> Holder {
+        Holder {
+            instance_id: InstanceId::new(id).expect("an id"),
+            role: Role::new(role).expect("a role"),
+            bytes,
+        }
+    }
+
+    #[test]
+    fn refusals_name_each_holder_by_instance_and_role_where_it_differs() {
+        let over = |holders: Vec<Holder>| {
+            Reason::OverBudget {
+                role: Role::new("planner").expect("a role"),
+                pool: PoolName::new("ram").expect("a pool"),
+                need: 500_000_000,
+                free: 40_000_000,
+                budget: 8 * crate::GB,
+                holders,
+            }
+            .to_string()
+        };
+        let cases = [
+            (
+                vec![holder("coder-daily", "coder-daily", 55 * crate::GB)],
+                "held by coder-daily 55.0 GB)",
+            ),
+            (
+                vec![
+                    holder("c1", "coder", 9 * crate::GB),
+                    holder("c2", "coder", 9 * crate::GB),
+                ],
+                "held by c1 (coder) 9.0 GB, c2 (coder) 9.0 GB)",
+            ),
+            (vec![], "held by nothing)"),
+        ];
+        for (holders, tail) in cases {
+            let text = over(holders);
+            assert!(
+                text.starts_with("unplaceable: 'planner' needs 0.5 GB but only 40.0 MB of the 8.0 GB 'ram' pool is free (")
+                    && text.ends_with(tail),
+                "{text}"
+            );
+        }
+    }
 }
 
 /// A refused placement: every reason that stands, never empty.

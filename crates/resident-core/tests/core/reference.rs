@@ -16,13 +16,15 @@ fn refuse(state: &mut resident_core::NodeState, name: &str, s: resident_core::Sp
 #[test]
 fn fits_until_the_budget_is_spent_then_says_who_holds_it() {
     let mut n = node(vec![static_pool("unified", Some(96))], vec![]);
+    // Instances named after their workloads, as the brief's own text has
+    // them (an instance named otherwise is told with its role beside it).
     put(
         &mut n,
-        "a",
+        "coder-daily",
         with_role(unified("coder-daily", 55), "coder-daily"),
         0,
     );
-    put(&mut n, "b", unified("coder-small", 9), 0);
+    put(&mut n, "coder-small", unified("coder-small", 9), 0);
     let text = refuse(&mut n, "c", unified("planner", 55)).to_string();
     for fragment in [
         "'planner' needs 55.0 GB",
@@ -38,7 +40,7 @@ fn fits_until_the_budget_is_spent_then_says_who_holds_it() {
     );
     assert_eq!(n.used("unified"), 64 * GB, "a refusal reserves nothing");
     assert!(n.resident("c").is_none());
-    n.release("a");
+    n.release("coder-daily");
     put(&mut n, "c", unified("planner", 55), 0);
     assert_eq!(n.used("unified"), 64 * GB);
 }

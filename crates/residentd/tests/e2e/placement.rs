@@ -20,13 +20,14 @@ fn reference_config() -> String {
 async fn the_reference_ledger_scenario_over_grpc() {
     let mut d = Daemon::start(&reference_config()).await;
     let c = &mut d.client;
+    // Instances named after their workloads, as the brief's text has them.
     let a = c
-        .start(start_req("coder-daily", "a"))
+        .start(start_req("coder-daily", "coder-daily"))
         .await
         .expect("55 GB fits")
         .into_inner();
     assert!(a.created);
-    c.start(start_req("coder-small", "b"))
+    c.start(start_req("coder-small", "coder-small"))
         .await
         .expect("9 GB fits");
     let refused = c
@@ -54,7 +55,13 @@ async fn the_reference_ledger_scenario_over_grpc() {
         .iter()
         .map(|h| (h.instance_id.as_str(), h.bytes))
         .collect();
-    assert_eq!(holders, [("a", 55_000_000_000), ("b", 9_000_000_000)]);
+    assert_eq!(
+        holders,
+        [
+            ("coder-daily", 55_000_000_000),
+            ("coder-small", 9_000_000_000)
+        ]
+    );
     // The refusal changed nothing.
     let node = c.node(pb::NodeRequest {}).await.expect("node").into_inner();
     assert_eq!(node.pools[0].used_bytes, 64_000_000_000);
@@ -62,7 +69,7 @@ async fn the_reference_ledger_scenario_over_grpc() {
     // Stopping the first lets the planner in, on the very next call.
     let stopped = c
         .stop(pb::StopRequest {
-            instance_id: "a".into(),
+            instance_id: "coder-daily".into(),
             grace_ms: 0,
         })
         .await
@@ -73,6 +80,22 @@ async fn the_reference_ledger_scenario_over_grpc() {
     c.start(start_req("planner", "c"))
         .await
         .expect("now it fits");
+    // Two instances of one role are told apart: each by its id, its role
+    // beside it.
+    c.start(start_req("coder-small", "small-2"))
+        .await
+        .expect("9 GB more fits");
+    let refused = c
+        .start(start_req("coder-daily", "big"))
+        .await
+        .expect_err("55 GB more does not fit");
+    assert!(
+        refused.message().ends_with(
+            "(held by c (planner) 55.0 GB, coder-small 9.0 GB, small-2 (coder-small) 9.0 GB)"
+        ),
+        "{}",
+        refused.message()
+    );
 }
 
 #[tokio::test]
