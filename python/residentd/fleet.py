@@ -66,13 +66,21 @@ class Ranking:
 
 class FleetRefused(Exception):
     """No agent of the fleet placed the workload. `.ranking` holds every
-    node's answer; `.attempts` the starts tried, endpoint to error."""
+    node's answer; `.attempts` the starts tried, endpoint to error. Its
+    text names each node and, where it was given a name, the endpoint that
+    `.ranking.answers`, `.ranking.why_not()` and `.attempts` are keyed by:
+    `n3 (unix:///run/n3.sock): unplaceable: ...`."""
 
     def __init__(self, ranking: Ranking, attempts: Dict[str, AgentError]):
         self.ranking = ranking
         self.attempts = attempts
-        lines = [f"{ranking.names.get(e, e)}: {why}" for e, why in sorted(ranking.why_not().items())]
-        lines += [f"{ranking.names.get(e, e)}: start refused: {err}" for e, err in attempts.items()]
+
+        def node(e: str) -> str:
+            name = ranking.names.get(e, e)
+            return e if name == e else f"{name} ({e})"
+
+        lines = [f"{node(e)}: {why}" for e, why in sorted(ranking.why_not().items())]
+        lines += [f"{node(e)}: start refused: {err}" for e, err in attempts.items()]
         super().__init__(f"no node placed '{ranking.workload}':\n  " + "\n  ".join(lines))
 
 

@@ -124,7 +124,8 @@ def main():
         why = e.ranking.why_not()
         assert set(why) == set(endpoints.values()), why
         assert all("unplaceable" in why[agents[n]] for n in agents), why
-        assert "n3: " in str(e) and "dead: " in str(e), str(e)
+        # Each node by name and by the endpoint its answers are keyed by.
+        assert f"n3 ({agents['n3']}): " in str(e) and "dead (" in str(e), str(e)
 
     # Another scheduler gets there first: the start falls back down the ranking.
     async def raced():

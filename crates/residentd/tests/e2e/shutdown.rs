@@ -167,6 +167,26 @@ async fn the_laptop_example_runs_as_shipped_and_embedded() {
     let pools: Vec<&str> = node.pools.iter().map(|p| p.name.as_str()).collect();
     assert_eq!(pools, ["ram"]);
     assert!(d.dir.path().join("residentd/state").is_dir(), "{}", d.log());
+    // What its demo servers write reaches `logs` (Python's output is not
+    // held back in a buffer).
+    d.started("demo-a", "a").await;
+    let said = until(async || {
+        let req = pb::LogsRequest {
+            instance_id: "a".into(),
+            tail: 100,
+            follow: false,
+        };
+        let mut lines = d.client.logs(req).await.ok()?.into_inner();
+        let mut all = Vec::new();
+        while let Ok(Some(l)) = lines.message().await {
+            all.push(l.line);
+        }
+        all.iter()
+            .any(|l| l.starts_with("Serving HTTP on 127.0.0.1"))
+            .then_some(all)
+    })
+    .await;
+    assert!(said.is_some(), "demo-a's first line reaches its log");
     assert!(d.terminate().await.success(), "{}", d.log());
 }
 
