@@ -15,6 +15,43 @@ pub struct ConfigError {
     pub key: String,
     /// What is wrong.
     pub message: String,
+    /// Further errors found in the same file, by line (every one the
+    /// checks could reach: a fresh node's config is fixed in one round).
+    pub also: Vec<ConfigError>,
+}
+
+impl ConfigError {
+    /// An error of `file` with no line: the file as a whole.
+    pub fn of_file(file: &Path, key: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            file: file.to_path_buf(),
+            line: None,
+            key: key.into(),
+            message: message.into(),
+            also: Vec::new(),
+        }
+    }
+
+    /// `errors` (at least one) as one error: the first by line, the rest
+    /// in `also`; `Ok` when there is none.
+    pub fn all(errors: Vec<ConfigError>) -> Result<(), ConfigError> {
+        let mut flat: Vec<ConfigError> = errors
+            .into_iter()
+            .flat_map(|mut e| {
+                let also = std::mem::take(&mut e.also);
+                std::iter::once(e).chain(also)
+            })
+            .collect();
+        flat.sort_by_key(|e| e.line);
+        let mut rest = flat.into_iter();
+        match rest.next() {
+            None => Ok(()),
+            Some(mut first) => {
+                first.also = rest.collect();
+                Err(first)
+            }
+        }
+    }
 }
 
 impl fmt::Display for ConfigError {
@@ -26,7 +63,11 @@ impl fmt::Display for ConfigError {
         if !self.key.is_empty() {
             write!(f, ": {}", self.key)?;
         }
-        write!(f, ": {}", self.message)
+        write!(f, ": {}", self.message)?;
+        for e in &self.also {
+            write!(f, "\n{e}")?;
+        }
+        Ok(())
     }
 }
 
@@ -59,6 +100,7 @@ impl Source<'_> {
             line: Some(self.line_of(span.start)),
             key: key.into(),
             message: message.into(),
+            also: Vec::new(),
         }
     }
 }

@@ -486,12 +486,8 @@ pub fn load(path: &Path) -> Result<Config, ConfigError> {
 /// makes every look-up on this machine (as `load`), `Host::Elsewhere`
 /// none (what that skips, and what stands in, is listed on `Host`).
 pub fn load_with(path: &Path, host: Host) -> Result<Config, ConfigError> {
-    let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
-        file: path.to_path_buf(),
-        line: None,
-        key: String::new(),
-        message: format!("cannot read: {e}"),
-    })?;
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| ConfigError::of_file(path, "", format!("cannot read: {e}")))?;
     parse_with(path, &text, host)
 }
 

@@ -19,6 +19,7 @@ pub(crate) fn document(src: &Source<'_>) -> Result<Document, ConfigError> {
         line: e.span().map(|s| src.line_of(s.start)),
         key,
         message: e.message().trim().to_string(),
+        also: Vec::new(),
     };
     let de = toml::Deserializer::parse(src.text).map_err(|e| error(&e, String::new()))?;
     serde_path_to_error::deserialize(de).map_err(|e| {

@@ -297,8 +297,10 @@ fn line_of(text: &str, needle: &str) -> usize {
 const ABSENT: &str = "absent-here";
 
 /// Replaces `from` by `to` in the brief: on this machine the result is
-/// refused at the line of the first `ABSENT` name, its message starting
-/// with `want` (`key: message`); with the host look-ups off it is valid.
+/// refused at the line of the first `ABSENT` name, one of its errors
+/// starting with `want` (`key: message`; every error is reported, and this
+/// machine lacks the brief's programs too); with the host look-ups off it
+/// is valid.
 fn check_host(from: &str, to: &str, want: &str) {
     assert!(BRIEF.contains(from), "the brief holds {from:?}");
     let text = BRIEF.replacen(from, to, 1);
@@ -308,7 +310,10 @@ fn check_host(from: &str, to: &str, want: &str) {
         .to_string();
     let line = line_of(&text, ABSENT);
     let at = format!("/etc/residentd.toml:{line}: {want}");
-    assert!(err.starts_with(&at), "{err:?} should start with {at:?}");
+    assert!(
+        err.lines().any(|l| l.starts_with(&at)),
+        "{err:?} should have a line starting with {at:?}"
+    );
     if let Err(e) = parse_with(file, &text, Host::Elsewhere) {
         panic!("with the host look-ups off, {to:?} is valid: {e}");
     }
@@ -489,4 +494,60 @@ fn every_example_is_valid_for_the_machine_it_is_written_for() {
         seen += 1;
     }
     assert!(seen >= 4, "only {seen} examples found in {}", dir.display());
+}
+
+#[test]
+fn every_error_of_a_file_is_reported_in_one_run() {
+    // Four mistakes in four places: the node, a pool, two workloads.
+    let text = r#"[node]
+name = "n"
+listen = "unix:///tmp/x.sock"
+state_dir = "/tmp/x"
+sample_every = "soon"
+
+[[pool]]
+name = "ram"
+budget = "lots"
+
+[[pool]]
+name = "gpu"
+budget = "8GB"
+
+[[workload]]
+name = "a"
+command = ["/bin/true"]
+[workload.memory.nowhere]
+weights = "1GB"
+
+[[workload]]
+name = "b"
+command = ["/bin/true"]
+[workload.memory.gpu]
+weights = "1GB"
+[workload.restart]
+policy = "sometimes"
+"#;
+    let e = parse_with(Path::new("four.toml"), text, Host::Elsewhere).expect_err("four errors");
+    let text_of = e.to_string();
+    let lines: Vec<&str> = text_of.lines().collect();
+    assert_eq!(lines.len(), 4, "{text_of}");
+    for (line, key) in [
+        (lines[0], "node.sample_every"),
+        (lines[1], "pool[ram].budget"),
+        (lines[2], "workload[a].memory"),
+        (lines[3], "workload[b].restart.policy"),
+    ] {
+        assert!(
+            line.starts_with("four.toml:") && line.contains(key),
+            "{key}: {text_of}"
+        );
+    }
+    assert_eq!(e.also.len(), 3);
+    let numbers: Vec<Option<usize>> = std::iter::once(e.line)
+        .chain(e.also.iter().map(|a| a.line))
+        .collect();
+    assert!(
+        numbers.windows(2).all(|w| w[0] <= w[1]),
+        "by line: {numbers:?}"
+    );
 }

@@ -83,7 +83,7 @@ fn main() -> ExitCode {
                 ExitCode::SUCCESS
             }
             Err(e) => {
-                eprintln!("residentd: {e}");
+                config_errors(&e);
                 ExitCode::from(EX_CONFIG)
             }
         };
@@ -100,7 +100,7 @@ fn main() -> ExitCode {
             c
         }
         Err(e) => {
-            eprintln!("residentd: {e}");
+            config_errors(&e);
             return ExitCode::from(EX_CONFIG);
         }
     };
@@ -133,6 +133,21 @@ fn main() -> ExitCode {
             eprintln!("residentd: {e:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Every error of a config that does not validate, one per line, and how
+/// many when there are several.
+fn config_errors(e: &resident_config::ConfigError) {
+    for line in e.to_string().lines() {
+        eprintln!("residentd: {line}");
+    }
+    if !e.also.is_empty() {
+        eprintln!(
+            "residentd: {} errors in {}",
+            1 + e.also.len(),
+            e.file.display()
+        );
     }
 }
 

@@ -35,21 +35,35 @@ type Result<T> = std::result::Result<T, ConfigError>;
 pub(crate) fn validate(file: &Path, text: &str, host: Lookups) -> Result<Config> {
     let src = Source { file, text };
     let doc = raw::document(&src)?;
-    let node = node::node(&src, &doc.node, host)?;
-    let pools = pools::pools(&src, &doc.pool)?;
-    let raw_workloads = doc
-        .workload
-        .iter()
-        .map(|w| {
-            Ok(Spanned::new(
-                w.span(),
-                flavor::apply(&src, w.get_ref(), &pools)?,
-            ))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let workloads = workloads::workloads(&src, &raw_workloads, &pools, host)?;
-    let groups = groups::groups(&src, &doc.group, &workloads)?;
-    programs(&src, &raw_workloads, host)?;
+    // Every section is checked, so a config is fixed in one round: the
+    // workloads against every pool whose name reads (a wrong pool stands
+    // in), the groups once the workloads hold.
+    let mut errors = Vec::new();
+    let node = node::node(&src, &doc.node, host).map_err(|e| errors.push(e));
+    let (pools, pool_errors) = pools::pools(&src, &doc.pool);
+    errors.extend(pool_errors);
+    let mut flavored = Vec::new();
+    let mut flavor_errors = Vec::new();
+    for w in &doc.workload {
+        match flavor::apply(&src, w.get_ref(), &pools) {
+            Ok(raw) => flavored.push(Spanned::new(w.span(), raw)),
+            Err(e) => flavor_errors.push(e),
+        }
+    }
+    if let Err(e) = programs(&src, &flavored, host) {
+        errors.push(e);
+    }
+    let workloads = ConfigError::all(flavor_errors)
+        .and_then(|()| workloads::workloads(&src, &flavored, &pools, host))
+        .map_err(|e| errors.push(e));
+    let groups = match &workloads {
+        Ok(w) => groups::groups(&src, &doc.group, w).map_err(|e| errors.push(e)),
+        Err(()) => Err(()),
+    };
+    ConfigError::all(errors)?;
+    let (Ok(node), Ok(workloads), Ok(groups)) = (node, workloads, groups) else {
+        unreachable!("a section that failed said why");
+    };
     let mut warnings: Vec<String> = workloads
         .values()
         .flat_map(|w| w.reservation_warnings.iter().cloned())
@@ -66,16 +80,20 @@ pub(crate) fn validate(file: &Path, text: &str, host: Lookups) -> Result<Config>
     })
 }
 
-/// Each workload's program, as `Lookups::program` checks it.
+/// Each workload's program, as `Lookups::program` checks it: every one.
 fn programs(src: &Source<'_>, raw: &[Spanned<raw::Workload>], host: Lookups) -> Result<()> {
-    for w in raw {
-        let name = spanned_str(&w.get_ref().name);
-        let command = raw_command(w.get_ref());
-        let path = w.get_ref().env.get("PATH").map(|p| p.get_ref().as_str());
-        host.program(command.get_ref(), path)
-            .map_err(|m| src.err(command.span(), format!("workload[{name}].command"), m))?;
-    }
-    Ok(())
+    let errors = raw
+        .iter()
+        .filter_map(|w| {
+            let name = spanned_str(&w.get_ref().name);
+            let command = raw_command(w.get_ref());
+            let path = w.get_ref().env.get("PATH").map(|p| p.get_ref().as_str());
+            host.program(command.get_ref(), path)
+                .map_err(|m| src.err(command.span(), format!("workload[{name}].command"), m))
+                .err()
+        })
+        .collect();
+    ConfigError::all(errors)
 }
 
 /// Roles `[node.access]` grants to no one: root and the agent's own user

@@ -9,12 +9,51 @@ use toml::Spanned;
 
 use super::{Result, bytes, spanned_str};
 use crate::error::Source;
-use crate::{PoolDef, raw};
+use crate::{ConfigError, PoolDef, raw};
 
-pub(super) fn pools(src: &Source<'_>, raw: &[Spanned<raw::Pool>]) -> Result<Vec<PoolDef>> {
+/// Every pool, and the errors of those that are wrong: a wrong pool whose
+/// name reads stands in with no budget, so the workloads that name it
+/// are checked too (the config is refused anyway).
+pub(super) fn pools(
+    src: &Source<'_>,
+    raw: &[Spanned<raw::Pool>],
+) -> (Vec<PoolDef>, Vec<ConfigError>) {
     let mut seen = BTreeSet::new();
     let mut out = Vec::new();
+    let mut errors = Vec::new();
     for p in raw {
+        match pool(src, p, &mut seen) {
+            Ok(def) => out.push(def),
+            Err(e) => {
+                errors.push(e);
+                if let Ok(name) = PoolName::new(spanned_str(&p.get_ref().name))
+                    && !out.iter().any(|d: &PoolDef| d.pool.name == name)
+                {
+                    out.push(PoolDef {
+                        pool: PoolConfig {
+                            name,
+                            budget: None,
+                            reserve: 0,
+                            live: false,
+                        },
+                        host: false,
+                        device: None,
+                        index: None,
+                    });
+                }
+            }
+        }
+    }
+    (out, errors)
+}
+
+/// One `[[pool]]`; `seen`: the names before it.
+fn pool(
+    src: &Source<'_>,
+    p: &Spanned<raw::Pool>,
+    seen: &mut BTreeSet<PoolName>,
+) -> Result<PoolDef> {
+    {
         let span = p.span();
         let p = p.get_ref();
         let name = PoolName::new(spanned_str(&p.name))
@@ -58,7 +97,7 @@ pub(super) fn pools(src: &Source<'_>, raw: &[Spanned<raw::Pool>]) -> Result<Vec<
             (Some(i), _) => Some(*i.get_ref()),
             (None, n) => n,
         };
-        out.push(PoolDef {
+        Ok(PoolDef {
             pool: PoolConfig {
                 name,
                 budget,
@@ -68,9 +107,8 @@ pub(super) fn pools(src: &Source<'_>, raw: &[Spanned<raw::Pool>]) -> Result<Vec<
             host: p.host,
             device: p.device.as_ref().map(|d| d.get_ref().clone()),
             index,
-        });
+        })
     }
-    Ok(out)
 }
 
 /// `device = "nvml:N"` or `"file:/path"`, on a pool not bound to host

@@ -15,6 +15,7 @@ use toml::Spanned;
 use super::demand::memory;
 use super::lifecycle::{readiness, restart};
 use super::{Result, duration, spanned_str, user};
+use crate::ConfigError;
 use crate::error::Source;
 use crate::host::Lookups;
 use crate::{Expose, PoolDef, Workload, raw};
@@ -26,20 +27,31 @@ pub(super) fn workloads(
     host: Lookups,
 ) -> Result<BTreeMap<String, Arc<Workload>>> {
     let mut out = BTreeMap::new();
+    let mut errors = Vec::new();
+    let mut names = std::collections::BTreeSet::new();
     for w in raw {
         let w = w.get_ref();
-        let name = WorkloadName::new(spanned_str(&w.name))
-            .map_err(|e| src.err(w.name.span(), "workload.name", e.to_string()))?;
-        if out.contains_key(name.as_str()) {
-            return Err(src.err(
-                w.name.span(),
-                format!("workload[{name}].name"),
-                "declared twice",
-            ));
+        let mut one = || {
+            let name = WorkloadName::new(spanned_str(&w.name))
+                .map_err(|e| src.err(w.name.span(), "workload.name", e.to_string()))?;
+            if !names.insert(name.to_string()) {
+                return Err(src.err(
+                    w.name.span(),
+                    format!("workload[{name}].name"),
+                    "declared twice",
+                ));
+            }
+            Ok((name.clone(), workload(src, &name, w, pools, host)?))
+        };
+        // Every workload is checked, whatever the ones before it hold.
+        match one() {
+            Ok((name, workload)) => {
+                out.insert(name.to_string(), Arc::new(workload));
+            }
+            Err(e) => errors.push(e),
         }
-        let workload = workload(src, &name, w, pools, host)?;
-        out.insert(name.to_string(), Arc::new(workload));
     }
+    ConfigError::all(errors)?;
     aliases_unique(src, raw, &out)?;
     Ok(out)
 }

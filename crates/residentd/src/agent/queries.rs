@@ -190,13 +190,13 @@ impl Agent {
         if let (Some(tls), Some(files)) = (&self.tls, &new.node.tls)
             && old.node.tls.as_ref() != Some(files)
         {
-            tls.reload(files)
-                .map_err(|e| resident_config::ConfigError {
-                    file: new.source.clone(),
-                    line: None,
-                    key: "node.tls".into(),
-                    message: format!("the TLS files cannot be used: {e}"),
-                })?;
+            tls.reload(files).map_err(|e| {
+                resident_config::ConfigError::of_file(
+                    &new.source,
+                    "node.tls",
+                    format!("the TLS files cannot be used: {e}"),
+                )
+            })?;
             tracing::info!("TLS certificates reloaded: new connections use them");
         }
         for w in &warnings {
