@@ -6,14 +6,13 @@
 //! by side. `takeover.rs` has the default, instances that outlive it.
 
 use std::path::Path;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::Context as _;
 use resident_api::pb;
 
 use crate::report::{Row, Table};
-use crate::{Plan, connect, measure, spawn_agent, spawn_agent_with, start};
+use crate::{Plan, all_ready, connect, measure, spawn_agent, spawn_agent_with, start};
 
 pub async fn rows(plan: &Plan, residentd: &Path, table: &mut Table) -> anyhow::Result<()> {
     let n = plan.comeback_instances;
@@ -39,39 +38,11 @@ pub async fn rows(plan: &Plan, residentd: &Path, table: &mut Table) -> anyhow::R
         while let Some(done) = starts.join_next().await {
             done.context("a start task")??;
         }
-        // kill -9, then the same binary on the same config and state.
-        nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(agent.pid()),
-            nix::sys::signal::Signal::SIGKILL,
-        )?;
-        agent.child.wait()?;
-        let t = Instant::now();
-        agent.child = Command::new(residentd)
-            .arg("--config")
-            .arg(agent._dir.path().join("residentd.toml"))
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()?;
+        let t = agent.kill_and_respawn(residentd)?;
         let mut c = connect(&agent.socket).await?;
         c.node(pb::NodeRequest {}).await?;
         serving.push(t.elapsed());
-        loop {
-            let list = c.list(pb::ListRequest {}).await?.into_inner().instances;
-            let up = list
-                .iter()
-                .filter(|i| i.state == pb::State::Ready as i32)
-                .count();
-            if up == n {
-                break;
-            }
-            anyhow::ensure!(
-                t.elapsed() < Duration::from_secs(60),
-                "only {up} of {n} instances READY after a minute"
-            );
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        ready.push(t.elapsed());
+        ready.push(all_ready(&mut c, n, t).await?.0);
     }
     let fresh = measure::median(fresh);
     table.push(Row::latency(

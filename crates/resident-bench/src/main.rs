@@ -135,6 +135,49 @@ impl Server {
     fn pid(&self) -> i32 {
         self.child.id() as i32
     }
+
+    /// kill -9 of this agent, then the same binary started again on the
+    /// same config and state; the instant of that start.
+    fn kill_and_respawn(&mut self, residentd: &Path) -> anyhow::Result<Instant> {
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.pid()),
+            nix::sys::signal::Signal::SIGKILL,
+        )?;
+        self.child.wait()?;
+        let t = Instant::now();
+        self.child = Command::new(residentd)
+            .arg("--config")
+            .arg(self._dir.path().join("residentd.toml"))
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?;
+        Ok(t)
+    }
+}
+
+/// Every instance once all `n` are READY (bounded to a minute from
+/// `since`), and how long that took from `since`.
+async fn all_ready(
+    c: &mut NodeAgentClient<Channel>,
+    n: usize,
+    since: Instant,
+) -> anyhow::Result<(Duration, Vec<pb::Instance>)> {
+    loop {
+        let list = c.list(pb::ListRequest {}).await?.into_inner().instances;
+        let up = list
+            .iter()
+            .filter(|i| i.state == pb::State::Ready as i32)
+            .count();
+        if up == n {
+            return Ok((since.elapsed(), list));
+        }
+        anyhow::ensure!(
+            since.elapsed() < Duration::from_secs(60),
+            "only {up} of {n} instances READY after a minute"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
 }
 
 const AGENT_CONFIG: &str = r#"[node]

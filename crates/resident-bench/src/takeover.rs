@@ -8,37 +8,13 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use resident_api::pb;
 
 use crate::report::{Row, Table};
-use crate::{Plan, connect, measure, spawn_agent, start};
-
-/// Every instance's pid, once all are READY (bounded); the time it took.
-async fn all_ready(
-    c: &mut resident_api::pb::node_agent_client::NodeAgentClient<tonic::transport::Channel>,
-    n: usize,
-    since: Instant,
-) -> anyhow::Result<(Duration, Vec<pb::Instance>)> {
-    loop {
-        let list = c.list(pb::ListRequest {}).await?.into_inner().instances;
-        let up = list
-            .iter()
-            .filter(|i| i.state == pb::State::Ready as i32)
-            .count();
-        if up == n {
-            return Ok((since.elapsed(), list));
-        }
-        anyhow::ensure!(
-            since.elapsed() < Duration::from_secs(60),
-            "only {up} of {n} instances READY after a minute"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
+use crate::{Plan, all_ready, connect, measure, spawn_agent, start};
 
 /// How many of `after` are not the run `before` had (another pid, or more
 /// restarts).
@@ -85,20 +61,7 @@ pub async fn rows(plan: &Plan, residentd: &Path, table: &mut Table) -> anyhow::R
         // The journal names every run's process once its writes catch up.
         tokio::time::sleep(Duration::from_millis(200)).await;
 
-        // kill -9, then the same binary on the same config and state.
-        nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(agent.pid()),
-            nix::sys::signal::Signal::SIGKILL,
-        )?;
-        agent.child.wait()?;
-        let t = Instant::now();
-        agent.child = Command::new(residentd)
-            .arg("--config")
-            .arg(agent._dir.path().join("residentd.toml"))
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()?;
+        let t = agent.kill_and_respawn(residentd)?;
         let mut c = connect(&agent.socket).await?;
         c.node(pb::NodeRequest {}).await?;
         serving.push(t.elapsed());

@@ -301,27 +301,7 @@ async fn quiescent(d: &mut Daemon, seed: u64) -> Vec<pb::Instance> {
 /// no other child.
 async fn check_books(d: &mut Daemon, seed: u64, budget: u64) -> Vec<pb::Instance> {
     let list = quiescent(d, seed).await;
-    let declared: u64 = list
-        .iter()
-        .filter(|i| holds_memory(i.state))
-        .flat_map(|i| i.demand.iter())
-        .map(|dm| dm.weights_bytes + dm.kv_budget_bytes)
-        .sum();
-    let used = d.node().await.pools[0].used_bytes;
-    assert_eq!(used, declared, "seed {seed}: ledger vs instances {list:?}");
-    assert!(used <= budget, "seed {seed}: over budget");
-    let running: BTreeSet<i32> = list
-        .iter()
-        .filter(|i| holds_memory(i.state))
-        .map(|i| i.pid as i32)
-        .collect();
-    assert!(
-        !running.contains(&0),
-        "seed {seed}: a READY instance without a pid"
-    );
-    for pid in &running {
-        assert!(alive(*pid), "seed {seed}: READY pid {pid} is gone");
-    }
+    let running = books_hold_what_runs(d, seed, &list, budget).await;
     assert_eq!(
         children_of(d.pid()),
         running,
@@ -607,6 +587,38 @@ struct Contention {
     ended: Vec<(String, u64)>,
 }
 
+/// The pool holds exactly the footprints of the instances of `list` that
+/// hold memory (within `budget`), and each of them runs: their pids.
+async fn books_hold_what_runs(
+    d: &mut Daemon,
+    seed: u64,
+    list: &[pb::Instance],
+    budget: u64,
+) -> BTreeSet<i32> {
+    let declared: u64 = list
+        .iter()
+        .filter(|i| holds_memory(i.state))
+        .flat_map(|i| i.demand.iter())
+        .map(|dm| dm.weights_bytes + dm.kv_budget_bytes)
+        .sum();
+    let used = d.node().await.pools[0].used_bytes;
+    assert_eq!(used, declared, "seed {seed}: ledger vs instances {list:?}");
+    assert!(used <= budget, "seed {seed}: over budget");
+    let running: BTreeSet<i32> = list
+        .iter()
+        .filter(|i| holds_memory(i.state))
+        .map(|i| i.pid as i32)
+        .collect();
+    assert!(
+        !running.contains(&0),
+        "seed {seed}: a READY instance without a pid"
+    );
+    for pid in &running {
+        assert!(alive(*pid), "seed {seed}: READY pid {pid} is gone");
+    }
+    running
+}
+
 /// The books at quiescence, when instances may have been taken over (no
 /// longer the agent's children): the pool holds exactly the footprints of
 /// the instances that hold memory, each runs, and no process seen before
@@ -625,26 +637,7 @@ async fn check_taken_books(d: &mut Daemon, seed: u64, seen: &mut BTreeSet<i32>) 
         tokio::time::sleep(Duration::from_millis(20)).await;
         list = quiescent(d, seed).await;
     }
-    let declared: u64 = list
-        .iter()
-        .filter(|i| holds_memory(i.state))
-        .flat_map(|i| i.demand.iter())
-        .map(|dm| dm.weights_bytes + dm.kv_budget_bytes)
-        .sum();
-    let used = d.node().await.pools[0].used_bytes;
-    assert_eq!(used, declared, "seed {seed}: ledger vs instances {list:?}");
-    let running: BTreeSet<i32> = list
-        .iter()
-        .filter(|i| holds_memory(i.state))
-        .map(|i| i.pid as i32)
-        .collect();
-    assert!(
-        !running.contains(&0),
-        "seed {seed}: a READY instance without a pid"
-    );
-    for pid in &running {
-        assert!(alive(*pid), "seed {seed}: READY pid {pid} is gone");
-    }
+    let running = books_hold_what_runs(d, seed, &list, 10 * GB).await;
     let gone = eventually(async || seen.iter().all(|p| running.contains(p) || !alive(*p))).await;
     let left: Vec<&i32> = seen
         .iter()
