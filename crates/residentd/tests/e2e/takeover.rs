@@ -81,8 +81,9 @@ async fn journaled_running(d: &Daemon, ids: &[&str]) {
     );
 }
 
-#[tokio::test]
-async fn after_kill_9_the_next_agent_takes_every_instance_over_with_its_output() {
+/// An agent running a talker `t` (1 GB) and a sleeper `n` (2 GB), both
+/// READY: the agent and the two instances.
+async fn talker_and_sleeper() -> (Daemon, pb::Instance, pb::Instance) {
     let config = pool("ram", "10GB")
         + &talker("talk", "policy = \"on-failure\"")
         + &sleeper("nap", "ram", 2, "");
@@ -91,6 +92,12 @@ async fn after_kill_9_the_next_agent_takes_every_instance_over_with_its_output()
     d.started("nap", "n").await;
     let t = d.wait_state("t", pb::State::Ready).await;
     let n = d.wait_state("n", pb::State::Ready).await;
+    (d, t, n)
+}
+
+#[tokio::test]
+async fn after_kill_9_the_next_agent_takes_every_instance_over_with_its_output() {
+    let (mut d, t, n) = talker_and_sleeper().await;
     assert_eq!(get(t.port, "/say/3").await, "3");
     let seen = until(async || {
         let got = said(&log_lines(&mut d, "t").await);
@@ -262,14 +269,7 @@ async fn until_end(stream: &mut tonic::Streaming<pb::Event>) -> Vec<pb::Event> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upgrade_hands_every_instance_and_the_watchers_to_the_new_agent() {
-    let config = pool("ram", "10GB")
-        + &talker("talk", "policy = \"on-failure\"")
-        + &sleeper("nap", "ram", 2, "");
-    let mut d = Daemon::start(&config).await;
-    d.started("talk", "t").await;
-    d.started("nap", "n").await;
-    let t = d.wait_state("t", pb::State::Ready).await;
-    let n = d.wait_state("n", pb::State::Ready).await;
+    let (mut d, t, n) = talker_and_sleeper().await;
     journaled_running(&d, &["t", "n"]).await;
     let used = d.used().await;
     let old_pid = agent_pid(&d.socket).await;
