@@ -12,6 +12,15 @@ use tonic::Code;
 
 const POOL: &str = "[[pool]]\nname = \"ram\"\nbudget = \"100GB\"\n";
 
+/// What a command wrote, stdout then stderr.
+fn text(o: &std::process::Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
 fn roster() -> String {
     format!("{POOL}{}", sleeper("nap", "ram", 1, ""))
 }
@@ -31,13 +40,6 @@ async fn callers_outside_the_allowlist_change_nothing_and_root_is_never_locked_o
     let mut d = Daemon::start(&allow("")).await;
     // The socket's directory must let other users reach the socket.
     std::fs::set_permissions(d.dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
-    let text = |o: &std::process::Output| {
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&o.stdout),
-            String::from_utf8_lossy(&o.stderr)
-        )
-    };
     // uid 65534, outside the allowlist: a viewer. Every change is denied.
     let socket = d.socket.clone();
     let nobody =
@@ -416,13 +418,6 @@ async fn unix_callers_get_the_roles_their_uid_and_groups_are_granted() {
     let mut d = Daemon::start(&format!("{access}{}", roster())).await;
     // The socket's directory must let other users reach the socket.
     std::fs::set_permissions(d.dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
-    let text = |o: &std::process::Output| {
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&o.stdout),
-            String::from_utf8_lossy(&o.stderr)
-        )
-    };
     // In nogroup only: a viewer. It reads; it cannot start.
     let o = as_nobody(&d, &[65534], &["ls"]);
     assert!(o.status.success(), "{}", text(&o));
