@@ -24,6 +24,7 @@ mod load;
 mod metrics;
 mod oom;
 mod placement;
+mod prometheus;
 mod residentctl;
 mod router;
 mod security;
