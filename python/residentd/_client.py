@@ -4,7 +4,8 @@ into `Refused`."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, List, Optional, Sequence
+import os
+from typing import Iterator, List, Optional, Sequence, Union
 
 import grpc
 from google.rpc import error_details_pb2
@@ -140,6 +141,73 @@ def _target(endpoint: str) -> str:
     return endpoint
 
 
+#: PEM text or bytes, or the path of a PEM file.
+Pem = Union[bytes, str, "os.PathLike[str]"]
+
+
+def _pem(what: str, value: Pem) -> bytes:
+    """`value` as PEM bytes: given as such, or read from its path."""
+    if value is None:
+        raise ValueError(f"Tls {what}: missing (an agent over TLS takes only clients with a certificate)")
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str) and value.lstrip().startswith("-----BEGIN"):
+        return value.encode()
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"Tls {what}: PEM bytes or a path, not {type(value).__name__}")
+    path = os.fspath(value)
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"Tls {what} {path}: {e.strerror}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Tls:
+    """Mutual TLS for the agents reached over TCP (`HOST:PORT`), as the
+    agent's `[node.tls]` asks of its clients: `ca`, the CA that signed the
+    agents' certificates; `cert` and `key`, this client's certificate
+    (signed by the agents' `client_ca`) and its private key. Each is PEM
+    (bytes or text) or the path of a PEM file, read at once: a `Tls` holds
+    bytes, so it can be pickled to another process (a Ray actor).
+
+    Each agent's certificate is checked against the host of its endpoint;
+    `name` checks it against that name instead (as residentctl's
+    `--tls-name`). Unix socket endpoints stay plaintext: there, the
+    socket's permissions and the caller's uid are the agent's check.
+    """
+
+    ca: bytes
+    cert: bytes
+    key: bytes
+    name: Optional[str] = None
+
+    def __post_init__(self):
+        for field in ("ca", "cert", "key"):
+            object.__setattr__(self, field, _pem(field, getattr(self, field)))
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(self.ca, self.key, self.cert)
+
+    def options(self) -> list:
+        return [("grpc.ssl_target_name_override", self.name)] if self.name else []
+
+
+def _is_unix(target: str) -> bool:
+    return target.startswith(("unix:", "unix-abstract:"))
+
+
+def _channel(endpoint: str, tls: Optional[Tls], aio: bool = False):
+    """A channel to `endpoint`: TLS over TCP when `tls` is given, plaintext
+    otherwise and always over a Unix socket. `aio`: an asyncio channel."""
+    target = _target(endpoint)
+    module = grpc.aio if aio else grpc
+    if tls is None or _is_unix(target):
+        return module.insecure_channel(target)
+    return module.secure_channel(target, tls.credentials(), options=tls.options())
+
+
 def _policy(on_full) -> int:
     if on_full is None:
         return pb.POLICY_UNSPECIFIED
@@ -156,23 +224,23 @@ class Agent:
 
     `endpoint` is the agent's Unix socket path (`/run/residentd/residentd.sock`,
     or `unix:/path`) or `HOST:PORT` for TCP. For TCP with mutual TLS give
-    the CA and the client's certificate and key (PEM bytes). `timeout` is
+    `tls=Tls(ca, cert, key)` (or, as before, `root_certificates`,
+    `certificate_chain` and `private_key`, PEM bytes). `timeout` is
     the default deadline of each unary call, in seconds, except Start and
     Stop, which wait as long as the agent takes (a model may load for
     minutes) unless their own `timeout` says otherwise.
     """
 
-    def __init__(self, endpoint: str, *, timeout: Optional[float] = 30.0,
+    def __init__(self, endpoint: str, *, timeout: Optional[float] = 30.0, tls: Optional[Tls] = None,
                  root_certificates: Optional[bytes] = None, private_key: Optional[bytes] = None,
                  certificate_chain: Optional[bytes] = None):
         self.endpoint = endpoint
         self.timeout = timeout
-        target = _target(endpoint)
         if root_certificates is not None:
-            creds = grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
-            self._channel = grpc.secure_channel(target, creds)
-        else:
-            self._channel = grpc.insecure_channel(target)
+            if tls is not None:
+                raise ValueError("give tls= or root_certificates=, not both")
+            tls = Tls(root_certificates, certificate_chain, private_key)
+        self._channel = _channel(endpoint, tls)
         self._stub = pb_grpc.NodeAgentStub(self._channel)
 
     def close(self) -> None:

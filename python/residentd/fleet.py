@@ -26,7 +26,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import grpc
 
 from . import _client
-from ._client import AgentError, Refused
+from ._client import AgentError, Refused, Tls
 from ._proto import node_agent_pb2 as pb
 from ._proto import node_agent_pb2_grpc as pb_grpc
 
@@ -122,12 +122,16 @@ def rank(workload: str, answers: Dict[str, Answer], names: Dict[str, str]) -> Ra
 class Fleet:
     """Agents asked together; keeps one channel per agent for reuse.
 
-    Use from asyncio (`await fleet.place(...)`), in one event loop.
+    Use from asyncio (`await fleet.place(...)`), in one event loop. `tls`
+    (a `residentd.Tls`: the agents' CA, this client's certificate and key)
+    is used for every `HOST:PORT` endpoint; Unix socket endpoints stay
+    plaintext.
     """
 
-    def __init__(self, endpoints: Endpoints, *, deadline_s: float = 2.0):
+    def __init__(self, endpoints: Endpoints, *, deadline_s: float = 2.0, tls: Optional[Tls] = None):
         self.names = _names(endpoints)
         self.deadline_s = deadline_s
+        self.tls = tls
         self._channels: Dict[str, grpc.aio.Channel] = {}
         # A stub makes a callable per RPC: made once per agent, not per call.
         self._stubs: Dict[str, pb_grpc.NodeAgentStub] = {}
@@ -135,7 +139,7 @@ class Fleet:
     def _stub(self, endpoint: str) -> pb_grpc.NodeAgentStub:
         stub = self._stubs.get(endpoint)
         if stub is None:
-            channel = grpc.aio.insecure_channel(_client._target(endpoint))
+            channel = _client._channel(endpoint, self.tls, aio=True)
             self._channels[endpoint] = channel
             stub = self._stubs[endpoint] = pb_grpc.NodeAgentStub(channel)
         return stub
@@ -226,20 +230,23 @@ def _run(coro):
     raise value
 
 
-async def _with_fleet(endpoints: Endpoints, deadline_s: float, call):
-    async with Fleet(endpoints, deadline_s=deadline_s) as fleet:
+async def _with_fleet(endpoints: Endpoints, deadline_s: float, tls: Optional[Tls], call):
+    async with Fleet(endpoints, deadline_s=deadline_s, tls=tls) as fleet:
         return await call(fleet)
 
 
-def place(endpoints: Endpoints, workload: str, policy=None, deadline_s: float = 2.0) -> Ranking:
+def place(endpoints: Endpoints, workload: str, policy=None, deadline_s: float = 2.0,
+          tls: Optional[Tls] = None) -> Ranking:
     """Asks every agent of `endpoints` (a list, or names to endpoints) where
-    `workload` would go; the ranking, with every agent's answer."""
-    return _run(_with_fleet(endpoints, deadline_s, lambda f: f.place(workload, policy=policy)))
+    `workload` would go; the ranking, with every agent's answer. `tls`:
+    mutual TLS for the `HOST:PORT` endpoints (`residentd.Tls`)."""
+    return _run(_with_fleet(endpoints, deadline_s, tls, lambda f: f.place(workload, policy=policy)))
 
 
 def start(endpoints: Endpoints, workload: str, instance_id: Optional[str] = None, lease_ms: int = 0,
-          policy=None, deadline_s: float = 2.0, wait_ready: bool = True) -> Started:
+          policy=None, deadline_s: float = 2.0, wait_ready: bool = True,
+          tls: Optional[Tls] = None) -> Started:
     """Starts `workload` on the best agent, falling back down the ranking
     when a start is refused; raises `FleetRefused` when none placed it."""
-    return _run(_with_fleet(endpoints, deadline_s, lambda f: f.start(
+    return _run(_with_fleet(endpoints, deadline_s, tls, lambda f: f.start(
         workload, instance_id, lease_ms=lease_ms, policy=policy, wait_ready=wait_ready)))

@@ -33,7 +33,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from . import fleet
-from ._client import Agent, AgentError, Refused
+from ._client import Agent, AgentError, Refused, Tls
 
 #: The node label that carries a node's agent endpoint.
 LABEL = "residentd.io/agent"
@@ -78,11 +78,11 @@ class ResidentModel:
     refusal), and `place_model` ends the actor and tries the next node."""
 
     def __init__(self, endpoint: str, workload: str, instance_id: str, lease_ms: int,
-                 policy=None, start_timeout_s: float = 600.0):
+                 policy=None, start_timeout_s: float = 600.0, tls: Optional[Tls] = None):
         if lease_ms <= 0:
             raise ValueError("a ResidentModel needs a lease (lease_ms > 0): it bounds how long "
                              "a model outlives an actor that died")
-        self._agent = Agent(endpoint)
+        self._agent = Agent(endpoint, tls=tls)
         self._id = instance_id
         self._lease_ms = lease_ms
         self._done = threading.Event()
@@ -154,19 +154,20 @@ class ResidentModel:
 
 def place_model(workload: str, *, instance_id: Optional[str] = None, lease_ms: int = 30_000,
                 policy=None, deadline_s: float = 2.0, name: Optional[str] = None,
-                ranking: Optional[fleet.Ranking] = None):
+                ranking: Optional[fleet.Ranking] = None, tls: Optional[Tls] = None):
     """A `ResidentModel` actor for `workload` on the Ray node where it fits
     best, trying the next node of the ranking when a start is refused;
     raises `residentd.fleet.FleetRefused` (every node's answer, every
     refused start) when no node takes it. With `ranking` (from
     `residentd.fleet.place` over `agents()`, keyed by node id), follows it
-    instead of asking again."""
+    instead of asking again. `tls` (a `residentd.Tls`) reaches agents whose
+    label is `HOST:PORT` over mutual TLS; the actor gets it too."""
     nodes = agents()
     by_endpoint = {endpoint: node_id for node_id, endpoint in nodes.items()}
     if len(by_endpoint) != len(nodes):
         raise ValueError("two Ray nodes carry the same residentd.io/agent label")
     if ranking is None:
-        ranking = fleet.place(dict(nodes), workload, policy=policy, deadline_s=deadline_s)
+        ranking = fleet.place(dict(nodes), workload, policy=policy, deadline_s=deadline_s, tls=tls)
     attempts: Dict[str, AgentError] = {}
     instance_id = instance_id or f"{workload}-{uuid.uuid4().hex[:12]}"
     for endpoint in ranking.choices:
@@ -176,7 +177,8 @@ def place_model(workload: str, *, instance_id: Optional[str] = None, lease_ms: i
         options = {"scheduling_strategy": strategy}
         if name is not None:
             options["name"] = name
-        actor = ResidentModel.options(**options).remote(endpoint, workload, instance_id, lease_ms, policy)
+        actor = ResidentModel.options(**options).remote(endpoint, workload, instance_id, lease_ms, policy,
+                                                        tls=tls)
         error = ray.get(actor.ready.remote())
         if error is None:
             return actor

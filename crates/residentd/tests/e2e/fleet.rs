@@ -2,11 +2,14 @@
 //! against real agents: its unit tests, tests/fleet/check.py on three
 //! agents of different sizes and an endpoint where no agent is, and
 //! tests/fleet/ray_check.py: the same three agents under a real Ray
-//! cluster of three nodes on loopback (Ray from PyPI).
+//! cluster of three nodes on loopback (Ray from PyPI); and
+//! tests/fleet/tls_check.py: an agent served only over mutual TLS beside
+//! one on a Unix socket.
 
 use std::process::Command;
 
 use crate::support::*;
+use crate::tls::{ca, connect_tls, leaf, tls_agent_serving, write};
 
 /// The venv's python when it can import the package; else `None`, after
 /// saying the test is skipped (CI installs it, so there it fails instead).
@@ -155,6 +158,40 @@ async fn models_placed_under_a_real_ray_cluster_of_three_nodes() {
         "tests/fleet/ray_check.py",
         setup,
         "ray checks passed",
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fleet_places_and_starts_through_an_agent_served_only_over_mutual_tls() {
+    let Some(python) = python() else {
+        return;
+    };
+    // `big` (8 GB) fits only on the TLS agent (10 GB); `small` (1 GB) on both.
+    let workloads = sleeper("big", "ram", 8, "") + &sleeper("small", "ram", 1, "");
+    let access = "[node.access]\noperators = [\"cert-dns:fleet\"]";
+    let a = tls_agent_serving(access, false, &(pool("ram", "10GB") + &workloads));
+    let plain = Daemon::start(&(pool("ram", "4GB") + &workloads)).await;
+    let (cert, key) = leaf(&a.client_ca, &["fleet"]);
+    let (foreign_cert, foreign_key) = leaf(&ca(), &["fleet"]);
+    connect_tls(&a, &cert, &key).await; // bounded: until it listens
+    let dir = a.dir.path();
+    let setup = serde_json::json!({
+        "tls": format!("localhost:{}", a.port),
+        "ip": format!("127.0.0.1:{}", a.port),
+        "socket": plain.socket.display().to_string(),
+        "ca": write(dir, "fleet-ca.pem", &a.server_ca),
+        "cert": write(dir, "fleet.pem", &cert),
+        "key": write(dir, "fleet.key", &key),
+        "client_ca": write(dir, "fleet-client-ca.pem", &a.client_ca.cert.pem()),
+        "foreign_cert": write(dir, "foreign.pem", &foreign_cert),
+        "foreign_key": write(dir, "foreign.key", &foreign_key),
+    });
+    check(
+        &python,
+        "tests/fleet/tls_check.py",
+        setup,
+        "tls fleet checks passed",
     )
     .await;
 }

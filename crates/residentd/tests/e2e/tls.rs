@@ -2,7 +2,8 @@
 //! `insecure = true`): a plaintext client is refused, a client with a
 //! certificate from another CA is refused, the right one works, with the
 //! role `[node.access]` grants its certificate's names (and none
-//! otherwise).
+//! otherwise). Its fixtures (CAs, certificates, a TLS agent) serve the
+//! fleet's and the router's TLS tests too.
 
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -14,12 +15,13 @@ use resident_api::pb;
 use resident_api::pb::node_agent_client::NodeAgentClient;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
-struct Ca {
-    cert: rcgen::Certificate,
+/// A certificate authority made for one test.
+pub struct Ca {
+    pub cert: rcgen::Certificate,
     key: KeyPair,
 }
 
-fn ca() -> Ca {
+pub fn ca() -> Ca {
     let key = KeyPair::generate().expect("key");
     let mut params = CertificateParams::new(Vec::new()).expect("params");
     params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
@@ -30,7 +32,7 @@ fn ca() -> Ca {
 }
 
 /// A certificate for `names`, signed by `ca`: (cert PEM, key PEM).
-fn leaf(ca: &Ca, names: &[&str]) -> (String, String) {
+pub fn leaf(ca: &Ca, names: &[&str]) -> (String, String) {
     leaf_with(ca, names, None, None)
 }
 
@@ -79,7 +81,8 @@ async fn client(
     Ok(c)
 }
 
-fn write(dir: &Path, name: &str, text: &str) -> String {
+/// Writes `text` to `dir/name`; the path.
+pub fn write(dir: &Path, name: &str, text: &str) -> String {
     let path = dir.join(name);
     std::fs::write(&path, text).expect("write");
     path.display().to_string()
@@ -130,15 +133,17 @@ async fn tcp_needs_a_client_certificate_from_the_configured_ca() {
     assert!(plain.await.is_err(), "a plaintext client got an answer");
 }
 
-/// A TLS agent on a free port with `access` as its `[node.access]` table
-/// and a workload `nap`; returns it, its port and the CAs' PEM.
-struct TlsAgent {
+/// A TLS agent on a free port (its server certificate names
+/// `localhost`), the CAs' PEM, its directory and log.
+pub struct TlsAgent {
     child: std::process::Child,
-    port: u16,
+    pub port: u16,
     metrics: u16,
-    server_ca: String,
-    client_ca: Ca,
-    dir: tempfile::TempDir,
+    /// The CA that signed the agent's certificate.
+    pub server_ca: String,
+    /// The CA the agent takes client certificates of.
+    pub client_ca: Ca,
+    pub dir: tempfile::TempDir,
     log: std::path::PathBuf,
 }
 
@@ -157,6 +162,13 @@ fn tls_agent(access: &str) -> TlsAgent {
 /// As [`tls_agent`]; `with_socket`: a Unix socket too, `agent.sock` in
 /// its directory.
 fn tls_agent_with(access: &str, with_socket: bool) -> TlsAgent {
+    let body = "[[pool]]\nname = \"ram\"\nbudget = \"1GB\"\n\n[[workload]]\nname = \"nap\"\ncommand = [\"/bin/sleep\", \"3600\"]\n[workload.memory.ram]\nweights = \"1MB\"\n";
+    tls_agent_serving(access, with_socket, body)
+}
+
+/// A TLS agent named `tls-node` granting `access`, with `body` (its pools
+/// and workloads) after `[node]`; `with_socket` as in [`tls_agent_with`].
+pub fn tls_agent_serving(access: &str, with_socket: bool, body: &str) -> TlsAgent {
     let (server_ca, client_ca) = (ca(), ca());
     let (server_cert, server_key) = leaf(&server_ca, &["localhost"]);
     let dir = tempfile::tempdir().expect("tempdir");
@@ -167,7 +179,7 @@ fn tls_agent_with(access: &str, with_socket: bool) -> TlsAgent {
         false => tcp,
     };
     let config = format!(
-        "[node]\nname = \"tls-node\"\nlisten = {listen}\nstate_dir = \"{}/state\"\nmetrics_listen = \"127.0.0.1:{metrics}\"\n{access}\n[node.tls]\ncert = \"{}\"\nkey = \"{}\"\nclient_ca = \"{}\"\n\n[[pool]]\nname = \"ram\"\nbudget = \"1GB\"\n\n[[workload]]\nname = \"nap\"\ncommand = [\"/bin/sleep\", \"3600\"]\n[workload.memory.ram]\nweights = \"1MB\"\n",
+        "[node]\nname = \"tls-node\"\nlisten = {listen}\nstate_dir = \"{}/state\"\nmetrics_listen = \"127.0.0.1:{metrics}\"\n{access}\n[node.tls]\ncert = \"{}\"\nkey = \"{}\"\nclient_ca = \"{}\"\n\n{body}",
         dir.path().display(),
         write(dir.path(), "server.pem", &server_cert),
         write(dir.path(), "server.key", &server_key),
@@ -206,7 +218,7 @@ fn denied<T: std::fmt::Debug>(r: Result<T, tonic::Status>, what: &str) -> String
 }
 
 /// A channel with a client certificate, once the agent listens.
-async fn connect_tls(a: &TlsAgent, cert: &str, key: &str) -> Channel {
+pub async fn connect_tls(a: &TlsAgent, cert: &str, key: &str) -> Channel {
     let tls = ClientTlsConfig::new()
         .ca_certificate(Certificate::from_pem(&a.server_ca))
         .domain_name("localhost")
