@@ -1,5 +1,6 @@
 //! The router's only way to the agent: its public gRPC API, over the Unix
-//! socket or TCP. Each call is one RPC; a refusal is decoded from the
+//! socket, plaintext TCP or TCP with mutual TLS (tonic's rustls client,
+//! as residentctl's). Each call is one RPC; a refusal is decoded from the
 //! status's ErrorInfo (reason, `temporary`).
 
 use std::path::PathBuf;
@@ -8,8 +9,10 @@ use std::time::Duration;
 use prost::Message as _;
 use resident_api::pb;
 use resident_api::pb::node_agent_client::NodeAgentClient;
+use rustls::pki_types::CertificateDer;
+use rustls::pki_types::pem::PemObject as _;
 use tonic::Code;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity, Uri};
 use tonic_types::StatusExt as _;
 
 /// The longest a quick call (Touch, Workloads, List) may take: one that
@@ -46,6 +49,51 @@ pub enum StartError {
     Unavailable(String),
 }
 
+/// The client side of the agent's mutual TLS, as PEM: what `--ca`,
+/// `--cert` and `--key` name.
+#[derive(Clone)]
+pub struct AgentTls {
+    /// The CA that signed the agent's certificate.
+    pub ca: Vec<u8>,
+    /// The router's certificate, signed by the agent's `client_ca`.
+    pub cert: Vec<u8>,
+    /// The router's private key.
+    pub key: Vec<u8>,
+    /// The name the agent's certificate is checked against; `None`: the
+    /// endpoint's host.
+    pub name: Option<String>,
+}
+
+impl std::fmt::Debug for AgentTls {
+    // Never the key, not even in a debug print of the options.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AgentTls")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why the router cannot be connected to its agent as told.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum AgentAddressError {
+    /// An `https://` agent, and no certificates to reach it with.
+    #[error(
+        "{endpoint}: an agent over TLS needs --ca, --cert and --key (or RESIDENTD_CA, RESIDENTD_CERT, RESIDENTD_KEY)"
+    )]
+    TlsMissing { endpoint: String },
+    /// Certificates for an agent reached without TLS (a Unix socket,
+    /// `http://`): said rather than ignored.
+    #[error("--ca, --cert and --key are for an https://HOST:PORT agent, not {endpoint}")]
+    TlsUnused { endpoint: String },
+    /// A `--ca` without one certificate that could anchor a chain: every
+    /// handshake would fail, so the router says so at start.
+    #[error("--ca: no CA certificate in it ({found} PEM certificates, none usable)")]
+    NoCa { found: usize },
+    /// The endpoint does not parse, or tonic refuses the TLS material.
+    #[error("--agent {endpoint}: {reason}")]
+    Endpoint { endpoint: String, reason: String },
+}
+
 /// A client of one agent.
 #[derive(Debug, Clone)]
 pub struct Agent {
@@ -54,27 +102,75 @@ pub struct Agent {
 
 impl Agent {
     /// A client of the agent at `endpoint`: a Unix socket path (optionally
-    /// `unix:` or `unix://` before it) or `http://HOST:PORT`. Connects
-    /// lazily, so the router can start before the agent.
-    pub fn new(endpoint: &str) -> anyhow::Result<Self> {
-        let channel = if endpoint.starts_with("http://") {
-            Endpoint::from_shared(endpoint.to_string())?
-                .connect_timeout(Duration::from_secs(5))
-                .connect_lazy()
-        } else {
-            let path = PathBuf::from(
-                endpoint
-                    .strip_prefix("unix://")
-                    .or_else(|| endpoint.strip_prefix("unix:"))
-                    .unwrap_or(endpoint),
-            );
-            let endpoint =
-                Endpoint::from_static("http://localhost").connect_timeout(Duration::from_secs(5));
-            resident_api::endpoint_unix_lazy(endpoint, path)
+    /// `unix:` or `unix://` before it), `http://HOST:PORT`, or
+    /// `https://HOST:PORT` with `tls`. Connects lazily, so the router can
+    /// start before the agent.
+    pub fn new(endpoint: &str, tls: Option<&AgentTls>) -> Result<Self, AgentAddressError> {
+        let scheme = endpoint.split_once("://").map(|(scheme, _)| scheme);
+        let channel = match (scheme, tls) {
+            (Some("https"), Some(tls)) => Self::tls(endpoint, tls)?,
+            (Some("https"), None) => {
+                return Err(AgentAddressError::TlsMissing {
+                    endpoint: endpoint.to_string(),
+                });
+            }
+            (_, Some(_)) => {
+                return Err(AgentAddressError::TlsUnused {
+                    endpoint: endpoint.to_string(),
+                });
+            }
+            (Some("http"), None) => tcp(endpoint)?.connect_lazy(),
+            (_, None) => {
+                let path = PathBuf::from(
+                    endpoint
+                        .strip_prefix("unix://")
+                        .or_else(|| endpoint.strip_prefix("unix:"))
+                        .unwrap_or(endpoint),
+                );
+                let endpoint = Endpoint::from_static("http://localhost")
+                    .connect_timeout(Duration::from_secs(5));
+                resident_api::endpoint_unix_lazy(endpoint, path)
+            }
         };
         Ok(Self {
             client: NodeAgentClient::new(channel),
         })
+    }
+
+    /// A lazy channel to `https://HOST:PORT` presenting the router's
+    /// certificate, trusting only `tls.ca`.
+    fn tls(endpoint: &str, tls: &AgentTls) -> Result<Channel, AgentAddressError> {
+        // tonic skips CA certificates it cannot parse, and trusting none
+        // fails every handshake later, far from the cause.
+        let certs: Vec<_> = CertificateDer::pem_slice_iter(&tls.ca)
+            .filter_map(Result::ok)
+            .collect();
+        let found = certs.len();
+        let (usable, _) = rustls::RootCertStore::empty().add_parsable_certificates(certs);
+        if usable == 0 {
+            return Err(AgentAddressError::NoCa { found });
+        }
+        let host = endpoint
+            .parse::<Uri>()
+            .ok()
+            // An IPv6 host is written in brackets; its name is without.
+            .and_then(|u| {
+                u.host()
+                    .map(|h| h.trim_start_matches('[').trim_end_matches(']').to_string())
+            });
+        let name = tls.name.clone().or(host).unwrap_or_default();
+        let config = ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(&tls.ca))
+            .identity(Identity::from_pem(&tls.cert, &tls.key))
+            .domain_name(name);
+        let channel =
+            tcp(endpoint)?
+                .tls_config(config)
+                .map_err(|e| AgentAddressError::Endpoint {
+                    endpoint: endpoint.to_string(),
+                    reason: with_causes(&e),
+                })?;
+        Ok(channel.connect_lazy())
     }
 
     /// The roster: every workload with its aliases and limits.
@@ -135,6 +231,24 @@ impl Agent {
             Err(status) => Err(start_error(&status)),
         }
     }
+}
+
+/// `e` and what caused it: tonic's own text is only "transport error".
+fn with_causes(e: &dyn std::error::Error) -> String {
+    std::iter::successors(Some(e), |e| e.source())
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(": ")
+}
+
+/// The TCP endpoint `endpoint` (`http://` or `https://`), not connected.
+fn tcp(endpoint: &str) -> Result<Endpoint, AgentAddressError> {
+    let parsed =
+        Endpoint::from_shared(endpoint.to_string()).map_err(|e| AgentAddressError::Endpoint {
+            endpoint: endpoint.to_string(),
+            reason: e.to_string(),
+        })?;
+    Ok(parsed.connect_timeout(Duration::from_secs(5)))
 }
 
 fn not_resident_is_none(
@@ -198,4 +312,82 @@ fn holders(status: &tonic::Status) -> Vec<String> {
     ids.sort_unstable();
     ids.dedup();
     ids
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A CA's PEM and a certificate and key it signed.
+    fn material(name: Option<&str>) -> AgentTls {
+        let ca_key = rcgen::KeyPair::generate().expect("key");
+        let mut params = rcgen::CertificateParams::new(Vec::new()).expect("params");
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        let ca = params.self_signed(&ca_key).expect("CA");
+        let key = rcgen::KeyPair::generate().expect("key");
+        let params = rcgen::CertificateParams::new(vec!["router".to_string()]).expect("params");
+        let cert = params.signed_by(&key, &ca, &ca_key).expect("signed");
+        AgentTls {
+            ca: ca.pem().into_bytes(),
+            cert: cert.pem().into_bytes(),
+            key: key.serialize_pem().into_bytes(),
+            name: name.map(String::from),
+        }
+    }
+
+    /// `Agent::new(endpoint, tls)`: connected (lazily) or the error's text.
+    fn check(endpoint: &str, tls: Option<&AgentTls>, want: Result<(), &str>) {
+        let got = Agent::new(endpoint, tls)
+            .map(drop)
+            .map_err(|e| e.to_string());
+        match (&got, want) {
+            (Ok(()), Ok(())) => {}
+            (Err(text), Err(part)) if text.contains(part) => {}
+            _ => panic!(
+                "{endpoint} (tls: {}): {got:?}, want {want:?}",
+                tls.is_some()
+            ),
+        }
+    }
+
+    #[tokio::test]
+    async fn each_endpoint_takes_tls_material_only_where_it_speaks_tls() {
+        let (good, named) = (material(None), material(Some("node-7.example.org")));
+        let (mut bad_key, mut bad_ca, mut no_ca) = (material(None), material(None), material(None));
+        bad_key.key = b"not a key".to_vec();
+        bad_ca.ca = b"-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n".to_vec();
+        no_ca.ca = b"just words".to_vec();
+        let missing = "https://localhost:7443: an agent over TLS needs --ca, --cert and --key";
+        let unused = "--ca, --cert and --key are for an https://HOST:PORT agent, not";
+        let (sock, http, https) = (
+            "/run/r.sock",
+            "http://127.0.0.1:7443",
+            "https://localhost:7443",
+        );
+        #[rustfmt::skip]
+        let rows: &[(&str, Option<&AgentTls>, Result<(), &str>)] = &[
+            (sock, None, Ok(())),
+            ("unix:///run/a.sock", None, Ok(())),
+            (http, None, Ok(())),
+            (https, Some(&good), Ok(())),
+            ("https://[::1]:7443", Some(&good), Ok(())),
+            ("https://10.0.0.7:7443", Some(&named), Ok(())),
+            (https, None, Err(missing)),
+            (sock, Some(&good), Err(unused)),
+            (http, Some(&good), Err(unused)),
+            (https, Some(&bad_key), Err("--agent https://localhost:7443: ")),
+            (https, Some(&bad_ca), Err("--ca: no CA certificate in it (1 PEM certificates")),
+            (https, Some(&no_ca), Err("--ca: no CA certificate in it (0 PEM certificates")),
+            ("https://local host:7443", Some(&good), Err("--agent https://local host:7443: ")),
+        ];
+        for (endpoint, tls, want) in rows {
+            check(endpoint, *tls, *want);
+        }
+    }
+
+    #[test]
+    fn the_key_is_never_printed() {
+        let text = format!("{:?}", material(Some("n")));
+        assert_eq!(text, "AgentTls { name: Some(\"n\"), .. }");
+    }
 }

@@ -7,7 +7,8 @@
 //! on loopback. It is a client of the agent's public gRPC API and nothing
 //! more: the agent decides what may be resident, the router only asks.
 //!
-//! - `agent.rs`: the RPCs the router makes, and a refusal decoded.
+//! - `agent.rs`: the RPCs the router makes, a refusal decoded, and the
+//!   channel to the agent (socket, TCP, or TCP with mutual TLS).
 //! - `models.rs`: roster, holds, and the FIFO gate of starts on demand.
 //! - `proxy.rs`: forwarding, streaming, and the hold that ends with the
 //!   response body.
@@ -35,6 +36,7 @@ pub mod metrics;
 pub mod models;
 pub mod proxy;
 
+pub use agent::AgentTls;
 pub use error::RouterError;
 
 use crate::agent::Agent;
@@ -45,8 +47,11 @@ use crate::proxy::Upstream;
 /// What the router is told on its command line.
 #[derive(Debug, Clone)]
 pub struct Options {
-    /// The agent: a Unix socket path or `http://HOST:PORT`.
+    /// The agent: a Unix socket path, `http://HOST:PORT`, or
+    /// `https://HOST:PORT` with `tls`.
     pub agent: String,
+    /// The router's side of the agent's mutual TLS.
+    pub tls: Option<AgentTls>,
     /// Where to serve HTTP.
     pub listen: SocketAddr,
     /// The longest a request waits for its model's start to get memory
@@ -74,7 +79,7 @@ impl App {
     /// A router for `options`. Nothing is asked of the agent yet.
     pub fn new(options: Options) -> anyhow::Result<Arc<Self>> {
         let metrics = Arc::new(Metrics::new());
-        let agent = Agent::new(&options.agent)?;
+        let agent = Agent::new(&options.agent, options.tls.as_ref())?;
         let models = Models::new(agent, options.hold, options.queue_timeout, metrics.clone());
         Ok(Arc::new(Self {
             models,

@@ -2,11 +2,13 @@
 //! residentd agent runs, starting each on demand. See docs/router.md.
 
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
+use anyhow::Context as _;
 use clap::Parser;
-use residentd_router::{App, Options};
+use residentd_router::{AgentTls, App, Options};
 use tokio::signal::unix::{SignalKind, signal};
 
 /// The agent's socket when the agent runs with the packaged config.
@@ -15,9 +17,24 @@ const DEFAULT_AGENT: &str = "/run/residentd/residentd.sock";
 #[derive(Parser, Debug)]
 #[command(version, about = "OpenAI-compatible front door of a residentd node")]
 struct Cli {
-    /// The agent: its Unix socket path, or http://HOST:PORT.
+    /// The agent: its Unix socket path, http://HOST:PORT (an agent with
+    /// insecure = true) or https://HOST:PORT (mutual TLS: give --ca,
+    /// --cert and --key).
     #[arg(long, env = "RESIDENTD_SOCKET", default_value = DEFAULT_AGENT)]
     agent: String,
+    /// The CA that signed the agent's certificate (PEM).
+    #[arg(long, env = "RESIDENTD_CA", requires_all = ["cert", "key"])]
+    ca: Option<PathBuf>,
+    /// The router's certificate (PEM), signed by the agent's client_ca.
+    #[arg(long, env = "RESIDENTD_CERT", requires_all = ["ca", "key"])]
+    cert: Option<PathBuf>,
+    /// The router's private key (PEM).
+    #[arg(long, env = "RESIDENTD_KEY", requires_all = ["ca", "cert"])]
+    key: Option<PathBuf>,
+    /// The name the agent's certificate is checked against (default: the
+    /// host of --agent).
+    #[arg(long, env = "RESIDENTD_TLS_NAME", requires = "ca")]
+    tls_name: Option<String>,
     /// Where to serve HTTP.
     #[arg(long, default_value = "127.0.0.1:8080")]
     listen: SocketAddr,
@@ -103,13 +120,51 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("residentd-router: {e:#}");
-            ExitCode::FAILURE
+            if e.is::<Misconfigured>() {
+                ExitCode::from(EX_CONFIG)
+            } else {
+                ExitCode::FAILURE
+            }
         }
     }
 }
 
+/// The exit status of flags that parse but cannot work (the agent's
+/// address, its TLS files): the unit does not restart on it, since the
+/// same flags would fail again.
+const EX_CONFIG: u8 = 78;
+
+/// What `--agent` and the TLS flags say cannot work.
+#[derive(Debug)]
+struct Misconfigured(anyhow::Error);
+
+impl std::fmt::Display for Misconfigured {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:#}", self.0)
+    }
+}
+
+impl std::error::Error for Misconfigured {}
+
+/// The TLS material the flags name, read (`None` without `--ca`).
+fn tls(cli: &Cli) -> anyhow::Result<Option<AgentTls>> {
+    let (Some(ca), Some(cert), Some(key)) = (&cli.ca, &cli.cert, &cli.key) else {
+        return Ok(None);
+    };
+    let read = |flag: &str, path: &Path| {
+        std::fs::read(path).with_context(|| format!("--{flag} {}", path.display()))
+    };
+    Ok(Some(AgentTls {
+        ca: read("ca", ca)?,
+        cert: read("cert", cert)?,
+        key: read("key", key)?,
+        name: cli.tls_name.clone(),
+    }))
+}
+
 async fn run(cli: Cli) -> anyhow::Result<()> {
     let options = Options {
+        tls: tls(&cli).map_err(Misconfigured)?,
         agent: cli.agent,
         listen: cli.listen,
         queue_timeout: cli.queue_timeout,
@@ -117,11 +172,13 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         body_timeout: cli.body_timeout,
         hold: cli.hold,
     };
-    let listener = tokio::net::TcpListener::bind(options.listen)
+    let (listen, agent) = (options.listen, options.agent.clone());
+    let tls = options.tls.is_some();
+    let app = App::new(options).map_err(Misconfigured)?;
+    let listener = tokio::net::TcpListener::bind(listen)
         .await
-        .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", options.listen))?;
-    tracing::info!(listen = %options.listen, agent = %options.agent, "serving");
-    let app = App::new(options)?;
+        .map_err(|e| anyhow::anyhow!("cannot listen on {listen}: {e}"))?;
+    tracing::info!(%listen, %agent, tls, "serving");
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
     let shutdown = async move {

@@ -166,3 +166,70 @@ fn the_unit_verifies_beside_the_agents() {
         "systemd-analyze verify printed:\n{said}"
     );
 }
+
+#[test]
+fn tls_flags_that_cannot_work_are_said_before_serving() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let junk = dir.path().join("junk.pem");
+    std::fs::write(&junk, "not PEM").expect("write");
+    let junk = junk.to_str().expect("a UTF-8 path");
+    let https = "https://localhost:7443";
+    let files = ["--ca", junk, "--cert", junk, "--key", junk];
+    let with_files = |agent: &'static str| {
+        let mut args = vec!["--agent", agent];
+        args.extend(files);
+        args
+    };
+    let rows: Vec<(Vec<&str>, i32, &str)> = vec![
+        (vec!["--cert", junk], 2, "--ca <CA>"),
+        (vec!["--ca", junk, "--key", junk], 2, "--cert <CERT>"),
+        (vec!["--agent", https], 78, "needs --ca, --cert and --key"),
+        (
+            vec![
+                "--agent",
+                https,
+                "--ca",
+                "/nonexistent/ca.pem",
+                "--cert",
+                junk,
+                "--key",
+                junk,
+            ],
+            78,
+            "--ca /nonexistent/ca.pem: No such file",
+        ),
+        (
+            with_files("/run/residentd/residentd.sock"),
+            78,
+            "are for an https://HOST:PORT agent",
+        ),
+        (
+            with_files("http://127.0.0.1:7443"),
+            78,
+            "are for an https://HOST:PORT agent",
+        ),
+        (with_files(https), 78, "--ca: no CA certificate in it"),
+    ];
+    for (args, code, said) in rows {
+        let out = Command::new(ROUTER)
+            .args(&args)
+            .args(["--listen", "127.0.0.1:0"])
+            .env_remove("RESIDENTD_SOCKET")
+            .output()
+            .expect("run");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(code), "{args:?}: {err}");
+        assert!(err.contains(said), "{args:?}: {err}");
+    }
+    // The TLS flags as environment variables, like residentctl's.
+    let out = Command::new(ROUTER)
+        .args(["--agent", https, "--listen", "127.0.0.1:0"])
+        .env("RESIDENTD_CA", junk)
+        .env("RESIDENTD_CERT", junk)
+        .env("RESIDENTD_KEY", junk)
+        .output()
+        .expect("run");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(78), "{err}");
+    assert!(err.contains("--ca: no CA certificate in it"), "{err}");
+}

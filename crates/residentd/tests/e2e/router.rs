@@ -4,19 +4,21 @@
 //! library (`residentd_router::App`) served in the test process; the agent
 //! is the real binary, and the models are real servers: llama-cpp-python on
 //! GGUF models the test writes, and tests/router/slow_server.py where a
-//! request must stay in flight as long as the test says.
+//! request must stay in flight as long as the test says. One router
+//! reaches its agent over TCP with mutual TLS (the agent of `tls.rs`).
 
 use std::path::Path;
 use std::time::Duration;
 
 use resident_api::pb;
-use residentd_router::{App, Options};
+use residentd_router::{AgentTls, App, Options};
 use serde_json::Value;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpStream;
 
 use crate::llama::{declared, make_model, python, workload};
 use crate::support::*;
+use crate::tls::{ca, connect_tls, leaf, tls_agent_serving};
 
 /// A router served in this process until dropped.
 struct Router {
@@ -34,12 +36,19 @@ impl Drop for Router {
 }
 
 async fn router(socket: &Path, queue_timeout: Duration) -> Router {
+    router_to(&socket.display().to_string(), None, queue_timeout).await
+}
+
+/// A router of the agent at `agent` (a socket, `http://` or `https://`
+/// with `tls`).
+async fn router_to(agent: &str, tls: Option<AgentTls>, queue_timeout: Duration) -> Router {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
     let listen = listener.local_addr().expect("address");
     let app = App::new(Options {
-        agent: socket.display().to_string(),
+        agent: agent.to_string(),
+        tls,
         listen,
         queue_timeout,
         max_body: 1 << 20,
@@ -608,4 +617,80 @@ async fn a_stream_and_its_hold_go_on_across_an_upgrade_of_the_agent() {
         "slow, after the upgrade",
     );
     assert_eq!(d.ids().await, ["slow"], "served by the instance it had");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_router_serves_through_an_agent_reached_over_mutual_tls() {
+    let Some(python) = venv_python("the router test's model server") else {
+        return;
+    };
+    let body = String::from("[[pool]]\nname = \"fake\"\nbudget = \"10GB\"\n\n")
+        + &slow("demo", &python, "");
+    let a = tls_agent_serving(
+        "[node.access]\noperators = [\"cert-dns:router\"]",
+        false,
+        &body,
+    );
+    let (cert, key) = leaf(&a.client_ca, &["router"]);
+    let (foreign_cert, foreign_key) = leaf(&ca(), &["router"]);
+    let mut agent = resident_api::pb::node_agent_client::NodeAgentClient::new(
+        connect_tls(&a, &cert, &key).await,
+    );
+    let tls = |ca: &str, cert: &str, key: &str| AgentTls {
+        ca: ca.as_bytes().to_vec(),
+        cert: cert.as_bytes().to_vec(),
+        key: key.as_bytes().to_vec(),
+        name: None,
+    };
+    let https = format!("https://localhost:{}", a.port);
+    let health = "GET /health HTTP/1.1\r\nHost: router\r\nConnection: close\r\n\r\n";
+
+    // With the router's certificate: the model is started on demand and
+    // answers through the router.
+    let r = router_to(&https, Some(tls(&a.server_ca, &cert, &key)), PATIENCE).await;
+    let (status, _, said) = raw(r.port, health.as_bytes()).await;
+    assert_eq!(status, 200, "{said}");
+    ok(
+        &client(&python, &["chat", &r.base, "demo"]).await,
+        "demo, through an mTLS agent",
+    );
+    let list = agent
+        .list(pb::ListRequest {})
+        .await
+        .expect("list")
+        .into_inner()
+        .instances;
+    assert_eq!(state(&list, "demo"), Some(pb::State::Ready), "{list:?}");
+    drop(r);
+
+    // Plaintext to the TLS port, a certificate of another CA, a router
+    // that trusts another CA: the agent is unavailable, nothing started.
+    let refused = [
+        ("plaintext", format!("http://localhost:{}", a.port), None),
+        (
+            "another CA's certificate",
+            https.clone(),
+            Some(tls(&a.server_ca, &foreign_cert, &foreign_key)),
+        ),
+        (
+            "trusting another CA",
+            https.clone(),
+            Some(tls(&a.client_ca.cert.pem(), &cert, &key)),
+        ),
+    ];
+    for (what, agent_at, tls) in refused {
+        let r = router_to(&agent_at, tls, PATIENCE).await;
+        let (status, _, said) = raw(r.port, health.as_bytes()).await;
+        assert_eq!(status, 503, "{what}: {said}");
+        assert_eq!(error_of(&said).1, "agent_unavailable", "{what}");
+        let (status, _, said) = raw(
+            r.port,
+            &post(
+                "/v1/chat/completions",
+                r#"{"model": "demo", "messages": []}"#,
+            ),
+        )
+        .await;
+        assert_eq!(status, 503, "{what}: {said}");
+    }
 }
