@@ -108,9 +108,13 @@ pub fn placement(plan: &Plan, pools: Vec<pb::PoolStatus>) -> pb::Placement {
             ..Default::default()
         },
         Plan::Admit {
-            evict, wait_for, ..
+            sleep,
+            evict,
+            wait_for,
+            ..
         } => pb::Placement {
             admitted: true,
+            sleep: ids(sleep),
             evict: ids(evict),
             wait_for: ids(wait_for),
             pools,

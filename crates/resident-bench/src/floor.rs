@@ -94,6 +94,10 @@ impl NodeAgent for Floor {
     ) -> Result<Response<pb::UpgradeResponse>, Status> {
         none()
     }
+
+    async fn sleep(&self, _: Request<pb::SleepRequest>) -> Result<Response<pb::Instance>, Status> {
+        none()
+    }
 }
 
 /// Serves the floor on `socket` until killed.

@@ -294,6 +294,39 @@ pub struct Workload {
     /// Whether its server reports the buffers it allocated in its output
     /// (llama.cpp's, `report.rs`): read once it is READY.
     pub reports_buffers: bool,
+    /// How its server sleeps and wakes (`[workload.sleep]`); `None`: it
+    /// cannot. What it holds asleep is `spec.asleep`.
+    pub sleep: Option<Sleep>,
+}
+
+/// How a workload's server sleeps and wakes (`[workload.sleep]`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sleep {
+    /// The call that puts it to sleep.
+    pub sleep: HttpCall,
+    /// The call that wakes it.
+    pub wake: HttpCall,
+    /// Put to sleep after this long unused; `None` (`0s`): only to make
+    /// room, or when asked.
+    pub idle: Option<Duration>,
+    /// How long a sleep or wake call may take before the instance is
+    /// stopped as failed.
+    pub timeout: Duration,
+}
+
+/// An HTTP call on an instance's port: `"POST /sleep?level=1"`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HttpCall {
+    /// `GET`, `POST`, `PUT` ...
+    pub method: String,
+    /// The path and query, starting with `/`.
+    pub path: String,
+}
+
+impl std::fmt::Display for HttpCall {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {}", self.method, self.path)
+    }
 }
 
 impl Workload {

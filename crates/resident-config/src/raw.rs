@@ -216,6 +216,26 @@ pub struct Workload {
     #[serde(default)]
     pub aliases: Vec<Spanned<String>>,
     pub concurrency_limit: Option<Spanned<u32>>,
+    pub sleep: Option<Spanned<Sleep>>,
+}
+
+/// `[workload.sleep]`: how its server sleeps and wakes, and what it holds
+/// asleep.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Sleep {
+    /// `"METHOD /path"` on the instance's port.
+    pub sleep: Option<Spanned<String>>,
+    pub wake: Option<Spanned<String>>,
+    pub idle: Option<Spanned<String>>,
+    /// How long a sleep or wake call may take.
+    pub timeout: Option<Spanned<String>>,
+    /// vLLM's sleep level (1: weights to host memory; 2: discarded).
+    pub level: Option<Spanned<u8>>,
+    /// vLLM: what its process keeps on each GPU asleep.
+    pub residue: Option<Spanned<Quantity>>,
+    #[serde(default)]
+    pub memory: BTreeMap<String, Spanned<Demand>>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]

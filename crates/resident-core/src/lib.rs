@@ -16,8 +16,10 @@ mod units;
 pub use name::{Excerpt, GroupName, InstanceId, NameError, PoolName, Role, WorkloadName};
 pub use planner::{Plan, PlanError, Policy};
 pub use reason::{GroupRule, Holder, Reason, Refusal};
-pub use spec::{AnyOf, Choice, Demand, GpuChoice, GroupDef, GroupError, GroupPolicy, Groups, Spec};
+pub use spec::{
+    AnyOf, Asleep, Choice, Demand, GpuChoice, GroupDef, GroupError, GroupPolicy, Groups, Spec,
+};
 pub use state::{
-    Admission, AdmitError, Charge, NodeState, Phase, PoolConfig, PoolStatus, Resident,
+    Admission, AdmitError, Charge, NodeState, Phase, PoolConfig, PoolStatus, Resident, Tier,
 };
 pub use units::{GB, Gb, UnitError, parse_bytes};

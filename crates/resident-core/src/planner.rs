@@ -7,6 +7,12 @@
 //! the target cannot fit even after every permitted eviction, nothing is
 //! evicted and the start is refused with every reason.
 //!
+//! Under policy `Evict` a plan is a list of moves: residents whose
+//! workload can sleep are put to sleep first (least-recently-used first,
+//! each only when its asleep demand fits where it goes), and only when
+//! that is not enough are residents evicted, a sleeper among them where
+//! its asleep demand is in the way.
+//!
 //! A spec with any-of demands is planned once per concrete choice of pools
 //! (`Spec::choices`): a choice that fits without eviction wins over one
 //! that needs evictions, then the node's `GpuChoice` (binpack: least room
@@ -18,7 +24,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use crate::name::{GroupName, InstanceId, PoolName, Role, WorkloadName};
 use crate::reason::{GroupRule, Reason, Refusal};
 use crate::spec::{Choice, GpuChoice, GroupPolicy, Spec};
-use crate::state::{NodeState, Pool, Resident, Totals};
+use crate::state::{NodeState, Pool, Resident, Tier, Totals};
 
 /// What to do when a constraint fails.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -35,8 +41,12 @@ pub enum Policy {
 pub enum Plan {
     /// The instance is already resident with this workload.
     Existing,
-    /// The target fits once `evict` (in this order) are gone.
+    /// The target fits once `sleep` are asleep and `evict` (in this
+    /// order) are gone.
     Admit {
+        /// Residents to put to sleep first (policy `Evict` only),
+        /// least-recently-used first.
+        sleep: Vec<InstanceId>,
         /// Victims: conflicting residents first, then least-recently-used.
         evict: Vec<InstanceId>,
         /// Conflicting instances already being evicted for another start.
@@ -83,6 +93,12 @@ pub enum PlanError {
         count: usize,
         /// Pools named.
         candidates: usize,
+    },
+    /// The instance to wake is not resident.
+    #[error("no instance '{id}' is resident")]
+    NotResident {
+        /// The instance.
+        id: InstanceId,
     },
     /// The id belongs to an instance that is being evicted.
     #[error("instance '{id}' is being evicted; start it again once it has exited")]
@@ -190,19 +206,29 @@ pub fn plan(
         });
     }
     let choices = spec.choices();
-    let mut best: Option<((bool, i128, usize), Plan)> = None;
+    let mut best: Option<((u8, i128, usize), Plan)> = None;
     let mut reasons: Vec<Reason> = Vec::new();
     let mut temporary = false;
     for (n, choice) in choices.iter().enumerate() {
         let concrete = spec.concrete(choice);
         match plan_concrete(state, id, &concrete, policy, now)? {
             Plan::Admit {
-                evict, wait_for, ..
+                sleep,
+                evict,
+                wait_for,
+                ..
             } => {
-                let key = (!evict.is_empty(), room(state, choice), n);
+                // Fits as is, then by sleeping only, then by evicting.
+                let moves = if !evict.is_empty() {
+                    2
+                } else {
+                    u8::from(!sleep.is_empty())
+                };
+                let key = (moves, room(state, choice), n);
                 if best.as_ref().is_none_or(|(k, _)| key < *k) {
                     let chosen = choice.clone();
                     let plan = Plan::Admit {
+                        sleep,
                         evict,
                         wait_for,
                         chosen,
@@ -370,6 +396,7 @@ pub(crate) fn plan_present(
         .any(|(_, figures, need)| figures.excess(*need) > 0);
     if conflicts.is_empty() && !short {
         return Ok(Plan::Admit {
+            sleep: Vec::new(),
             evict: Vec::new(),
             wait_for,
             chosen: Vec::new(),
@@ -377,9 +404,10 @@ pub(crate) fn plan_present(
     }
     if policy == Policy::Evict {
         let conflicting: Vec<&Resident> = conflicts.iter().map(|(r, _)| *r).collect();
-        if let Some(evict) = victims(state, spec, now, &conflicting, &pools) {
+        if let Some(moves) = victims(state, spec, now, &conflicting, &pools) {
             return Ok(Plan::Admit {
-                evict,
+                sleep: moves.sleep,
+                evict: moves.evict,
                 wait_for,
                 chosen: Vec::new(),
             });
@@ -470,65 +498,171 @@ fn memory_reasons(
     }
 }
 
-/// Whether policy lets `r` be evicted for `spec` at `now`.
+/// Whether policy lets `r` be evicted (or put to sleep) for `spec` at
+/// `now`.
 fn permitted(state: &NodeState, spec: &Spec, now: u64, r: &Resident) -> bool {
     r.evictable
         && !r.leaving()
+        && r.tier != Tier::Moving
         && !r.held(now)
         && r.spec.priority <= spec.priority
         && !state.groups.is_persistent(r.spec.workload.as_str())
 }
 
-/// The victims that make room, or `None` when even every permitted
-/// eviction would not: conflicting residents first (all must be permitted),
-/// then, while a pool is short, least-recently-used permitted residents that
-/// hold bytes in a short pool.
+/// The moves that make room.
+struct Moves {
+    sleep: Vec<InstanceId>,
+    evict: Vec<InstanceId>,
+}
+
+/// How far each pool of the node is over its effective budget with the
+/// target in it (negative: room), as moves are applied; `target` lists
+/// the pools the target needs, which must all end within budget.
+struct Excess<'a> {
+    by_pool: BTreeMap<&'a str, i128>,
+    target: Vec<&'a str>,
+}
+
+impl<'a> Excess<'a> {
+    fn new(state: &'a NodeState, pools: &[(&'a Pool, PoolFigures, u64)]) -> Self {
+        let mut by_pool: BTreeMap<&str, i128> = state
+            .pools
+            .values()
+            .map(|p| (p.config.name.as_str(), PoolFigures::of(state, p).excess(0)))
+            .collect();
+        let mut target = Vec::with_capacity(pools.len());
+        for (pool, figures, need) in pools {
+            let name = pool.config.name.as_str();
+            by_pool.insert(name, figures.excess(*need));
+            target.push(name);
+        }
+        Self { by_pool, target }
+    }
+
+    fn short(&self) -> bool {
+        self.target.iter().any(|p| self.by_pool[p] > 0)
+    }
+
+    /// Whether taking `counted(pool)` away from `r`'s pools relieves a
+    /// short pool of the target.
+    fn helps(&self, r: &Resident, counted: impl Fn(&str) -> u64) -> bool {
+        self.target.iter().any(|p| {
+            self.by_pool[p] > 0 && counted(p) > 0 && r.spec.pools().any(|q| q.as_str() == *p)
+        })
+    }
+
+    /// Adds `delta(pool)` to every pool.
+    fn apply(&mut self, delta: impl Fn(&str) -> i128) {
+        for (pool, e) in self.by_pool.iter_mut() {
+            *e += delta(pool);
+        }
+    }
+}
+
+/// What putting `r` to sleep changes in `pool`: its asleep reservation
+/// there less what it is counted as holding now.
+fn sleep_delta(r: &Resident, pool: &str) -> i128 {
+    let now = r.charge(pool).counted();
+    let asleep = if r.spec.pools().any(|p| p.as_str() == pool) {
+        r.spec.asleep_footprint(pool)
+    } else {
+        0
+    };
+    i128::from(asleep) - i128::from(now)
+}
+
+/// The moves that make room, or `None` when even every permitted move
+/// would not: conflicting residents are evicted (all must be permitted);
+/// then, while a pool of the target is short, least-recently-used
+/// permitted residents that can sleep are put to sleep where that frees
+/// bytes in a short pool and their asleep demand fits everywhere it goes;
+/// then, if still short, least-recently-used permitted residents holding
+/// bytes in a short pool (sleepers, and those just chosen to sleep, among
+/// them) are evicted. Sleeps that the evictions made needless are dropped.
 fn victims(
     state: &NodeState,
     spec: &Spec,
     now: u64,
     conflicting: &[&Resident],
     pools: &[(&Pool, PoolFigures, u64)],
-) -> Option<Vec<InstanceId>> {
+) -> Option<Moves> {
     if !conflicting.iter().all(|r| permitted(state, spec, now, r)) {
         return None;
     }
-    let mut excess: BTreeMap<&str, i128> = pools
-        .iter()
-        .map(|(pool, figures, need)| (pool.config.name.as_str(), figures.excess(*need)))
-        .collect();
-    let release = |excess: &mut BTreeMap<&str, i128>, r: &Resident| {
-        for (pool, e) in excess.iter_mut() {
-            *e -= i128::from(r.charge(pool).counted());
-        }
-    };
+    let mut excess = Excess::new(state, pools);
     let mut evict = Vec::new();
     let mut chosen = BTreeSet::new();
     for r in conflicting {
-        release(&mut excess, r);
+        excess.apply(|pool| -i128::from(r.charge(pool).counted()));
         evict.push(r.id.clone());
         chosen.insert(r.seq);
     }
-    let short = |excess: &BTreeMap<&str, i128>| excess.values().any(|e| *e > 0);
-    if short(&excess) {
-        let mut candidates: Vec<&Resident> = state
-            .residents
-            .values()
-            .filter(|r| permitted(state, spec, now, r) && !chosen.contains(&r.seq))
-            .collect();
-        candidates.sort_by_key(|r| (r.last_used, r.seq));
-        for r in candidates {
-            let helps = excess
-                .iter()
-                .any(|(pool, e)| *e > 0 && r.charge(pool).counted() > 0);
-            if helps {
-                release(&mut excess, r);
+    if !excess.short() {
+        return Some(Moves {
+            sleep: Vec::new(),
+            evict,
+        });
+    }
+    let mut candidates: Vec<&Resident> = state
+        .residents
+        .values()
+        .filter(|r| permitted(state, spec, now, r) && !chosen.contains(&r.seq))
+        .collect();
+    candidates.sort_by_key(|r| (r.last_used, r.seq));
+    // Sleep first.
+    let mut sleep: Vec<&Resident> = Vec::new();
+    for r in candidates.iter().filter(|r| r.can_sleep()) {
+        let frees = |pool: &str| u64::try_from(-sleep_delta(r, pool)).unwrap_or(0);
+        let fits = excess
+            .by_pool
+            .iter()
+            .all(|(pool, e)| sleep_delta(r, pool) <= 0 || e + sleep_delta(r, pool) <= 0);
+        if excess.helps(r, frees) && fits {
+            excess.apply(|pool| sleep_delta(r, pool));
+            sleep.push(r);
+            if !excess.short() {
+                break;
+            }
+        }
+    }
+    // Then evict.
+    if excess.short() {
+        for r in &candidates {
+            let slept = sleep.iter().any(|s| s.seq == r.seq);
+            let counted = |pool: &str| {
+                let c = r.charge(pool).counted();
+                if slept {
+                    u64::try_from(i128::from(c) + sleep_delta(r, pool)).unwrap_or(0)
+                } else {
+                    c
+                }
+            };
+            if excess.helps(r, counted) {
+                excess.apply(|pool| -i128::from(counted(pool)));
+                sleep.retain(|s| s.seq != r.seq);
                 evict.push(r.id.clone());
-                if !short(&excess) {
+                if !excess.short() {
                     break;
                 }
             }
         }
+        if excess.short() {
+            return None;
+        }
+        // A sleep the evictions made needless is not done: undone, most
+        // recently used first, where the target still fits without it.
+        for i in (0..sleep.len()).rev() {
+            let r = sleep[i];
+            excess.apply(|pool| -sleep_delta(r, pool));
+            if excess.short() {
+                excess.apply(|pool| sleep_delta(r, pool));
+            } else {
+                sleep.remove(i);
+            }
+        }
     }
-    (!short(&excess)).then_some(evict)
+    Some(Moves {
+        sleep: sleep.iter().map(|r| r.id.clone()).collect(),
+        evict,
+    })
 }

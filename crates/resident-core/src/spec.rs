@@ -64,6 +64,21 @@ pub struct Spec {
     /// Demands the planner places on any `count` of several pools, in
     /// label order; empty for a concrete spec.
     pub any_of: Vec<AnyOf>,
+    /// What it holds while asleep (`[workload.sleep]`); `None`: it cannot
+    /// sleep, and making room means evicting it.
+    pub asleep: Option<Asleep>,
+}
+
+/// What a sleeping instance still holds: its process's residue, and for
+/// a server that moves its weights to host memory (vLLM level 1), those
+/// weights in the host pool.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Asleep {
+    /// Memory per pool while asleep.
+    pub demand: BTreeMap<PoolName, Demand>,
+    /// The asleep demand on each pool chosen for the spec's any-of demand
+    /// of the same index (empty, or one per any-of demand).
+    pub any_of: Vec<Demand>,
 }
 
 /// A demand on any `count` distinct pools of `candidates` (the memory of a
@@ -97,6 +112,7 @@ impl Spec {
             demand: BTreeMap::new(),
             excludes: Vec::new(),
             any_of: Vec::new(),
+            asleep: None,
         }
     }
 
@@ -135,7 +151,34 @@ impl Spec {
                 *d = d.plus(&a.demand);
             }
         }
+        if let Some(asleep) = &mut out.asleep {
+            for (d, pools) in asleep.any_of.iter().zip(choice) {
+                for pool in pools {
+                    let held = asleep.demand.entry(pool.clone()).or_default();
+                    *held = held.plus(d);
+                }
+            }
+            asleep.any_of.clear();
+        }
         out
+    }
+
+    /// Bytes this spec holds in `pool` while asleep (0 when it asks
+    /// nothing of it asleep, or cannot sleep).
+    pub fn asleep_footprint(&self, pool: &str) -> u64 {
+        self.asleep
+            .as_ref()
+            .and_then(|a| a.demand.get(pool))
+            .map_or(0, Demand::footprint)
+    }
+
+    /// Every pool it asks memory of, awake or asleep, in name order.
+    pub fn pools(&self) -> impl Iterator<Item = &PoolName> {
+        let asleep = self.asleep.iter().flat_map(|a| a.demand.keys());
+        let mut all: Vec<&PoolName> = self.demand.keys().chain(asleep).collect();
+        all.sort();
+        all.dedup();
+        all.into_iter()
     }
 
     /// Bytes this spec holds in `pool` (0 when it asks nothing of it).

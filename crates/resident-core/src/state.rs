@@ -69,10 +69,26 @@ pub struct Resident {
     /// Whether it may be evicted at all (false for a process the caller
     /// may not stop, such as an adopted one it does not manage).
     pub evictable: bool,
+    /// Awake, asleep, or between the two: which of its demands it holds.
+    pub tier: Tier,
 }
 
-/// Where a resident is in its life (the sleep issue adds an asleep phase
-/// with its own demand).
+/// Which of its demands a resident holds: the awake one (its memory
+/// tables), the asleep one (`Spec::asleep`), or, while it falls asleep or
+/// wakes, in each pool the larger of the two (the memory moves during the
+/// call; the books never hold both, nor neither).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Tier {
+    /// Serving: its awake demand.
+    #[default]
+    Awake,
+    /// Asleep: its process and port kept, its asleep demand held.
+    Asleep,
+    /// Falling asleep or waking: the larger demand of each pool.
+    Moving,
+}
+
+/// Where a resident is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Phase {
     /// Holding its reservation, a candidate for eviction by policy.
@@ -115,21 +131,39 @@ impl Charge {
 }
 
 impl Resident {
-    /// Reserved bytes in `pool`, fixed at admission.
+    /// Reserved bytes in `pool` for the demand it holds now (see [`Tier`]).
     pub fn footprint(&self, pool: &str) -> u64 {
-        self.spec.footprint(pool)
+        let awake = || self.spec.footprint(pool);
+        let asleep = || self.spec.asleep_footprint(pool);
+        match self.tier {
+            Tier::Awake => awake(),
+            Tier::Asleep => asleep(),
+            Tier::Moving => awake().max(asleep()),
+        }
     }
 
-    /// What it is charged in `pool`. A pool it asks nothing of charges
-    /// nothing (a reading there is not its reservation's to count).
+    /// What it is charged in `pool`. A pool it asks nothing of, awake or
+    /// asleep, charges nothing (a reading there is not its reservation's
+    /// to count).
     pub fn charge(&self, pool: &str) -> Charge {
-        match self.spec.demand.get(pool) {
-            Some(d) => Charge {
-                reserved: d.footprint(),
-                measured: self.measured.get(pool).copied().unwrap_or(0),
-            },
-            None => Charge::default(),
+        let asks = self.spec.demand.contains_key(pool)
+            || self
+                .spec
+                .asleep
+                .as_ref()
+                .is_some_and(|a| a.demand.contains_key(pool));
+        if !asks {
+            return Charge::default();
         }
+        Charge {
+            reserved: self.footprint(pool),
+            measured: self.measured.get(pool).copied().unwrap_or(0),
+        }
+    }
+
+    /// Whether it can be put to sleep: its workload can, and it is awake.
+    pub fn can_sleep(&self) -> bool {
+        self.spec.asleep.is_some() && self.tier == Tier::Awake
     }
 
     /// Whether a hold protects it at `now`.
@@ -160,6 +194,9 @@ pub struct PoolStatus {
 pub struct Admission {
     /// False when the instance was already resident (idempotent start).
     pub created: bool,
+    /// Residents now falling asleep ([`Tier::Moving`]): put them to sleep,
+    /// then mark them asleep.
+    pub sleep: Vec<InstanceId>,
     /// Victims now marked evicting: stop them, then release them.
     pub evict: Vec<InstanceId>,
     /// Instances already on their way out that conflict with the target:
@@ -263,21 +300,19 @@ impl NodeState {
                 self.touch(id.as_str(), now, 0);
                 Ok(Admission {
                     created: false,
+                    sleep: Vec::new(),
                     evict: Vec::new(),
                     wait_for: Vec::new(),
                     chosen: Vec::new(),
                 })
             }
             Plan::Admit {
+                sleep,
                 evict,
                 wait_for,
                 chosen,
             } => {
-                for victim in &evict {
-                    if let Some(r) = self.residents.get_mut(victim) {
-                        r.phase = Phase::Leaving;
-                    }
-                }
+                self.moving(&sleep, &evict);
                 let spec = if spec.any_of.is_empty() {
                     spec
                 } else {
@@ -286,6 +321,7 @@ impl NodeState {
                 self.enter(id, spec, now, BTreeMap::new(), true);
                 Ok(Admission {
                     created: true,
+                    sleep,
                     evict,
                     wait_for,
                     chosen,
@@ -318,11 +354,145 @@ impl NodeState {
                 self.enter(id, spec, now, present.clone(), evictable);
                 Ok(Admission {
                     created: true,
+                    sleep: Vec::new(),
                     evict: Vec::new(),
                     wait_for,
                     chosen: Vec::new(),
                 })
             }
+        }
+    }
+
+    /// Marks a plan's moves: `sleep` falling asleep, `evict` leaving.
+    fn moving(&mut self, sleep: &[InstanceId], evict: &[InstanceId]) {
+        for s in sleep {
+            if let Some(r) = self.residents.get_mut(s) {
+                r.tier = Tier::Moving;
+            }
+        }
+        for victim in evict {
+            if let Some(r) = self.residents.get_mut(victim) {
+                r.phase = Phase::Leaving;
+            }
+        }
+    }
+
+    /// Enters `id`, whose process already runs asleep (an agent taking it
+    /// over), holding its asleep demand: planned under the refuse policy
+    /// with that demand, on the first choice of its any-of demands (a
+    /// takeover pins them to the pools it was given).
+    pub fn admit_asleep(
+        &mut self,
+        id: &InstanceId,
+        spec: Arc<Spec>,
+        now: u64,
+    ) -> Result<Admission, AdmitError> {
+        let chosen = spec.choices().into_iter().next().unwrap_or_default();
+        let spec = if spec.any_of.is_empty() {
+            spec
+        } else {
+            Arc::new(spec.concrete(&chosen))
+        };
+        let asleep = Spec {
+            demand: spec
+                .asleep
+                .as_ref()
+                .map(|a| a.demand.clone())
+                .unwrap_or_default(),
+            ..(*spec).clone()
+        };
+        let plan = planner::plan_present(
+            self,
+            Some(id),
+            &asleep,
+            Policy::Refuse,
+            now,
+            &BTreeMap::new(),
+        )?;
+        match plan {
+            Plan::Refuse(refusal) => Err(AdmitError::Refused(refusal)),
+            Plan::Existing => Err(AdmitError::Invalid(PlanError::AlreadyExists {
+                id: id.clone(),
+                existing: spec.workload.clone(),
+            })),
+            Plan::Admit { wait_for, .. } => {
+                self.enter(id, spec, now, BTreeMap::new(), true);
+                self.set_tier(id.as_str(), Tier::Asleep);
+                Ok(Admission {
+                    created: true,
+                    sleep: Vec::new(),
+                    evict: Vec::new(),
+                    wait_for,
+                    chosen,
+                })
+            }
+        }
+    }
+
+    /// The dry run of waking `id`, asleep: its awake demand planned as
+    /// if it were not resident, the bytes it is measured to hold counted
+    /// as its own (`Plan::Existing` when it is not asleep).
+    pub fn plan_wake(&self, id: &InstanceId, policy: Policy, now: u64) -> Result<Plan, PlanError> {
+        let Some(r) = self.residents.get(id) else {
+            return Err(PlanError::NotResident { id: id.clone() });
+        };
+        if r.tier != Tier::Asleep {
+            return Ok(Plan::Existing);
+        }
+        let mut without = self.clone();
+        let r = without.residents.remove(id).expect("resident");
+        planner::plan_present(&without, None, &r.spec, policy, now, &r.measured)
+    }
+
+    /// Wakes `id`, asleep: plans its awake demand ([`NodeState::plan_wake`])
+    /// and, admitted, marks it waking ([`Tier::Moving`]), its moves made,
+    /// and counts the use. A refusal changes nothing; `created` is false.
+    pub fn wake(
+        &mut self,
+        id: &InstanceId,
+        policy: Policy,
+        now: u64,
+    ) -> Result<Admission, AdmitError> {
+        match self.plan_wake(id, policy, now)? {
+            Plan::Refuse(refusal) => Err(AdmitError::Refused(refusal)),
+            Plan::Existing => Ok(Admission {
+                created: false,
+                sleep: Vec::new(),
+                evict: Vec::new(),
+                wait_for: Vec::new(),
+                chosen: Vec::new(),
+            }),
+            Plan::Admit {
+                sleep,
+                evict,
+                wait_for,
+                ..
+            } => {
+                self.moving(&sleep, &evict);
+                if let Some(r) = self.residents.get_mut(id) {
+                    r.tier = Tier::Moving;
+                }
+                self.touch(id.as_str(), now, 0);
+                Ok(Admission {
+                    created: false,
+                    sleep,
+                    evict,
+                    wait_for,
+                    chosen: Vec::new(),
+                })
+            }
+        }
+    }
+
+    /// Sets which demand `id` holds (see [`Tier`]). False when it is not
+    /// resident.
+    pub fn set_tier(&mut self, id: &str, tier: Tier) -> bool {
+        match self.residents.get_mut(id) {
+            Some(r) => {
+                r.tier = tier;
+                true
+            }
+            None => false,
         }
     }
 
@@ -345,6 +515,7 @@ impl NodeState {
             measured,
             phase: Phase::Held,
             evictable,
+            tier: Tier::Awake,
         };
         self.residents.insert(id.clone(), resident);
     }
@@ -438,7 +609,7 @@ impl NodeState {
     pub fn overruns(&self) -> Vec<(&InstanceId, &PoolName, Charge)> {
         let mut out = Vec::new();
         for r in self.residents.values() {
-            for pool in r.spec.demand.keys() {
+            for pool in r.spec.pools() {
                 let charge = r.charge(pool.as_str());
                 if charge.overrun() > 0 {
                     out.push((&r.id, pool, charge));
@@ -462,7 +633,7 @@ impl NodeState {
         let names: Vec<&PoolName> = self.pools.keys().collect();
         let mut sums = vec![Totals::default(); names.len()];
         for r in self.residents.values() {
-            for pool in r.spec.demand.keys() {
+            for pool in r.spec.pools() {
                 if let Ok(i) = names.binary_search(&pool) {
                     sums[i].add(r.charge(pool.as_str()));
                 }
@@ -486,41 +657,65 @@ impl NodeState {
             .collect()
     }
 
-    /// Bytes `victims` are counted as holding in `pool`, together.
-    fn held_by(&self, victims: &[InstanceId], pool: &str) -> u64 {
-        victims
+    /// Bytes given back in `pool` once `victims` have exited and
+    /// `sleepers` fallen asleep: what the victims are counted as holding,
+    /// and what each sleeper holds beyond its asleep reservation.
+    fn freed(&self, victims: &[InstanceId], sleepers: &[InstanceId], pool: &str) -> u64 {
+        let gone = victims
             .iter()
             .filter_map(|v| self.residents.get(v))
-            .map(|r| r.charge(pool).counted())
-            .fold(0, u64::saturating_add)
+            .map(|r| r.charge(pool).counted());
+        let slept = sleepers
+            .iter()
+            .filter_map(|v| self.residents.get(v))
+            .map(|r| {
+                let asleep = r.spec.asleep_footprint(pool);
+                r.charge(pool).counted().saturating_sub(asleep)
+            });
+        gone.chain(slept).fold(0, u64::saturating_add)
     }
 
     /// For each live pool `spec` (a concrete spec) takes: the bytes to see
-    /// available again once `victims` have exited before its start goes
-    /// on, three quarters of what they are counted as holding there (the
-    /// kernel and the probe need not give back every byte at once).
-    pub fn recovery(&self, spec: &Spec, victims: &[InstanceId]) -> Vec<(PoolName, u64)> {
+    /// available again once `victims` have exited and `sleepers` fallen
+    /// asleep before its start goes on, three quarters of what they give
+    /// back there (the kernel and the probe need not give back every byte
+    /// at once).
+    pub fn recovery(
+        &self,
+        spec: &Spec,
+        victims: &[InstanceId],
+        sleepers: &[InstanceId],
+    ) -> Vec<(PoolName, u64)> {
         spec.demand
             .keys()
             .filter(|pool| self.pools.get(*pool).is_some_and(|p| p.config.live))
-            .map(|pool| (pool.clone(), self.held_by(victims, pool.as_str()) / 4 * 3))
+            .map(|pool| {
+                let back = self.freed(victims, sleepers, pool.as_str());
+                (pool.clone(), back / 4 * 3)
+            })
             .filter(|(_, want)| *want > 0)
             .collect()
     }
 
     /// What a start of `spec` (a concrete spec) leaves free once `victims`
-    /// are gone, in the tightest of its bounded pools: effective budget
+    /// are gone and `sleepers` asleep, in the tightest of its bounded pools: effective budget
     /// less what stays used less what it takes (nothing when `existing`,
     /// an instance already resident). `None` when none of its pools is
     /// bounded.
-    pub fn free_after(&self, spec: &Spec, victims: &[InstanceId], existing: bool) -> Option<u64> {
+    pub fn free_after(
+        &self,
+        spec: &Spec,
+        victims: &[InstanceId],
+        sleepers: &[InstanceId],
+        existing: bool,
+    ) -> Option<u64> {
         let pools = self.pools();
         spec.demand
             .keys()
             .filter_map(|pool| {
                 let figures = pools.iter().find(|p| p.name == *pool)?;
                 let budget = figures.effective?;
-                let freed = self.held_by(victims, pool.as_str());
+                let freed = self.freed(victims, sleepers, pool.as_str());
                 let taken = if existing {
                     0
                 } else {

@@ -366,7 +366,7 @@ pub fn required(path: &str) -> Option<AccessRole> {
     let (service, method) = path.trim_start_matches('/').split_once('/')?;
     match service {
         "resident.v1.NodeAgent" => match method {
-            "Start" | "Stop" | "Touch" | "Adopt" => Some(AccessRole::Operator),
+            "Start" | "Stop" | "Touch" | "Adopt" | "Sleep" => Some(AccessRole::Operator),
             "Reload" | "ForgetFootprint" | "Upgrade" => Some(AccessRole::Admin),
             _ => Some(AccessRole::Viewer),
         },

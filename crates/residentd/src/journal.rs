@@ -4,7 +4,7 @@
 //! previous run left behind, and starts the rest again, in their original
 //! order.
 //!
-//! Format: a header line `# residentd journal 5`, then one line per change,
+//! Format: a header line `# residentd journal 6`, then one line per change,
 //! tab-separated. An instance's line (put, or replace in place):
 //! `instance_id  workload  pgid  start_ticks  lease_ms [adopted port |
 //! run port restarts [choice]]` (pgid 0: not spawned yet; lease 0: none; a
@@ -13,7 +13,8 @@
 //! run and the instance's restarts so far, which a takeover needs: a line
 //! without them, from before format 5, is never taken over; `choice`: the
 //! pools chosen for its any-of demands, `a,b;c` for two labels, which a
-//! takeover keeps);
+//! takeover keeps; `run-asleep` in place of `run` (format 6): the run
+//! was asleep, and a takeover keeps it so);
 //! its removal: `-  instance_id`. A workload's learned footprint
 //! (`learn_footprints`): `@  workload  key  pool=bytes ...` (the key a
 //! hex digest of what it was learned for, `Workload::footprint_key`; one
@@ -71,6 +72,8 @@ pub struct Entry {
     /// The pools chosen for each any-of demand, in label order (a spawned
     /// run's; empty when it has none).
     pub chosen: Vec<Vec<String>>,
+    /// The run was asleep (`[workload.sleep]`): a takeover keeps it so.
+    pub asleep: bool,
 }
 
 /// An adopted instance's terms.
@@ -97,7 +100,7 @@ pub struct Learned {
 
 /// The format this agent writes; a header with a higher one is from a
 /// newer agent.
-const FORMAT: u32 = 5;
+const FORMAT: u32 = 6;
 
 /// Lines appended since the journal was last written whole, beyond twice
 /// the instances it holds, after which it is written whole again.
@@ -372,7 +375,8 @@ fn put_line(text: &mut String, e: &Entry) {
             writeln!(text, "\t{how}\t{}", a.port)
         }
         None if e.port != 0 && e.pgid > 0 => {
-            let _ = write!(text, "\trun\t{}\t{}", e.port, e.restarts);
+            let run = if e.asleep { "run-asleep" } else { "run" };
+            let _ = write!(text, "\t{run}\t{}\t{}", e.port, e.restarts);
             if !e.chosen.is_empty() {
                 let choice: Vec<String> = e.chosen.iter().map(|pools| pools.join(",")).collect();
                 let _ = write!(text, "\t{}", choice.join(";"));
@@ -511,14 +515,17 @@ fn parse(line: &str) -> Option<Line> {
         port: 0,
         restarts: 0,
         chosen: Vec::new(),
+        asleep: false,
     };
     // An adopted instance has two more: how, and its port; a spawned run
     // may have `run`, its port, the restarts so far, and its choice.
     let mut restarts = 0;
     let mut chosen = Vec::new();
+    let mut asleep = false;
     let (adopted, port) = match (fields.next(), fields.next()) {
         (None, _) => (None, 0),
-        (Some("run"), Some(port)) => {
+        (Some(run @ ("run" | "run-asleep")), Some(port)) => {
+            asleep = run == "run-asleep";
             restarts = fields.next()?.parse().ok()?;
             if let Some(choice) = fields.next() {
                 chosen = choice
@@ -544,6 +551,7 @@ fn parse(line: &str) -> Option<Line> {
         port,
         restarts,
         chosen,
+        asleep,
         ..entry
     };
     fields.next().is_none().then_some(Line::Put(entry))
@@ -620,6 +628,7 @@ mod tests {
                 port: 8081,
                 restarts: 2,
                 chosen: vec![vec!["gpu1".into(), "gpu3".into()], vec!["host".into()]],
+                asleep: true,
             },
             Entry {
                 instance: "c".into(),
@@ -634,6 +643,7 @@ mod tests {
                 port: 8080,
                 restarts: 0,
                 chosen: Vec::new(),
+                asleep: false,
             },
             Entry {
                 instance: "a".into(),
@@ -645,6 +655,7 @@ mod tests {
                 port: 0,
                 restarts: 0,
                 chosen: Vec::new(),
+                asleep: false,
             },
         ];
         j.write(entries.clone(), Vec::new()).expect("write");
@@ -686,6 +697,7 @@ mod tests {
             port: 0,
             restarts: 0,
             chosen: Vec::new(),
+            asleep: false,
         }
     }
 
@@ -704,7 +716,7 @@ mod tests {
         j.write(live.clone(), Vec::new()).expect("write");
         assert_eq!(
             text(),
-            "# residentd journal 5\na\tw\t0\t7\t0\nb\tw\t0\t7\t0\n"
+            "# residentd journal 6\na\tw\t0\t7\t0\nb\tw\t0\t7\t0\n"
         );
         let first = inode(&path);
         // A change in place, a removal and an addition are appended.
@@ -765,7 +777,7 @@ mod tests {
         j.write(live.clone(), known.clone()).expect("write");
         assert_eq!(
             text(),
-            "# residentd journal 5\na\tw\t5\t7\t0\n@\tw\t0000000000000abc\tgpu=7\thost=120000000\n"
+            "# residentd journal 6\na\tw\t5\t7\t0\n@\tw\t0000000000000abc\tgpu=7\thost=120000000\n"
         );
         assert_eq!(j.peek().learned, known);
         // A higher figure replaces the line (appended); another workload

@@ -109,6 +109,14 @@ pub struct Metrics {
     connections: Family<TransportLabels, Gauge>,
     connections_refused: Family<LimitLabels, Counter>,
     rpc: Family<RpcLabels, Histogram, fn() -> Histogram>,
+    sleeps: Family<WorkloadLabels, Counter>,
+    wakes: Family<WorkloadLabels, Counter>,
+    wake_seconds: Family<WorkloadLabels, Histogram, fn() -> Histogram>,
+}
+
+/// Wake times: 10 ms to about 80 s.
+fn wake_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.01, 2.0, 14))
 }
 
 fn gauge_value(bytes: u64) -> i64 {
@@ -145,6 +153,9 @@ impl Metrics {
             connections: Family::default(),
             connections_refused: Family::default(),
             rpc: Family::new_with_constructor(rpc_histogram),
+            sleeps: Family::default(),
+            wakes: Family::default(),
+            wake_seconds: Family::new_with_constructor(wake_histogram),
         };
         let r = &mut m.registry;
         r.register(
@@ -194,6 +205,17 @@ impl Metrics {
             m.evictions.clone(),
         );
         r.register("restarts", "Restarts after an exit", m.restarts.clone());
+        r.register(
+            "sleeps",
+            "Instances put to sleep ([workload.sleep]): asked, idle, or to make room",
+            m.sleeps.clone(),
+        );
+        r.register("wakes", "Sleeping instances woken", m.wakes.clone());
+        r.register(
+            "wake_seconds",
+            "Time from a wake's admission to its server awake again",
+            m.wake_seconds.clone(),
+        );
         r.register(
             "exposed",
             "Instances found listening beyond loopback under expose = loopback (stopped; adopted ones reported)",
@@ -251,6 +273,23 @@ impl Metrics {
             workload: workload.to_string(),
         };
         self.admissions.get_or_create(&labels).inc();
+    }
+
+    /// Counts an instance of `workload` put to sleep.
+    pub fn slept(&self, workload: &str) {
+        let labels = WorkloadLabels {
+            workload: workload.to_string(),
+        };
+        self.sleeps.get_or_create(&labels).inc();
+    }
+
+    /// Counts an instance of `workload` woken, after `seconds`.
+    pub fn woke(&self, workload: &str, seconds: f64) {
+        let labels = WorkloadLabels {
+            workload: workload.to_string(),
+        };
+        self.wakes.get_or_create(&labels).inc();
+        self.wake_seconds.get_or_create(&labels).observe(seconds);
     }
 
     /// Counts one instance of `evicted` stopped for a start of `evicting`.

@@ -93,6 +93,7 @@ impl pb::node_agent_server::NodeAgent for Service {
                 instance: Some(started.instance),
                 created: started.created,
                 evicted: started.evicted,
+                slept: started.slept,
             })
         };
         let id_of = |s: &pb::StartResponse| {
@@ -232,6 +233,25 @@ impl pb::node_agent_server::NodeAgent for Service {
         };
         let answer = self
             .audited("Touch", &caller, &excerpt, call, |_| String::new())
+            .await?;
+        Ok(Response::new(answer))
+    }
+
+    async fn sleep(
+        &self,
+        req: Request<pb::SleepRequest>,
+    ) -> Result<Response<pb::Instance>, Status> {
+        let _timer = self.agent.metrics().time("Sleep");
+        let caller = Caller::of(&req);
+        let r = req.into_inner();
+        let excerpt = r.instance_id.clone();
+        let call = async {
+            let id = validate::instance_id("instance_id", &r.instance_id)?;
+            let span = tracing::info_span!("sleep", instance_id = %id);
+            Ok(self.agent.sleep(id.as_str()).instrument(span).await?)
+        };
+        let answer = self
+            .audited("Sleep", &caller, &excerpt, call, |_| String::new())
             .await?;
         Ok(Response::new(answer))
     }

@@ -133,7 +133,7 @@ fn mb(bytes: u64) -> String {
 /// One pool's demand (weights and KV in bytes or sized from a GGUF file;
 /// the overhead given, or the flavor's), and a note of where each part
 /// came from.
-fn demand(
+pub(super) fn demand(
     src: &Source<'_>,
     d: &Spanned<raw::Demand>,
     k: &dyn Fn(&str) -> String,

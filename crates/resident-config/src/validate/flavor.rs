@@ -382,8 +382,18 @@ pub(super) fn apply(
         gpu_share,
     };
     let d = defaults(f, &keys);
+    let sleeps = f == "vllm" && w.sleep.is_some();
+    if sleeps {
+        // vLLM's sleep endpoints are served only in its dev mode.
+        out.env
+            .entry("VLLM_SERVER_DEV_MODE".to_string())
+            .or_insert_with(|| spanned(&span, "1".to_string()));
+    }
     if out.command.is_none() {
         let mut argv = d.argv;
+        if sleeps {
+            argv.push("--enable-sleep-mode".to_string());
+        }
         argv.extend(w.args.iter().map(|a| a.get_ref().clone()));
         out.command = Some(spanned(&span, argv));
     } else if !w.args.is_empty() {

@@ -14,6 +14,7 @@ mod lifecycle;
 mod listen;
 mod node;
 mod pools;
+mod sleep;
 mod workloads;
 
 use std::collections::BTreeMap;

@@ -92,7 +92,14 @@ fn workload(
     host: Lookups,
 ) -> Result<Workload> {
     let key = |k: &str| format!("workload[{name}].{k}");
-    let (spec, memory) = spec(src, name, w, pools, &key, host)?;
+    let (mut spec, memory) = spec(src, name, w, pools, &key, host)?;
+    let sleep = match super::sleep::sleep(src, w, &spec, pools, &key, host)? {
+        Some((sleep, asleep)) => {
+            spec.asleep = Some(asleep);
+            Some(sleep)
+        }
+        None => None,
+    };
     let (argv, env) = command(src, w, &key)?;
     let uses_device = argv
         .iter()
@@ -157,6 +164,7 @@ fn workload(
         .as_ref()
         .is_some_and(|f| ["llama-server", "llama-cpp-python"].contains(&f.get_ref().as_str()));
     Ok(Workload {
+        sleep,
         reports_buffers,
         reservation: memory.notes,
         reservation_warnings: memory.warnings,

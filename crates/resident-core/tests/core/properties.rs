@@ -7,8 +7,8 @@ use std::sync::Arc;
 use crate::support::*;
 use proptest::prelude::*;
 use resident_core::{
-    AdmitError, AnyOf, Demand, GB, GpuChoice, GroupPolicy, NodeState, Plan, Policy, Reason,
-    Resident, Spec,
+    AdmitError, AnyOf, Asleep, Demand, GB, GpuChoice, GroupPolicy, InstanceId, NodeState, Plan,
+    Policy, Reason, Resident, Spec, Tier,
 };
 
 const POOLS: [&str; 3] = ["p0", "p1", "p2"];
@@ -40,6 +40,15 @@ enum Op {
     Tick {
         ms: u64,
     },
+    /// A resident falling asleep (or waking) gets there.
+    Settle {
+        id: u8,
+    },
+    /// A Start of a sleeping resident.
+    Wake {
+        id: u8,
+        evict: bool,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -50,6 +59,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0u8..10, 0..3usize, 0u64..10).prop_map(|(id, pool, gb)| Op::Measure { id, pool, gb }),
         1 => (0..3usize, proptest::option::of(0u64..30)).prop_map(|(pool, gb)| Op::Reading { pool, gb }),
         1 => (1u64..20).prop_map(|ms| Op::Tick { ms }),
+        2 => (0u8..10).prop_map(|id| Op::Settle { id }),
+        1 => (0u8..10, any::<bool>()).prop_map(|(id, evict)| Op::Wake { id, evict }),
     ]
 }
 
@@ -83,6 +94,9 @@ fn world() -> impl Strategy<Value = World> {
             proptest::collection::vec(0..WORKLOADS, 0..2),
             // An any-of demand: candidate pools (a bit mask), count, size.
             proptest::option::of((1u8..8, 1usize..3, 1u64..8)),
+            // Can sleep: what it holds asleep per pool (a residue, or
+            // weights moved to another pool).
+            proptest::option::of(proptest::collection::vec(0u64..4, 3)),
         ),
         WORKLOADS,
     );
@@ -101,8 +115,27 @@ fn world() -> impl Strategy<Value = World> {
             let specs = demands
                 .into_iter()
                 .enumerate()
-                .map(|(w, (gbs, priority, excludes, any_of))| {
+                .map(|(w, (gbs, priority, excludes, any_of, asleep))| {
                     let mut s = spec(&format!("w{w}"), &[]);
+                    if let Some(asleep) = asleep {
+                        let mut a = Asleep::default();
+                        for (p, gb) in asleep.into_iter().enumerate() {
+                            if gb > 0 {
+                                let d = Demand {
+                                    weights: gb * GB - 1,
+                                    ..Default::default()
+                                };
+                                a.demand.insert(pool(POOLS[p]), d);
+                            }
+                        }
+                        if any_of.is_some() {
+                            a.any_of.push(Demand {
+                                overhead: GB / 3,
+                                ..Default::default()
+                            });
+                        }
+                        s.asleep = Some(a);
+                    }
                     if let Some((mask, count, gb)) = any_of {
                         let candidates: Vec<_> = (0..3)
                             .filter(|p| mask & (1 << p) != 0)
@@ -184,6 +217,7 @@ fn snapshot(n: &NodeState) -> Vec<Resident> {
 
 fn permitted(n: &NodeState, target: &Spec, now: u64, r: &Resident) -> bool {
     !r.leaving()
+        && r.tier != Tier::Moving
         && !r.held(now)
         && r.spec.priority <= target.priority
         && !n.groups().is_persistent(r.spec.workload.as_str())
@@ -213,17 +247,47 @@ fn fits_after_all_evictions(n: &NodeState, target: &Spec, now: u64) -> bool {
     )
 }
 
-/// Checks the victims of an evict-plan: permitted, conflicts first, then
-/// least-recently-used, each helping a pool that was still short.
-fn check_victims(n: &NodeState, target: &Spec, now: u64, evict: &[resident_core::InstanceId]) {
+/// What putting `r` to sleep changes in pool `p`.
+fn sleep_delta(r: &Resident, p: &str) -> i128 {
+    let asleep = if r.spec.pools().any(|q| q.as_str() == p) {
+        r.spec.asleep_footprint(p)
+    } else {
+        0
+    };
+    i128::from(asleep) - i128::from(r.charge(p).counted())
+}
+
+/// Checks the moves of an evict-plan: sleepers permitted, able to sleep
+/// and not evicted, their asleep demand fitting wherever it goes; victims
+/// permitted, conflicts first, then least-recently-used, each helping a
+/// pool that was still short once the sleepers sleep.
+fn check_moves(n: &NodeState, target: &Spec, now: u64, sleep: &[InstanceId], evict: &[InstanceId]) {
     let mut excess: BTreeMap<&str, i128> = BTreeMap::new();
     for p in POOLS {
         let need = target.footprint(p);
-        if let (Some(eff), true) = (n.effective_budget(p), need > 0) {
+        if let Some(eff) = n.effective_budget(p) {
             excess.insert(
                 p,
                 i128::from(n.used(p)) + i128::from(need) - i128::from(eff),
             );
+        }
+    }
+    let targets: Vec<&str> = POOLS
+        .into_iter()
+        .filter(|p| target.footprint(p) > 0)
+        .collect();
+    let mut grown = Vec::new();
+    for s in sleep {
+        let r = n.resident(s.as_str()).expect("sleepers are residents");
+        assert!(permitted(n, target, now, r), "sleeper {s} is not permitted");
+        assert!(r.can_sleep(), "sleeper {s} cannot sleep");
+        assert!(!evict.contains(s), "{s} both sleeps and is evicted");
+        for (p, e) in excess.iter_mut() {
+            let d = sleep_delta(r, p);
+            *e += d;
+            if d > 0 {
+                grown.push(*p);
+            }
         }
     }
     let conflicting: Vec<_> = match n.plan(&id("t"), target, Policy::Refuse, now) {
@@ -250,19 +314,19 @@ fn check_victims(n: &NodeState, target: &Spec, now: u64, evict: &[resident_core:
             let key = (r.last_used, r.seq);
             assert!(last_lru.is_none_or(|l| l < key), "victims out of LRU order");
             last_lru = Some(key);
-            let helps = excess
+            let helps = targets
                 .iter()
-                .any(|(p, e)| *e > 0 && r.charge(p).counted() > 0);
+                .any(|p| excess.get(p).is_some_and(|e| *e > 0) && r.charge(p).counted() > 0);
             assert!(helps, "victim {v} helps no short pool");
         }
         for (p, e) in excess.iter_mut() {
             *e -= i128::from(r.charge(p).counted());
         }
     }
-    assert!(
-        excess.values().all(|e| *e <= 0),
-        "victims leave a pool short: {excess:?}"
-    );
+    for p in targets.iter().chain(&grown) {
+        let e = excess.get(p).copied().unwrap_or(0);
+        assert!(e <= 0, "the moves leave pool {p} short: {excess:?}");
+    }
 }
 
 proptest! {
@@ -272,6 +336,8 @@ proptest! {
     fn the_ledger_keeps_its_promises(w in world(), ops in proptest::collection::vec(op(), 1..60)) {
         let mut n = build(&w);
         let mut now = 0u64;
+        // Residents waking (the rest of the moving ones fall asleep).
+        let mut waking = std::collections::BTreeSet::new();
         for op in ops {
             match op {
                 Op::Start { id: i, workload, evict } => {
@@ -301,8 +367,8 @@ proptest! {
                         Err(AdmitError::Invalid(_)) => prop_assert_eq!(snapshot(&n), before),
                         Ok(a) if a.created => {
                             prop_assert!(could_fit || !evict, "admitted what cannot fit");
-                            if !evict { prop_assert!(a.evict.is_empty()); }
-                            if !a.evict.is_empty() {
+                            if !evict { prop_assert!(a.evict.is_empty() && a.sleep.is_empty()); }
+                            if !a.evict.is_empty() || !a.sleep.is_empty() {
                                 // No choice fitted without eviction.
                                 prop_assert!(matches!(pre.plan(&iid, &target, Policy::Refuse, now), Ok(Plan::Refuse(_))), "evicted although a choice fits as things stand");
                             }
@@ -316,11 +382,23 @@ proptest! {
                             }
                             let target = Arc::new(target.concrete(&a.chosen));
                             prop_assert_eq!(&n.resident(iid.as_str()).expect("admitted").spec, &target, "the resident holds the concrete spec");
-                            check_victims(&pre, &target, now, &a.evict);
+                            check_moves(&pre, &target, now, &a.sleep, &a.evict);
+                            for s in &a.sleep {
+                                prop_assert_eq!(n.resident(s.as_str()).expect("sleeper").tier, Tier::Moving);
+                            }
                             // A reading may shrink under residents; an admission
-                            // never takes a pool it draws on past its budget.
+                            // never takes a pool it draws on past its budget,
+                            // once its sleepers sleep.
                             for p in POOLS.iter().filter(|p| target.footprint(p) > 0) {
-                                let committed: u64 = n.residents().filter(|r| !r.leaving()).map(|r| r.charge(p).counted()).sum();
+                                let committed: u64 = n.residents().filter(|r| !r.leaving()).map(|r| {
+                                    if a.sleep.contains(&r.id) {
+                                        // What it holds once asleep.
+                                        let was = pre.resident(r.id.as_str()).expect("was resident");
+                                        (i128::from(was.charge(p).counted()) + sleep_delta(was, p)) as u64
+                                    } else {
+                                        r.charge(p).counted()
+                                    }
+                                }).sum();
                                 if let Some(eff) = n.effective_budget(p) {
                                     prop_assert!(committed <= eff, "pool {} holds {} of {}", p, committed, eff);
                                 }
@@ -329,11 +407,42 @@ proptest! {
                         Ok(_) => prop_assert!(matches!(planned, Ok(Plan::Existing))),
                     }
                 }
-                Op::Release { id: i } => { n.release(&format!("i{i}")); }
+                Op::Release { id: i } => { n.release(&format!("i{i}")); waking.remove(&format!("i{i}")); }
                 Op::Touch { id: i, hold } => { n.touch(&format!("i{i}"), now, hold); }
                 Op::Measure { id: i, pool: p, gb } => { n.set_measured(&format!("i{i}"), &pool(POOLS[p]), gb * GB); }
                 Op::Reading { pool: p, gb } => { n.set_available(POOLS[p], gb.map(|g| g * GB)); }
                 Op::Tick { ms } => now += ms,
+                Op::Settle { id: i } => {
+                    let name = format!("i{i}");
+                    if n.resident(&name).is_some_and(|r| r.tier == Tier::Moving) {
+                        let to = if waking.remove(&name) { Tier::Awake } else { Tier::Asleep };
+                        n.set_tier(&name, to);
+                    }
+                }
+                Op::Wake { id: i, evict } => {
+                    let iid = id(&format!("i{i}"));
+                    let policy = if evict { Policy::Evict } else { Policy::Refuse };
+                    let before = snapshot(&n);
+                    let asleep = n.resident(iid.as_str()).is_some_and(|r| r.tier == Tier::Asleep);
+                    let pre = n.clone();
+                    match n.wake(&iid, policy, now) {
+                        Err(AdmitError::Refused(_)) | Err(AdmitError::Invalid(_)) => {
+                            prop_assert_eq!(snapshot(&n), before, "a refused wake changes nothing");
+                        }
+                        Ok(a) if asleep => {
+                            prop_assert!(!a.created);
+                            if !evict { prop_assert!(a.evict.is_empty() && a.sleep.is_empty()); }
+                            prop_assert!(!a.sleep.contains(&iid) && !a.evict.contains(&iid), "a wake never moves itself");
+                            let r = pre.resident(iid.as_str()).expect("asleep");
+                            let mut without = pre.clone();
+                            without.release(iid.as_str());
+                            check_moves(&without, &r.spec, now, &a.sleep, &a.evict);
+                            prop_assert_eq!(n.resident(iid.as_str()).expect("waking").tier, Tier::Moving);
+                            waking.insert(iid.to_string());
+                        }
+                        Ok(a) => prop_assert!(a.evict.is_empty() && a.sleep.is_empty(), "waking an awake resident moves nothing"),
+                    }
+                }
             }
             check_pools(&n);
         }

@@ -142,6 +142,17 @@ impl Agent {
                     tracing::debug!(instance_id = %id, "waiting for the stopping run to end");
                     let _ = released.await;
                 }
+                Ok(Decision::Wake(a)) => {
+                    let me = self.clone();
+                    let workload = w.spec.workload.to_string();
+                    let woken =
+                        tokio::spawn(async move { me.carry_out_wake(id, &workload, a).await })
+                            .await
+                            .map_err(|e| {
+                                ApiError::Internal(format!("the wake task failed: {e}"))
+                            })??;
+                    return Ok(Admission::Existing(woken));
+                }
                 Ok(Decision::Existing(record)) => {
                     if wait_ready {
                         // A caller asking for READY gets READY (or why
@@ -153,6 +164,7 @@ impl Agent {
                         instance: self.view(id.as_str(), &record),
                         created: false,
                         evicted: Vec::new(),
+                        slept: Vec::new(),
                     }));
                 }
                 Ok(Decision::Admitted(a)) => break a,
@@ -190,31 +202,88 @@ impl Agent {
         r: Request,
         a: Admitted,
     ) -> Result<Started, ApiError> {
+        let (evicted, slept) = self
+            .make_room(r.id.as_str(), &r.config, &r.workload, &a)
+            .await;
+        let instance = self.spawn(&r, a.generation, &a.devices).await?;
+        Ok(Started {
+            instance,
+            created: true,
+            evicted,
+            slept,
+        })
+    }
+
+    /// The admitted wake of `id`, asleep: victims, sleepers, memory, then
+    /// its wake call.
+    async fn carry_out_wake(
+        self: Arc<Self>,
+        id: InstanceId,
+        workload: &str,
+        a: Admitted,
+    ) -> Result<Started, ApiError> {
+        let config = self.config();
+        let w = workload_of(&config, workload)?;
+        let (evicted, slept) = self.make_room(id.as_str(), &config, &w, &a).await;
+        self.wake_up(id.as_str(), a.generation, workload).await?;
+        let record = self
+            .books
+            .record(id.as_str())
+            .filter(|r| r.generation == a.generation)
+            .ok_or_else(|| {
+                ApiError::Aborted(format!("instance '{id}' was stopped while it woke"))
+            })?;
+        Ok(Started {
+            instance: self.view(id.as_str(), &record),
+            created: false,
+            evicted,
+            slept,
+        })
+    }
+
+    /// An admission's moves: the sleepers put to sleep and the victims
+    /// stopped, side by side; the runs in the way awaited; the memory they
+    /// give back awaited. Returns who was evicted and who put to sleep.
+    async fn make_room(
+        self: &Arc<Self>,
+        id: &str,
+        config: &Config,
+        w: &Workload,
+        a: &Admitted,
+    ) -> (Vec<String>, Vec<String>) {
         let evicted: Vec<String> = a.evictions.iter().map(|v| v.id.clone()).collect();
+        let slept: Vec<String> = a.sleepers.iter().map(|s| s.id.clone()).collect();
+        if !slept.is_empty() {
+            tracing::info!(instance_id = %id, sleepers = ?slept, "putting to sleep to make room");
+        }
         if !evicted.is_empty() {
-            tracing::info!(instance_id = %r.id, victims = ?evicted, "evicting to make room");
+            tracing::info!(instance_id = %id, victims = ?evicted, "evicting to make room");
         }
         // Victims are stopped side by side, each the run chosen (a victim
         // whose run has ended meanwhile is not stopped again, whatever
         // runs under its id now); each keeps its memory in the books until
-        // its run's terminal event.
+        // its run's terminal event. Sleepers fall asleep beside them.
         let mut stops = tokio::task::JoinSet::new();
-        for victim in a.evictions {
+        for victim in &a.evictions {
             self.metrics
-                .evicted(r.workload.spec.workload.as_str(), &victim.workload);
+                .evicted(w.spec.workload.as_str(), &victim.workload);
             let me = self.clone();
-            stops.spawn(async move {
-                let run = Some(victim.generation);
-                let cause = Some((pb::Cause::Evicted, victim.cause));
-                me.stop_because(&victim.id, run, None, cause).await
-            });
+            let (vid, run) = (victim.id.clone(), Some(victim.generation));
+            let cause = Some((pb::Cause::Evicted, victim.cause.clone()));
+            stops.spawn(async move { me.stop_because(&vid, run, None, cause).await.map(|_| ()) });
+        }
+        for sleeper in &a.sleepers {
+            let me = self.clone();
+            let sleeper = sleeper.clone();
+            let why = format!("to make room for '{}' (instance '{id}')", w.spec.workload);
+            stops.spawn(async move { me.fall_asleep(&sleeper, &why).await });
         }
         while let Some(result) = stops.join_next().await {
             // NotFound: the chosen run ended by another path meanwhile.
             if let Ok(Err(e)) = result
                 && !matches!(e, ApiError::NotFound(_))
             {
-                tracing::warn!(instance_id = %r.id, error = %e, "a victim could not be stopped");
+                tracing::warn!(instance_id = %id, error = %e, "a victim could not be stopped or put to sleep");
             }
         }
         // Runs in the way that another start is evicting: their release
@@ -223,14 +292,9 @@ impl Agent {
             self.books.released(other, *generation).await;
         }
         if !a.recovery.is_empty() {
-            self.await_memory_back(&r.config, &a.recovery).await;
+            self.await_memory_back(config, &a.recovery).await;
         }
-        let instance = self.spawn(&r, a.generation, &a.devices).await?;
-        Ok(Started {
-            instance,
-            created: true,
-            evicted,
-        })
+        (evicted, slept)
     }
 
     async fn spawn(

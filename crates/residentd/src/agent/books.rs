@@ -25,6 +25,7 @@ use tokio::sync::oneshot;
 mod admit;
 mod learned;
 mod records;
+mod sleep;
 mod views;
 
 pub(in crate::agent) use admit::*;
@@ -68,6 +69,9 @@ struct Inner {
     /// The config the ledger is set up for: an admission decided on
     /// another snapshot (a reload between) is decided again.
     config: Arc<Config>,
+    /// Instances a restore takes over asleep: admitted with their asleep
+    /// demand (the value: since when, for their view).
+    restore_asleep: HashMap<String, u64>,
 }
 
 impl Inner {
@@ -122,6 +126,7 @@ impl Books {
                 waiters: HashMap::new(),
                 learned: BTreeMap::new(),
                 config: config.clone(),
+                restore_asleep: HashMap::new(),
             }),
         }
     }

@@ -10,6 +10,7 @@ use resident_supervisor::{State, Status};
 use tokio::sync::mpsc;
 
 use super::Agent;
+use super::books::Sleepy;
 
 impl Agent {
     fn on_transition(&self, status: Status) {
@@ -119,6 +120,37 @@ impl Agent {
 }
 
 impl Agent {
+    /// A server that died asleep (or falling asleep, or waking) is not
+    /// restarted into a process the books hold the wrong demand for: its
+    /// run is stopped and its asleep demand released.
+    fn died_asleep(self: &Arc<Self>, status: &Status) {
+        let asleep = self
+            .books
+            .record(&status.instance)
+            .filter(|r| r.generation == status.generation)
+            .is_some_and(|r| {
+                matches!(
+                    r.sleep,
+                    Some(Sleepy::Asleep(_) | Sleepy::Falling | Sleepy::Waking)
+                )
+            });
+        if !asleep {
+            return;
+        }
+        let id = status.instance.to_string();
+        let run = Some(status.generation);
+        tracing::warn!(instance_id = %id, "its server died while asleep; stopping it");
+        let cause = Some((
+            pb::Cause::SleepFailed,
+            format!(
+                "SLEEP_FAILED: its server died while asleep ({})",
+                status.reason
+            ),
+        ));
+        let me = self.clone();
+        tokio::spawn(async move { me.stop_because(&id, run, None, cause).await });
+    }
+
     /// Stops instances whose owner's lease ran out (monotonic time, so a
     /// step of the wall clock changes nothing).
     fn expire_leases(self: &Arc<Self>) {
@@ -148,6 +180,9 @@ pub(super) async fn follow_supervisor(agent: Weak<Agent>, mut rx: mpsc::Unbounde
         for status in batch.iter().filter(|s| s.state.is_terminal()) {
             agent.books.release(&status.instance, status.generation);
         }
+        for status in batch.iter().filter(|s| s.state == State::Backoff) {
+            agent.died_asleep(status);
+        }
         for status in batch.drain(..) {
             agent.on_transition(status);
         }
@@ -171,6 +206,7 @@ pub(super) async fn tick(agent: Weak<Agent>) {
         agent.refresh_probes_async(&agent.config()).await;
         agent.tell_overruns();
         agent.expire_idle();
+        agent.sleep_idle();
         agent.expire_leases();
         agent.guard_exposure();
     }

@@ -9,6 +9,7 @@
 //! answers Get, List, Place, Touch and reload; `adoption.rs` enters a
 //! server started elsewhere (Adopt); `memory.rs` feeds probe
 //! readings; `persist.rs` keeps the journal and makes answers durable;
+//! `sleep.rs` puts servers to sleep and wakes them (`[workload.sleep]`);
 //! `exposure.rs` stops servers that listen beyond loopback where their
 //! workload says `expose = "loopback"` (and reports adopted ones).
 
@@ -34,6 +35,7 @@ mod memory;
 mod overrun;
 mod persist;
 mod queries;
+mod sleep;
 mod upgrade;
 
 pub use adoption::AdoptCall;
@@ -49,6 +51,8 @@ pub struct Started {
     pub created: bool,
     /// Who was stopped to make room.
     pub evicted: Vec<String>,
+    /// Who was put to sleep to make room.
+    pub slept: Vec<String>,
 }
 
 /// How long shutdown waits for the supervisor's last terminal events to

@@ -70,6 +70,11 @@ impl Agent {
             // agent to renew it with.
             let answer = super::admission::Answer::Prompt;
             let process = taken_over(&e).filter(|_| outlive);
+            if process.is_some() && e.asleep {
+                // Its process sleeps on: it is admitted with its asleep
+                // demand, and stays SLEEPING.
+                self.books.expect_asleep(&e.instance, self.now_ms());
+            }
             // A run taken over holds the pools it was given.
             let pinned = if process.is_some() {
                 &e.chosen[..]
@@ -355,6 +360,7 @@ impl Agent {
                         port: a.port,
                         restarts: 0,
                         chosen: Vec::new(),
+                        asleep: false,
                     },
                     None => journal::Entry {
                         instance: id,
@@ -366,6 +372,7 @@ impl Agent {
                         port,
                         restarts,
                         chosen: row.chosen,
+                        asleep: row.asleep,
                     },
                 }
             })

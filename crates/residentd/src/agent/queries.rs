@@ -9,6 +9,7 @@ use resident_core::Policy;
 
 use super::Agent;
 use super::admission::{footprint_key, workload_of};
+use super::books::Sleepy;
 use super::books::{Hold, Record};
 
 impl Agent {
@@ -37,6 +38,21 @@ impl Agent {
             out.managed = a.manage;
         }
         let ended = [pb::State::Exited as i32, pb::State::Failed as i32].contains(&out.state);
+        if out.state == pb::State::Ready as i32 {
+            match record.sleep {
+                Some(Sleepy::Asleep(since)) => {
+                    out.state = pb::State::Sleeping as i32;
+                    let secs = self.now_ms().saturating_sub(since) / 1000;
+                    out.message = format!("SLEEPING: asleep for {secs} s; a Start wakes it");
+                }
+                Some(Sleepy::Falling) => out.message = format!("{}; falling asleep", out.message),
+                Some(Sleepy::Waking) => out.message = format!("{}; waking", out.message),
+                Some(Sleepy::Woken(ms)) => {
+                    out.message = format!("{}; WOKEN in {ms} ms", out.message)
+                }
+                None => {}
+            }
+        }
         if let Some(note) = record.note.as_ref().filter(|_| !ended) {
             out.message = format!("{}; {note}", out.message);
         }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use resident_api::{ApiError, pb};
 use resident_config::{Config, Workload};
 use resident_core::{
-    AdmitError, InstanceId, NodeState, Plan, PlanError, Policy, PoolName, PoolStatus, Spec,
+    AdmitError, InstanceId, NodeState, Plan, PlanError, Policy, PoolName, PoolStatus, Spec, Tier,
 };
 use resident_supervisor::Adoption;
 use tokio::sync::oneshot;
@@ -26,12 +26,22 @@ pub(in crate::agent) struct Eviction {
     pub(in crate::agent) cause: String,
 }
 
+/// A resident to put to sleep: which run of whom, of which workload.
+#[derive(Debug, Clone)]
+pub(in crate::agent) struct Sleeper {
+    pub(in crate::agent) id: String,
+    pub(in crate::agent) generation: u64,
+    pub(in crate::agent) workload: String,
+}
+
 /// An admitted Start, with everything decided under the lock.
 #[derive(Debug)]
 pub(in crate::agent) struct Admitted {
     pub(in crate::agent) generation: u64,
     /// The device indexes of the pools chosen for its any-of demands.
     pub(in crate::agent) devices: Vec<u32>,
+    /// Residents to put to sleep first, now falling asleep in the books.
+    pub(in crate::agent) sleepers: Vec<Sleeper>,
     pub(in crate::agent) evictions: Vec<Eviction>,
     /// Conflicting runs (id, generation) already being evicted for
     /// another start: this one waits for their release.
@@ -51,9 +61,12 @@ pub(in crate::agent) enum Decision {
     /// The same instance of the same workload is resident: an idempotent
     /// repeat, answered with its current run.
     Existing(Record),
-    /// The same instance is stopping; admit again once this fires (or
-    /// its sender is dropped).
+    /// The same instance is stopping, falling asleep or waking; admit
+    /// again once this fires (or its sender is dropped).
     Stopping(oneshot::Receiver<()>),
+    /// The same instance is asleep: its wake is admitted (the same run,
+    /// `generation`), to be carried out.
+    Wake(Admitted),
     /// The config the call decided with is not the one the books hold (a
     /// reload came between): nothing was decided; decide again on the
     /// current one.
@@ -85,9 +98,19 @@ impl Books {
             return Ok(Decision::Stopping(b.waiter(id.as_str())));
         }
         taken(&b, id, w)?;
+        match b.ledger.resident(id.as_str()).map(|r| r.tier) {
+            Some(Tier::Moving) => return Ok(Decision::Stopping(b.waiter(id.as_str()))),
+            Some(Tier::Asleep) => return wake(&mut b, id, policy, now, lease_ms),
+            _ => {}
+        }
         let max = config.node.max_instances;
         room(&b, id, max)?;
-        let a = match b.ledger.admit(id, asked.clone(), policy, now) {
+        let asleep_since = b.restore_asleep.remove(id.as_str());
+        let admitted = match asleep_since {
+            Some(_) => b.ledger.admit_asleep(id, asked.clone(), now),
+            None => b.ledger.admit(id, asked.clone(), policy, now),
+        };
+        let a = match admitted {
             Err(AdmitError::Refused(refusal)) => {
                 return Err(refused(&b.ledger, refusal, &asked));
             }
@@ -108,30 +131,16 @@ impl Books {
             .resident(id.as_str())
             .map_or_else(|| asked.clone(), |r| r.spec.clone());
         let evictions = evictions(&b, &spec, id, &a.evict);
-        let wait_for = a
-            .wait_for
-            .iter()
-            .filter_map(|w| Some((w.to_string(), b.records.get(w.as_str())?.generation)))
-            .collect();
-        let recovery = b
-            .ledger
-            .recovery(&spec, &a.evict)
-            .into_iter()
-            .map(|(pool, bytes)| (pool.to_string(), bytes))
-            .collect();
+        let (sleepers, wait_for, recovery) = moves(&mut b, &spec, &a);
         let devices = config.devices(&a.chosen);
         b.generation += 1;
         let generation = b.generation;
-        for v in &a.evict {
-            if let Some(r) = b.records.get_mut(v.as_str()) {
-                r.cancelled = true;
-            }
-        }
         let record = Record {
             devices: devices.clone(),
             chosen: a.chosen.clone(),
             lease: Lease::new(lease_ms, now),
             footprint_key: key,
+            sleep: asleep_since.map(Sleepy::Asleep),
             ..Record::run(w, spec, generation)
         };
         b.enter(id, record);
@@ -139,6 +148,7 @@ impl Books {
         Ok(Decision::Admitted(Admitted {
             generation,
             devices,
+            sleepers,
             evictions,
             wait_for,
             recovery,
@@ -285,9 +295,14 @@ impl Books {
 fn placement(ledger: &NodeState, plan: &Plan, spec: &Spec) -> pb::Placement {
     let pools = ledger.pools();
     let mut out = resident_api::placement(plan, pool_statuses(ledger, &pools));
-    let (evict, concrete): (&[InstanceId], Spec) = match plan {
-        Plan::Admit { evict, chosen, .. } => (evict, spec.concrete(chosen)),
-        Plan::Existing => (&[], spec.clone()),
+    let (evict, sleep, concrete): (&[InstanceId], &[InstanceId], Spec) = match plan {
+        Plan::Admit {
+            evict,
+            sleep,
+            chosen,
+            ..
+        } => (evict, sleep, spec.concrete(chosen)),
+        Plan::Existing => (&[], &[], spec.clone()),
         Plan::Refuse(_) => return out,
     };
     let spec = &concrete;
@@ -303,15 +318,14 @@ fn placement(ledger: &NodeState, plan: &Plan, spec: &Spec) -> pb::Placement {
             workload: v.spec.workload.to_string(),
             bytes: v
                 .spec
-                .demand
-                .keys()
+                .pools()
                 .map(|p| v.charge(p.as_str()).counted())
                 .fold(0, u64::saturating_add),
             priority: v.spec.priority,
         })
         .collect();
     let existing = matches!(plan, Plan::Existing);
-    out.free_after_bytes = ledger.free_after(spec, evict, existing);
+    out.free_after_bytes = ledger.free_after(spec, evict, sleep, existing);
     out
 }
 
@@ -363,6 +377,7 @@ pub(in crate::agent) fn plan_error(e: PlanError) -> ApiError {
     match e {
         PlanError::AlreadyExists { .. } => ApiError::AlreadyExists(e.to_string()),
         PlanError::Evicting { .. } => ApiError::Unavailable(e.to_string()),
+        PlanError::NotResident { .. } => ApiError::NotFound(e.to_string()),
         PlanError::UnknownPool { .. } | PlanError::AnyOfCount { .. } => {
             ApiError::FailedPrecondition(e.to_string())
         }
@@ -372,6 +387,82 @@ pub(in crate::agent) fn plan_error(e: PlanError) -> ApiError {
 /// Each victim with the cause its stop reports: for which start, and in
 /// which of the target's pools it held memory (none: it was in the way of
 /// a group or exclusion rule).
+/// The wake of `id`, asleep: its awake demand admitted (moves made), the
+/// same run waking; a refusal changes nothing.
+fn wake(
+    b: &mut Inner,
+    id: &InstanceId,
+    policy: Policy,
+    now: u64,
+    lease_ms: u64,
+) -> Result<Decision, ApiError> {
+    let Some(spec) = b.ledger.resident(id.as_str()).map(|r| r.spec.clone()) else {
+        return Err(ApiError::NotFound(format!("no instance '{id}'")));
+    };
+    let a = match b.ledger.wake(id, policy, now) {
+        Err(AdmitError::Refused(refusal)) => return Err(refused(&b.ledger, refusal, &spec)),
+        Err(AdmitError::Invalid(e)) => return Err(plan_error(e)),
+        Ok(a) => a,
+    };
+    let evictions = evictions(b, &spec, id, &a.evict);
+    let (sleepers, wait_for, recovery) = moves(b, &spec, &a);
+    let Some(record) = b.records.get_mut(id.as_str()) else {
+        return Err(ApiError::NotFound(format!("no instance '{id}'")));
+    };
+    record.sleep = Some(Sleepy::Waking);
+    if lease_ms > 0 {
+        record.lease = Lease::new(lease_ms, now);
+    }
+    Ok(Decision::Wake(Admitted {
+        generation: record.generation,
+        devices: record.devices.clone(),
+        sleepers,
+        evictions,
+        wait_for,
+        recovery,
+        forgotten: Vec::new(),
+    }))
+}
+
+/// What an admission's moves come to in the records: the victims marked
+/// cancelled, the sleepers falling asleep; and the sleepers, the runs to
+/// wait for and the memory to see back before `spec` starts.
+#[allow(clippy::type_complexity)]
+fn moves(
+    b: &mut Inner,
+    spec: &Spec,
+    a: &resident_core::Admission,
+) -> (Vec<Sleeper>, Vec<(String, u64)>, Vec<(String, u64)>) {
+    let wait_for = a
+        .wait_for
+        .iter()
+        .filter_map(|w| Some((w.to_string(), b.records.get(w.as_str())?.generation)))
+        .collect();
+    let recovery = b
+        .ledger
+        .recovery(spec, &a.evict, &a.sleep)
+        .into_iter()
+        .map(|(pool, bytes)| (pool.to_string(), bytes))
+        .collect();
+    for v in &a.evict {
+        if let Some(r) = b.records.get_mut(v.as_str()) {
+            r.cancelled = true;
+        }
+    }
+    let mut sleepers = Vec::with_capacity(a.sleep.len());
+    for s in &a.sleep {
+        if let Some(r) = b.records.get_mut(s.as_str()) {
+            r.sleep = Some(Sleepy::Falling);
+            sleepers.push(Sleeper {
+                id: s.to_string(),
+                generation: r.generation,
+                workload: r.workload.spec.workload.to_string(),
+            });
+        }
+    }
+    (sleepers, wait_for, recovery)
+}
+
 fn evictions(b: &Inner, spec: &Spec, id: &InstanceId, victims: &[InstanceId]) -> Vec<Eviction> {
     let ledger = &b.ledger;
     victims
@@ -381,8 +472,7 @@ fn evictions(b: &Inner, spec: &Spec, id: &InstanceId, victims: &[InstanceId]) ->
             let pools: Vec<&str> = resident
                 .map(|r| {
                     r.spec
-                        .demand
-                        .keys()
+                        .pools()
                         .filter(|p| spec.demand.contains_key(*p))
                         .map(|p| p.as_str())
                         .collect()

@@ -43,6 +43,23 @@ pub(in crate::agent) struct Record {
     pub(in crate::agent) report: Option<resident_config::report::Report>,
     /// Why a stop was asked for this run (the typed form of its words).
     pub(in crate::agent) cause: Option<resident_api::pb::Cause>,
+    /// Where it is with sleep (`[workload.sleep]`); `None`: awake, never
+    /// put to sleep this run.
+    pub(in crate::agent) sleep: Option<Sleepy>,
+}
+
+/// Where a run is with sleep. The ledger's `Tier` is what it holds; this
+/// is what its view says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(in crate::agent) enum Sleepy {
+    /// Its sleep call is under way.
+    Falling,
+    /// Asleep since this instant (the agent's milliseconds).
+    Asleep(u64),
+    /// Its wake call is under way.
+    Waking,
+    /// Awake again: the wake took this many milliseconds.
+    Woken(u64),
 }
 
 /// A run measured above its reservation.
@@ -86,6 +103,7 @@ impl Record {
             footprint_key: None,
             report: None,
             cause: None,
+            sleep: None,
         }
     }
 }

@@ -73,8 +73,7 @@ impl Books {
             return Vec::new();
         };
         r.spec
-            .demand
-            .keys()
+            .pools()
             .map(|p| (p.clone(), r.charge(p.as_str())))
             .collect()
     }
@@ -261,10 +260,11 @@ impl Books {
             .residents()
             .filter_map(|res| {
                 let id = res.id.as_str();
-                b.records.get(id).map(|r| (id, r))
+                b.records.get(id).map(|r| (id, r, res.tier))
             })
-            .filter(|(_, r)| !r.cancelled)
-            .map(|(id, r)| JournalRow {
+            .filter(|(_, r, _)| !r.cancelled)
+            .map(|(id, r, tier)| JournalRow {
+                asleep: tier == resident_core::Tier::Asleep,
                 id: id.to_string(),
                 workload: r.workload.spec.workload.to_string(),
                 generation: r.generation,
@@ -308,6 +308,8 @@ pub(in crate::agent) struct JournalRow {
     pub(in crate::agent) adopted: Option<Adoption>,
     /// The pools chosen for each any-of demand, in label order.
     pub(in crate::agent) chosen: Vec<Vec<String>>,
+    /// Asleep (`[workload.sleep]`).
+    pub(in crate::agent) asleep: bool,
 }
 
 /// Probe readings for [`Books::set_readings`].

@@ -1,0 +1,243 @@
+//! Putting servers to sleep and waking them (`[workload.sleep]`): the
+//! Sleep RPC, the planner's sleeps (a Start that makes room), idle sleeps,
+//! and wakes (a Start of a SLEEPING instance). Each is an HTTP call on the
+//! instance's port, with the workload's timeout; the books hold the larger
+//! of the two demands while it runs (`books/sleep.rs`). A call that fails,
+//! times out or leaves the server not ready stops the instance
+//! (SLEEP_FAILED): it is never left holding two demands, or none.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use resident_api::{ApiError, pb};
+use resident_config::HttpCall;
+use resident_supervisor::State;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::TcpStream;
+
+use super::Agent;
+use super::books::{Sleeper, Sleepy};
+
+/// Most of a sleep or wake call's answer read.
+const MAX_ANSWER: usize = 64 * 1024;
+
+impl Agent {
+    /// Puts `id` to sleep (the Sleep RPC); answers once it is SLEEPING.
+    pub async fn sleep(self: &Arc<Self>, id: &str) -> Result<pb::Instance, ApiError> {
+        let ready = self.sup.status(id).is_some_and(|s| s.state == State::Ready);
+        if !ready {
+            return Err(ApiError::FailedPrecondition(format!(
+                "instance '{id}' is not READY: only a serving instance is put to sleep"
+            )));
+        }
+        let sleeper = self.books.begin_sleep(id, None)?;
+        self.fall_asleep(&sleeper, "asked").await?;
+        match self.books.record(id) {
+            Some(record) => Ok(self.view(id, &record)),
+            None => Err(ApiError::NotFound(format!("no instance '{id}'"))),
+        }
+    }
+
+    /// Makes the sleep call of `s`, marked falling asleep in the books,
+    /// and settles it asleep; a failed call stops it.
+    pub(super) async fn fall_asleep(
+        self: &Arc<Self>,
+        s: &Sleeper,
+        why: &str,
+    ) -> Result<(), ApiError> {
+        self.publish_view(&s.id);
+        let Some((call, timeout, port)) = self.sleep_call(&s.id, s.generation, true) else {
+            return Err(ApiError::NotFound(format!(
+                "that run of instance '{}' has ended",
+                s.id
+            )));
+        };
+        tracing::info!(instance_id = %s.id, why, %call, "putting to sleep");
+        match http_call(port, &call, timeout).await {
+            Ok(()) => {
+                if !self
+                    .books
+                    .settle(&s.id, s.generation, Sleepy::Asleep(self.now_ms()))
+                {
+                    return Err(ApiError::Aborted(format!(
+                        "instance '{}' was stopped while it fell asleep",
+                        s.id
+                    )));
+                }
+                self.metrics.slept(&s.workload);
+                self.persist();
+                self.publish_view(&s.id);
+                Ok(())
+            }
+            Err(e) => {
+                let text = format!("SLEEP_FAILED: its sleep call ({call}) {e}");
+                self.sleep_failed(&s.id, s.generation, text.clone()).await;
+                Err(ApiError::Internal(format!("instance '{}': {text}", s.id)))
+            }
+        }
+    }
+
+    /// Makes the wake call of run `generation` of `id`, marked waking in
+    /// the books, waits for its readiness, and settles it awake; a failed
+    /// wake stops it.
+    pub(super) async fn wake_up(
+        self: &Arc<Self>,
+        id: &str,
+        generation: u64,
+        workload: &str,
+    ) -> Result<(), ApiError> {
+        let began = Instant::now();
+        self.publish_view(id);
+        let Some((call, timeout, port)) = self.sleep_call(id, generation, false) else {
+            return Err(ApiError::NotFound(format!(
+                "that run of instance '{id}' has ended"
+            )));
+        };
+        tracing::info!(instance_id = %id, %call, "waking");
+        let path = self
+            .books
+            .record(id)
+            .and_then(|r| match &r.workload.readiness {
+                resident_supervisor::Readiness::Http { path } => Some(path.clone()),
+                _ => None,
+            });
+        let woke = async {
+            http_call(port, &call, timeout).await?;
+            if let Some(path) = path {
+                ready_again(port, &path, timeout.saturating_sub(began.elapsed())).await?;
+            }
+            Ok::<_, String>(())
+        };
+        match woke.await {
+            Ok(()) => {
+                let ms = u64::try_from(began.elapsed().as_millis()).unwrap_or(u64::MAX);
+                if !self.books.settle(id, generation, Sleepy::Woken(ms)) {
+                    return Err(ApiError::Aborted(format!(
+                        "instance '{id}' was stopped while it woke"
+                    )));
+                }
+                self.metrics.woke(workload, began.elapsed().as_secs_f64());
+                self.persist();
+                self.publish_view(id);
+                Ok(())
+            }
+            Err(e) => {
+                let text = format!("SLEEP_FAILED: its wake call ({call}) {e}");
+                self.sleep_failed(id, generation, text.clone()).await;
+                Err(ApiError::Internal(format!("instance '{id}': {text}")))
+            }
+        }
+    }
+
+    /// The sleep (or wake) call of run `generation` of `id`, its timeout
+    /// and the port it goes to; `None` when that run has ended or its
+    /// workload cannot sleep.
+    fn sleep_call(
+        &self,
+        id: &str,
+        generation: u64,
+        sleep: bool,
+    ) -> Option<(HttpCall, Duration, u16)> {
+        let record = self
+            .books
+            .record(id)
+            .filter(|r| r.generation == generation)?;
+        let s = record.workload.sleep.as_ref()?;
+        let status = self.sup.status(id).filter(|s| s.generation == generation)?;
+        let call = if sleep {
+            s.sleep.clone()
+        } else {
+            s.wake.clone()
+        };
+        Some((call, s.timeout, status.port))
+    }
+
+    /// Stops run `generation` of `id` after a failed sleep or wake: its
+    /// memory (the larger of its demands, held while the call ran) is
+    /// released when its process group has exited.
+    async fn sleep_failed(&self, id: &str, generation: u64, text: String) {
+        tracing::warn!(instance_id = id, "{text}; stopping it");
+        let cause = Some((pb::Cause::SleepFailed, text));
+        if let Err(e) = self.stop_because(id, Some(generation), None, cause).await {
+            tracing::warn!(instance_id = id, error = %e, "stopping after a failed sleep call");
+        }
+    }
+
+    /// Puts to sleep the instances unused for longer than their workload's
+    /// sleep `idle`. Runs every second with the idle TTLs.
+    pub(super) fn sleep_idle(self: &Arc<Self>) {
+        for (id, run) in self.books.sleepy(self.now_ms()) {
+            let ready = self
+                .sup
+                .status(&id)
+                .is_some_and(|s| s.generation == run && s.state == State::Ready);
+            if !ready {
+                continue;
+            }
+            let Ok(sleeper) = self.books.begin_sleep(&id, Some(run)) else {
+                continue;
+            };
+            let me = self.clone();
+            tokio::spawn(async move { me.fall_asleep(&sleeper, "idle").await });
+        }
+    }
+}
+
+/// One HTTP/1.0 call on loopback `port`: Ok on a 2xx answer.
+async fn http_call(port: u16, call: &HttpCall, timeout: Duration) -> Result<(), String> {
+    let exchange = async {
+        let mut stream = TcpStream::connect((std::net::Ipv4Addr::LOCALHOST, port))
+            .await
+            .map_err(|e| format!("could not connect to port {port}: {e}"))?;
+        let request = format!(
+            "{} {} HTTP/1.0\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+            call.method, call.path
+        );
+        stream
+            .write_all(request.as_bytes())
+            .await
+            .map_err(|e| format!("could not be sent: {e}"))?;
+        let mut answer = Vec::with_capacity(1024);
+        let mut chunk = [0u8; 4096];
+        while answer.len() < MAX_ANSWER {
+            match stream.read(&mut chunk).await {
+                Ok(0) => break,
+                Ok(n) => answer.extend_from_slice(&chunk[..n]),
+                Err(e) => return Err(format!("broke off: {e}")),
+            }
+        }
+        let head = String::from_utf8_lossy(&answer[..answer.len().min(64)]).into_owned();
+        let status = head.split_whitespace().nth(1).unwrap_or("");
+        if status.starts_with('2') && status.len() == 3 {
+            Ok(())
+        } else {
+            let line = head.lines().next().unwrap_or("").trim();
+            Err(format!("answered {line:?}"))
+        }
+    };
+    match tokio::time::timeout(timeout, exchange).await {
+        Ok(result) => result,
+        Err(_) => Err(format!("took longer than {timeout:?}")),
+    }
+}
+
+/// Waits until `GET path` answers 2xx on `port`, for at most `within`.
+async fn ready_again(port: u16, path: &str, within: Duration) -> Result<(), String> {
+    let get = HttpCall {
+        method: "GET".to_string(),
+        path: path.to_string(),
+    };
+    let deadline = Instant::now() + within;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match http_call(port, &get, left.min(Duration::from_secs(2))).await {
+            Ok(()) => return Ok(()),
+            Err(e) if Instant::now() >= deadline => {
+                return Err(format!(
+                    "woke, but its readiness ({get}) never answered: {e}"
+                ));
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+}
