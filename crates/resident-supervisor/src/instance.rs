@@ -345,11 +345,21 @@ impl Actor {
         tokio::select! {
             _ = sleep(delay) => true,
             req = self.stops.recv() => {
-                match req.and_then(|r| r.hand_over) {
+                let (hand_over, cause) = match req {
+                    Some(r) => (r.hand_over, r.cause),
+                    None => (None, None),
+                };
+                match hand_over {
                     // No process to hand over: the next agent finds it
                     // gone and restarts it by the same policy.
                     Some(done) => self.hand_over(None, done),
-                    None => self.finish(State::Exited, "stopped during backoff".into(), Some(exit)),
+                    None => {
+                        let why = cause.map_or_else(
+                            || "stopped during backoff".to_string(),
+                            |c| format!("{c} (stopped during backoff)"),
+                        );
+                        self.finish(State::Exited, why, Some(exit))
+                    }
                 }
                 false
             }

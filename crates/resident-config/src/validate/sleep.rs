@@ -133,7 +133,15 @@ fn asleep_memory(
             let msg = "an asleep table names a pool, or the label of an any_of table of the workload's memory";
             return Err(src.err(a.span(), tk("any_of"), msg));
         }
-        let (demand, _, _) = demand(src, d, &tk, host)?;
+        // What a sleeping server holds is often a residue alone: weights
+        // may be left out.
+        let mut d = d.clone();
+        let span = d.span();
+        let raw = d.get_mut();
+        if raw.weights.is_none() && raw.from_gguf.is_none() {
+            raw.weights = Some(Spanned::new(span, raw::Quantity::Bytes(0)));
+        }
+        let (demand, _, _) = demand(src, &d, &tk, host)?;
         if let Some(i) = spec.any_of.iter().position(|a| a.label == *label) {
             out.any_of[i] = demand;
         } else if pools.iter().any(|p| p.pool.name.as_str() == label) {

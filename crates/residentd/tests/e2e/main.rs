@@ -29,6 +29,7 @@ mod residentctl;
 mod router;
 mod security;
 mod shutdown;
+mod sleep;
 mod systemd;
 mod takeover;
 mod tls;

@@ -1,0 +1,305 @@
+//! Sleep (`[workload.sleep]`), against a stand-in that speaks vLLM's sleep
+//! API and really frees and takes its memory again (tests/sleep/standin.py):
+//! a sleeping instance keeps its process, pid and port and the books hold
+//! its asleep demand; a Start wakes it; the planner puts it to sleep before
+//! it evicts anyone; a refused wake changes nothing; a failed wake, or a
+//! server that dies asleep, stops it and releases what it held; an agent
+//! killed and started again takes it over asleep.
+
+use std::time::Duration;
+
+use resident_api::pb;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+use crate::support::*;
+
+const GB: u64 = 1_000_000_000;
+
+/// Pools `gpu` (4 GB) and `ram` (8 GB); workload `big` (the stand-in,
+/// holding 40 MB, with `flags`: 3 GB of `gpu` awake; asleep 0.5 GB of
+/// `gpu` and its 3 GB of weights in `ram`), and `other` (3 GB of `gpu`,
+/// cannot sleep).
+fn config(flags: &str) -> String {
+    let script = workspace().join("tests/sleep/standin.py");
+    let flags: String = flags
+        .split_whitespace()
+        .map(|f| format!(", \"{f}\""))
+        .collect();
+    format!(
+        "{}{}[[workload]]\nname = \"big\"\ncommand = [\"python3\", \"-u\", \"{}\", \"${{PORT}}\", \"40\"{flags}]\nstop_grace = \"2s\"\n[workload.memory.gpu]\nweights = \"3GB\"\n[workload.readiness]\nhttp = \"/health\"\ntimeout = \"30s\"\n[workload.sleep]\nsleep = \"POST /sleep?level=1\"\nwake = \"POST /wake_up\"\ntimeout = \"3s\"\n[workload.sleep.memory.gpu]\noverhead = \"0.5GB\"\n[workload.sleep.memory.ram]\nweights = \"3GB\"\n\n{}",
+        pool("gpu", "4GB"),
+        pool("ram", "8GB"),
+        script.display(),
+        sleeper("other", "gpu", 3, ""),
+    )
+}
+
+/// `used_bytes` of each pool, by name.
+async fn used(d: &mut Daemon) -> (u64, u64) {
+    let node = d.node().await;
+    let of = |name: &str| {
+        node.pools
+            .iter()
+            .find(|p| p.name == name)
+            .map_or(0, |p| p.used_bytes)
+    };
+    (of("gpu"), of("ram"))
+}
+
+/// The body of `GET path` on loopback `port`.
+async fn get(port: u32, path: &str) -> String {
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port as u16))
+        .await
+        .unwrap_or_else(|e| panic!("connect to {port} for {path}: {e}"));
+    let ask = format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n");
+    s.write_all(ask.as_bytes()).await.expect("ask");
+    let mut answer = String::new();
+    let read = tokio::time::timeout(Duration::from_secs(30), s.read_to_string(&mut answer));
+    read.await.expect("answered in time").expect("read");
+    answer
+        .split("\r\n\r\n")
+        .nth(1)
+        .unwrap_or_default()
+        .to_string()
+}
+
+async fn sleep(d: &mut Daemon, id: &str) -> Result<pb::Instance, tonic::Status> {
+    let req = pb::SleepRequest {
+        instance_id: id.into(),
+    };
+    d.client.sleep(req).await.map(|r| r.into_inner())
+}
+
+fn start(workload: &str, id: &str, evict: bool) -> pb::StartRequest {
+    let policy = if evict {
+        pb::Policy::Evict
+    } else {
+        pb::Policy::Refuse
+    };
+    pb::StartRequest {
+        on_full: policy as i32,
+        wait_ready: true,
+        ..start_req(workload, id)
+    }
+}
+
+#[tokio::test]
+async fn a_sleeping_instance_keeps_its_process_and_port_and_a_start_wakes_it() {
+    let mut d = Daemon::start(&config("")).await;
+    let mut events = d.watch(0).await;
+    d.client
+        .start(start("big", "b", false))
+        .await
+        .expect("started");
+    let awake = d.wait_state("b", pb::State::Ready).await;
+    assert_eq!(used(&mut d).await, (3 * GB, 0));
+    // The stand-in's 40 MB are measured while awake.
+    let measured = until(async || {
+        let i = d.get("b").await;
+        (i.measured_bytes > 40_000_000).then_some(i.measured_bytes)
+    })
+    .await;
+    assert!(measured.is_some(), "its memory was never measured");
+
+    let asleep = sleep(&mut d, "b").await.expect("put to sleep");
+    assert_eq!(asleep.state, pb::State::Sleeping as i32, "{asleep:?}");
+    assert!(asleep.message.starts_with("SLEEPING"), "{}", asleep.message);
+    assert_eq!((asleep.pid, asleep.port), (awake.pid, awake.port));
+    assert!(alive(awake.pid as i32));
+    assert_eq!(
+        get(awake.port, "/is_sleeping").await,
+        "{\"is_sleeping\": true}"
+    );
+    // The books hold its asleep demand: 0.5 GB of gpu, its weights in ram.
+    assert_eq!(used(&mut d).await, (GB / 2, 3 * GB));
+    // And the server really gave its memory back.
+    let freed = eventually(async || d.get("b").await.measured_bytes < 30_000_000).await;
+    assert!(
+        freed,
+        "measured {} bytes asleep",
+        d.get("b").await.measured_bytes
+    );
+    // A second Sleep is refused, with why.
+    let again = sleep(&mut d, "b").await.expect_err("asleep already");
+    assert_eq!(again.code(), tonic::Code::FailedPrecondition, "{again:?}");
+
+    // A Start wakes it: the same process, not created.
+    let woken = d.client.start(start("b-again", "b", false)).await;
+    assert!(woken.is_err(), "another workload's id is refused");
+    let woken = d
+        .client
+        .start(start("big", "b", false))
+        .await
+        .expect("woken")
+        .into_inner();
+    assert!(!woken.created);
+    let i = woken.instance.expect("the instance");
+    assert_eq!(i.state, pb::State::Ready as i32, "{i:?}");
+    assert!(i.message.contains("WOKEN"), "{}", i.message);
+    assert_eq!((i.pid, i.port), (awake.pid, awake.port));
+    assert_eq!(
+        get(awake.port, "/is_sleeping").await,
+        "{\"is_sleeping\": false}"
+    );
+    assert_eq!(used(&mut d).await, (3 * GB, 0));
+
+    // Watchers saw it: SLEEPING, then READY and WOKEN.
+    let mut seen = Vec::new();
+    let saw = until(async || {
+        let e = tokio::time::timeout(Duration::from_secs(5), events.message())
+            .await
+            .ok()?
+            .ok()??;
+        if let Some(i) = e.instance.filter(|i| i.instance_id == "b") {
+            seen.push((i.state, i.message.clone()));
+        }
+        let slept = seen.iter().any(|(s, _)| *s == pb::State::Sleeping as i32);
+        let woke = seen.iter().any(|(_, m)| m.contains("WOKEN"));
+        (slept && woke).then_some(())
+    })
+    .await;
+    assert!(saw.is_some(), "events: {seen:?}");
+}
+
+#[tokio::test]
+async fn the_planner_puts_residents_to_sleep_before_it_evicts_and_a_wake_makes_room() {
+    let mut d = Daemon::start(&config("")).await;
+    d.client
+        .start(start("big", "b", false))
+        .await
+        .expect("started");
+    let awake = d.wait_state("b", pb::State::Ready).await;
+
+    // Place says so first, changing nothing.
+    let place = pb::PlaceRequest {
+        workload: "other".into(),
+        on_full: pb::Policy::Evict as i32,
+    };
+    let placement = d.client.place(place).await.expect("place").into_inner();
+    assert!(placement.admitted, "{placement:?}");
+    assert_eq!(placement.sleep, ["b"]);
+    assert!(placement.evict.is_empty(), "{placement:?}");
+    assert_eq!(d.get("b").await.state, pb::State::Ready as i32);
+
+    // Under refuse, nothing moves.
+    let refused = d.client.start(start("other", "o", false)).await;
+    assert_eq!(
+        refused.expect_err("refused").code(),
+        tonic::Code::ResourceExhausted
+    );
+    assert_eq!(d.get("b").await.state, pb::State::Ready as i32);
+
+    // Under evict, `b` sleeps and nobody is evicted.
+    let started = d
+        .client
+        .start(start("other", "o", true))
+        .await
+        .expect("admitted")
+        .into_inner();
+    assert_eq!(started.slept, ["b"]);
+    assert!(started.evicted.is_empty(), "{started:?}");
+    let b = d.get("b").await;
+    assert_eq!(b.state, pb::State::Sleeping as i32, "{b:?}");
+    assert_eq!(b.pid, awake.pid);
+    assert_eq!(used(&mut d).await, (3 * GB + GB / 2, 3 * GB));
+
+    // Waking `b` under refuse is refused (other holds the gpu), and
+    // changes nothing.
+    let refused = d.client.start(start("big", "b", false)).await;
+    let status = refused.expect_err("the wake does not fit");
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+    assert!(status.message().contains("other"), "{}", status.message());
+    assert_eq!(d.get("b").await.state, pb::State::Sleeping as i32);
+    assert_eq!(used(&mut d).await, (3 * GB + GB / 2, 3 * GB));
+
+    // Under evict the wake evicts `other` (it cannot sleep).
+    let woken = d
+        .client
+        .start(start("big", "b", true))
+        .await
+        .expect("woken")
+        .into_inner();
+    assert_eq!(woken.evicted, ["o"]);
+    assert!(!woken.created);
+    let b = woken.instance.expect("b");
+    assert_eq!((b.state, b.pid), (pb::State::Ready as i32, awake.pid));
+    assert_eq!(used(&mut d).await, (3 * GB, 0));
+}
+
+#[tokio::test]
+async fn a_failed_wake_stops_the_instance_and_releases_what_it_held() {
+    let mut d = Daemon::start(&config("--fail-wake")).await;
+    d.client
+        .start(start("big", "b", false))
+        .await
+        .expect("started");
+    let awake = d.wait_state("b", pb::State::Ready).await;
+    sleep(&mut d, "b").await.expect("asleep");
+    let failed = d.client.start(start("big", "b", false)).await;
+    let status = failed.expect_err("the wake call fails");
+    assert!(status.message().contains("SLEEP_FAILED"), "{status:?}");
+    let ended = d.wait_state("b", pb::State::Exited).await;
+    assert_eq!(ended.cause, pb::Cause::SleepFailed as i32, "{ended:?}");
+    assert!(ended.message.contains("wake call"), "{}", ended.message);
+    assert_eq!(used(&mut d).await, (0, 0));
+    assert!(eventually(async || !alive(awake.pid as i32)).await);
+}
+
+#[tokio::test]
+async fn a_failed_sleep_stops_the_instance() {
+    let mut d = Daemon::start(&config("--fail-sleep")).await;
+    d.client
+        .start(start("big", "b", false))
+        .await
+        .expect("started");
+    let status = sleep(&mut d, "b").await.expect_err("the sleep call fails");
+    assert!(status.message().contains("SLEEP_FAILED"), "{status:?}");
+    let ended = d.wait_state("b", pb::State::Exited).await;
+    assert_eq!(ended.cause, pb::Cause::SleepFailed as i32, "{ended:?}");
+    assert_eq!(used(&mut d).await, (0, 0));
+}
+
+#[tokio::test]
+async fn a_server_that_dies_asleep_releases_its_asleep_demand_and_is_not_restarted() {
+    let mut d = Daemon::start(&config("")).await;
+    d.client
+        .start(start("big", "b", false))
+        .await
+        .expect("started");
+    let awake = d.wait_state("b", pb::State::Ready).await;
+    sleep(&mut d, "b").await.expect("asleep");
+    assert_eq!(used(&mut d).await, (GB / 2, 3 * GB));
+    let pid = nix::unistd::Pid::from_raw(awake.pid as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL).expect("kill the server");
+    let ended = d.wait_state("b", pb::State::Exited).await;
+    assert_eq!(ended.cause, pb::Cause::SleepFailed as i32, "{ended:?}");
+    assert!(
+        ended.message.contains("died while asleep"),
+        "{}",
+        ended.message
+    );
+    assert_eq!(used(&mut d).await, (0, 0));
+}
+
+#[tokio::test]
+async fn an_agent_killed_and_started_again_takes_a_sleeping_instance_over_asleep() {
+    let mut d = Daemon::start(&config("")).await;
+    d.client
+        .start(start("big", "b", false))
+        .await
+        .expect("started");
+    let awake = d.wait_state("b", pb::State::Ready).await;
+    sleep(&mut d, "b").await.expect("asleep");
+    d.kill();
+    let mut d = d.restart().await;
+    let b = d.wait_state("b", pb::State::Sleeping).await;
+    assert_eq!((b.pid, b.port), (awake.pid, awake.port));
+    assert_eq!(used(&mut d).await, (GB / 2, 3 * GB));
+    let woken = d
+        .client
+        .start(start("big", "b", false))
+        .await
+        .expect("woken");
+    let b = woken.into_inner().instance.expect("b");
+    assert_eq!((b.state, b.pid), (pb::State::Ready as i32, awake.pid));
+}
