@@ -231,3 +231,83 @@ fn mistakes_are_named_with_file_line_and_key() {
         "{e}"
     );
 }
+
+/// A GPU pool and a host pool, then `workload`.
+fn gpu_and_host(workload: &str) -> Result<Config, String> {
+    parse(&format!(
+        "[[pool]]\nname = \"gpu0\"\nbudget = \"80GB\"\ndevice = \"file:/dev/null\"\n\n[[pool]]\nname = \"ram\"\nbudget = \"128GB\"\nhost = true\n\n[[workload]]\n{workload}"
+    ))
+}
+
+#[test]
+fn vllm_sleeps_at_level_1_with_its_weights_in_the_host_pool() {
+    let c = gpu_and_host(
+        "name = \"v\"\nflavor = \"vllm\"\nmodel = \"m\"\n[workload.memory.gpu0]\nweights = \"15GB\"\nkv = \"20GB\"\n[workload.sleep]\nidle = \"10m\"\n",
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let v = &c.workloads["v"];
+    assert!(
+        v.argv.contains(&"--enable-sleep-mode".to_string()),
+        "{:?}",
+        v.argv
+    );
+    assert_eq!(v.env["VLLM_SERVER_DEV_MODE"], "1");
+    let s = v.sleep.as_ref().expect("it sleeps");
+    assert_eq!(s.sleep.to_string(), "POST /sleep?level=1");
+    assert_eq!(s.wake.to_string(), "POST /wake_up");
+    assert_eq!(s.idle, Some(Duration::from_secs(600)));
+    // Asleep: its weights in the host pool, a residue on the card.
+    assert_eq!(v.spec.asleep_footprint("ram"), 15_000_000_000);
+    assert_eq!(v.spec.asleep_footprint("gpu0"), 1_000_000_000);
+    // Level 2 discards the weights; the residue is configurable.
+    let c = gpu_and_host(
+        "name = \"v\"\nflavor = \"vllm\"\nmodel = \"m\"\n[workload.memory.gpu0]\nweights = \"15GB\"\n[workload.sleep]\nlevel = 2\nresidue = \"0.5GB\"\n",
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let v = &c.workloads["v"];
+    assert_eq!(
+        v.sleep.as_ref().expect("sleeps").sleep.path,
+        "/sleep?level=2"
+    );
+    assert_eq!(v.spec.asleep_footprint("ram"), 0);
+    assert_eq!(v.spec.asleep_footprint("gpu0"), 500_000_000);
+}
+
+#[test]
+fn a_sleep_table_is_checked_key_by_key() {
+    let generic = "name = \"g\"\ncommand = [\"/bin/server\"]\n[workload.memory.gpu0]\nweights = \"1GB\"\n[workload.sleep]\n";
+    let cases = [
+        (
+            format!("{generic}sleep = \"POST /sleep\"\n"),
+            "workload[g].sleep.wake",
+            "missing",
+        ),
+        (
+            format!("{generic}sleep = \"/sleep\"\nwake = \"POST /wake\"\n"),
+            "workload[g].sleep.sleep",
+            "give the method and the path",
+        ),
+        (
+            format!("{generic}sleep = \"POST /s\"\nwake = \"POST /w\"\nlevel = 1\n"),
+            "workload[g].sleep.level",
+            "is vLLM's",
+        ),
+        (
+            format!(
+                "{generic}sleep = \"POST /s\"\nwake = \"POST /w\"\n[workload.sleep.memory.disk]\noverhead = \"1GB\"\n"
+            ),
+            "workload[g].sleep.memory.disk",
+            "no pool \"disk\"",
+        ),
+    ];
+    for (workload, key, why) in cases {
+        let e = gpu_and_host(&workload).expect_err("refused");
+        assert!(e.contains(key) && e.contains(why), "{workload}: {e}");
+    }
+    // A generic server's asleep tables: a pool's residue alone.
+    let c = gpu_and_host(&format!(
+        "{generic}sleep = \"POST /s\"\nwake = \"POST /w\"\n[workload.sleep.memory.gpu0]\noverhead = \"0.2GB\"\n"
+    ))
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(c.workloads["g"].spec.asleep_footprint("gpu0"), 200_000_000);
+}
