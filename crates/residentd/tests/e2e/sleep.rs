@@ -303,3 +303,30 @@ async fn an_agent_killed_and_started_again_takes_a_sleeping_instance_over_asleep
     let b = woken.into_inner().instance.expect("b");
     assert_eq!((b.state, b.pid), (pb::State::Ready as i32, awake.pid));
 }
+
+#[tokio::test]
+async fn residentctl_puts_to_sleep_says_whom_place_would_put_to_sleep_and_wakes() {
+    let mut d = Daemon::start(&config("")).await;
+    d.client
+        .start(start("big", "b", false))
+        .await
+        .expect("started");
+    d.wait_state("b", pb::State::Ready).await;
+    let text = |o: std::process::Output| {
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    let placed = text(residentctl(
+        &d.socket,
+        &["place", "other", "--policy", "evict"],
+    ));
+    assert!(placed.contains("after putting b to sleep"), "{placed}");
+    let slept = text(residentctl(&d.socket, &["sleep", "b"]));
+    assert!(slept.contains("SLEEPING"), "{slept}");
+    let woken = text(residentctl(
+        &d.socket,
+        &["start", "big", "--id", "b", "--wait"],
+    ));
+    assert!(woken.contains("woken"), "{woken}");
+    assert_eq!(d.get("b").await.state, pb::State::Ready as i32);
+}

@@ -104,6 +104,10 @@ enum Command {
         #[arg(long)]
         grace: Option<String>,
     },
+    /// Put an instance to sleep (its workload has [workload.sleep]): its
+    /// server keeps its process and port and gives memory back; `start`
+    /// with its id wakes it.
+    Sleep { id: String },
     /// One instance.
     Get { id: String },
     /// Every instance.
@@ -402,6 +406,16 @@ async fn run(cli: &Cli) -> Result<ExitCode, Failure> {
                 .await?
                 .into_inner();
             render::instances(&r.instance.into_iter().collect::<Vec<_>>(), json)?;
+        }
+        Command::Sleep { id } => {
+            let spinner = (!json).then(|| render::Spinner::start(format!("putting {id} to sleep")));
+            let answer = c
+                .sleep(pb::SleepRequest {
+                    instance_id: id.clone(),
+                })
+                .await;
+            drop(spinner);
+            render::instance(&answer?.into_inner(), json)?;
         }
         Command::Get { id } => {
             let r = c

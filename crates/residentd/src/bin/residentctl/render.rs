@@ -321,14 +321,24 @@ pub fn started(r: &pb::StartResponse, json: bool) -> io::Result<()> {
     if json {
         return print_json(&json!({
             "created": r.created,
+            "slept": r.slept,
             "evicted": r.evicted,
             "instance": r.instance.as_ref().map(instance_json),
         }));
     }
+    if !r.slept.is_empty() {
+        out!("put to sleep: {}", r.slept.join(", "));
+    }
     if !r.evicted.is_empty() {
         out!("evicted: {}", r.evicted.join(", "));
     }
-    if !r.created {
+    let woken = r
+        .instance
+        .as_ref()
+        .is_some_and(|i| i.message.contains("WOKEN"));
+    if woken {
+        out!("woken (the same process, nothing started)");
+    } else if !r.created {
         out!("already running (nothing started)");
     }
     instances(&r.instance.iter().cloned().collect::<Vec<_>>(), false)
@@ -391,6 +401,7 @@ pub fn placement(p: &pb::Placement, json: bool) -> io::Result<()> {
     if json {
         return print_json(&json!({
             "admitted": p.admitted,
+            "sleep": p.sleep,
             "evict": p.evict,
             "wait_for": p.wait_for,
             "refusals": p.refusals.iter().map(refusal_json).collect::<Vec<_>>(),
@@ -405,9 +416,16 @@ pub fn placement(p: &pb::Placement, json: bool) -> io::Result<()> {
     } else {
         format!(" in {}", pools.join(", "))
     };
-    match (p.admitted, p.evict.is_empty()) {
+    let mut moves = Vec::new();
+    if !p.sleep.is_empty() {
+        moves.push(format!("putting {} to sleep", p.sleep.join(", ")));
+    }
+    if !p.evict.is_empty() {
+        moves.push(format!("evicting {}", p.evict.join(", ")));
+    }
+    match (p.admitted, moves.is_empty()) {
         (true, true) => out!("fits{on}"),
-        (true, false) => out!("fits{on} after evicting {}", p.evict.join(", ")),
+        (true, false) => out!("fits{on} after {}", moves.join(", then ")),
         (false, _) => {
             err!("does not fit:");
             reasons(&p.refusals)?;
