@@ -73,11 +73,17 @@ class Handler(BaseHTTPRequestHandler):
             state["sleeping"] = False
             print("standin: awake", flush=True)
             self.answer(200, {})
-        elif self.path == "/v1/completions":
+        elif self.path in ("/v1/completions", "/v1/chat/completions"):
+            length = int(self.headers.get("Content-Length", "0"))
+            self.rfile.read(length)
             if state["sleeping"]:
-                self.answer(503, {"error": "asleep"})
+                # vLLM asleep has no weights to run: a request fails.
+                self.answer(503, {"error": {"message": "the model is asleep"}})
             else:
-                self.answer(200, {"choices": [{"text": "hello"}]})
+                self.answer(200, {"id": "standin-1", "object": "chat.completion", "created": 0,
+                                  "model": "standin",
+                                  "choices": [{"index": 0, "finish_reason": "stop",
+                                               "message": {"role": "assistant", "content": "awake"}}]})
         else:
             self.answer(404, {"error": "not found"})
 

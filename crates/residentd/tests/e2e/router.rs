@@ -694,3 +694,47 @@ async fn the_router_serves_through_an_agent_reached_over_mutual_tls() {
         assert_eq!(status, 503, "{what}: {said}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_for_a_sleeping_model_wakes_it_through_the_router() {
+    let Some(python) = venv_python("the router test's openai client") else {
+        return;
+    };
+    let script = workspace().join("tests/sleep/standin.py");
+    let config = format!(
+        "[[pool]]\nname = \"gpu\"\nbudget = \"4GB\"\n\n[[pool]]\nname = \"ram\"\nbudget = \"8GB\"\n\n[[workload]]\nname = \"big\"\ncommand = [\"python3\", \"-u\", \"{}\", \"${{PORT}}\", \"20\"]\nstop_grace = \"2s\"\n[workload.memory.gpu]\nweights = \"3GB\"\n[workload.readiness]\nhttp = \"/health\"\n[workload.sleep]\nsleep = \"POST /sleep?level=1\"\nwake = \"POST /wake_up\"\n[workload.sleep.memory.ram]\nweights = \"3GB\"\n",
+        script.display()
+    );
+    let mut d = Daemon::start(&config).await;
+    let r = router(&d.socket, Duration::from_secs(20)).await;
+    let first = client(&python, &["chat", &r.base, "big"]).await;
+    ok(&first, "started on demand");
+    let awake = d.wait_state("big", pb::State::Ready).await;
+    let slept = d
+        .client
+        .sleep(pb::SleepRequest {
+            instance_id: "big".into(),
+        })
+        .await
+        .expect("asleep")
+        .into_inner();
+    assert_eq!(slept.state, pb::State::Sleeping as i32);
+    let get = b"GET /v1/models HTTP/1.1\r\nHost: router\r\nConnection: close\r\n\r\n";
+    let (status, _, body) = raw(r.port, get).await;
+    assert_eq!(status, 200, "{body}");
+    let listed: Value = serde_json::from_str(&body).expect("JSON");
+    assert_eq!(listed["data"][0]["state"], "SLEEPING", "{body}");
+    // A request wakes it (the same process) and is answered by it awake.
+    let woken = client(&python, &["chat", &r.base, "big"]).await;
+    ok(&woken, "answered after a wake");
+    assert_eq!(woken["text"], "awake", "the server answered awake: {woken}");
+    let i = d.get("big").await;
+    assert_eq!(
+        (i.state, i.pid),
+        (pb::State::Ready as i32, awake.pid),
+        "{i:?}"
+    );
+    assert!(i.message.contains("WOKEN"), "{}", i.message);
+    assert_eq!(d.ids().await, ["big"], "nothing else started");
+    drop(r);
+}
