@@ -302,10 +302,16 @@ pub struct Workload {
 /// How a workload's server sleeps and wakes (`[workload.sleep]`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Sleep {
-    /// The call that puts it to sleep.
-    pub sleep: HttpCall,
-    /// The call that wakes it.
-    pub wake: HttpCall,
+    /// The call that puts it to sleep; `None`: it sleeps only by itself
+    /// (llama-server, after `idle`), which `follow` tells.
+    pub sleep: Option<HttpCall>,
+    /// The call that wakes it; `None`: it wakes by itself at the next
+    /// request (llama-server), once the books have admitted the wake.
+    pub wake: Option<HttpCall>,
+    /// A path that says, as JSON `"is_sleeping": true|false`, whether the
+    /// server sleeps now (llama-server's `/props`): the agent reads it
+    /// every second and follows it.
+    pub follow: Option<String>,
     /// Put to sleep after this long unused; `None` (`0s`): only to make
     /// room, or when asked.
     pub idle: Option<Duration>,

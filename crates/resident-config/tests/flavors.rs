@@ -253,8 +253,14 @@ fn vllm_sleeps_at_level_1_with_its_weights_in_the_host_pool() {
     );
     assert_eq!(v.env["VLLM_SERVER_DEV_MODE"], "1");
     let s = v.sleep.as_ref().expect("it sleeps");
-    assert_eq!(s.sleep.to_string(), "POST /sleep?level=1");
-    assert_eq!(s.wake.to_string(), "POST /wake_up");
+    assert_eq!(
+        s.sleep.as_ref().map(ToString::to_string).as_deref(),
+        Some("POST /sleep?level=1")
+    );
+    assert_eq!(
+        s.wake.as_ref().map(ToString::to_string).as_deref(),
+        Some("POST /wake_up")
+    );
     assert_eq!(s.idle, Some(Duration::from_secs(600)));
     // Asleep: its weights in the host pool, a residue on the card.
     assert_eq!(v.spec.asleep_footprint("ram"), 15_000_000_000);
@@ -266,7 +272,11 @@ fn vllm_sleeps_at_level_1_with_its_weights_in_the_host_pool() {
     .unwrap_or_else(|e| panic!("{e}"));
     let v = &c.workloads["v"];
     assert_eq!(
-        v.sleep.as_ref().expect("sleeps").sleep.path,
+        v.sleep
+            .as_ref()
+            .and_then(|s| s.sleep.as_ref())
+            .expect("sleeps")
+            .path,
         "/sleep?level=2"
     );
     assert_eq!(v.spec.asleep_footprint("ram"), 0);
@@ -310,4 +320,42 @@ fn a_sleep_table_is_checked_key_by_key() {
     ))
     .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(c.workloads["g"].spec.asleep_footprint("gpu0"), 200_000_000);
+}
+
+#[test]
+fn llama_server_sleeps_by_itself_after_its_idle_time() {
+    let c = one_pool(
+        "name = \"l\"\nflavor = \"llama-server\"\nmodel = \"/m/l.gguf\"\n[workload.memory.ram]\nweights = \"1GB\"\n[workload.sleep]\nidle = \"90s\"\n",
+    );
+    let l = &c.workloads["l"];
+    let n = l
+        .argv
+        .iter()
+        .position(|a| a == "--sleep-idle-seconds")
+        .expect("passed");
+    assert_eq!(l.argv[n + 1], "90");
+    let s = l.sleep.as_ref().expect("it sleeps");
+    assert_eq!(
+        (s.sleep.as_ref(), s.wake.as_ref()),
+        (None, None),
+        "by itself"
+    );
+    assert_eq!(s.follow.as_deref(), Some("/props"));
+    let asleep = l.spec.asleep.as_ref().expect("an asleep demand");
+    assert!(asleep.by_itself);
+    assert_eq!(l.spec.asleep_footprint("ram"), 27_000_000, "its process");
+    for (sleep, key, why) in [
+        ("", "workload[l].sleep.idle", "missing"),
+        (
+            "idle = \"9s\"\nwake = \"POST /w\"\n",
+            "workload[l].sleep.wake",
+            "by itself",
+        ),
+    ] {
+        let e = parse(&format!(
+            "[[pool]]\nname = \"ram\"\nbudget = \"64GB\"\n\n[[workload]]\nname = \"l\"\nflavor = \"llama-server\"\nmodel = \"/m/l.gguf\"\n[workload.memory.ram]\nweights = \"1GB\"\n[workload.sleep]\n{sleep}"
+        ))
+        .expect_err("refused");
+        assert!(e.contains(key) && e.contains(why), "{sleep}: {e}");
+    }
 }

@@ -79,6 +79,9 @@ pub struct Asleep {
     /// The asleep demand on each pool chosen for the spec's any-of demand
     /// of the same index (empty, or one per any-of demand).
     pub any_of: Vec<Demand>,
+    /// It sleeps only by itself (llama-server after its idle time): never
+    /// put to sleep by the planner or a Sleep call.
+    pub by_itself: bool,
 }
 
 /// A demand on any `count` distinct pools of `candidates` (the memory of a

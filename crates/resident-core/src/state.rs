@@ -161,9 +161,10 @@ impl Resident {
         }
     }
 
-    /// Whether it can be put to sleep: its workload can, and it is awake.
+    /// Whether it can be put to sleep: its workload can be (not only by
+    /// itself), and it is awake.
     pub fn can_sleep(&self) -> bool {
-        self.spec.asleep.is_some() && self.tier == Tier::Awake
+        self.spec.asleep.as_ref().is_some_and(|a| !a.by_itself) && self.tier == Tier::Awake
     }
 
     /// Whether a hold protects it at `now`.

@@ -173,7 +173,7 @@ fn process_overhead(flavor: &str) -> Option<u64> {
 /// example 35.9 MB held by a 6.2 MB model at ctx 512, projected at 12
 /// MiB), more after a long prompt than after a short one: the largest,
 /// rounded up.
-const LLAMA_SERVER_PROCESS: u64 = 27_000_000;
+pub(super) const LLAMA_SERVER_PROCESS: u64 = 27_000_000;
 
 /// How a flavor's server runs a GGUF model, as far as its memory goes.
 /// llama-server (tools/server/server.cpp): without `--parallel`, 4
@@ -389,10 +389,26 @@ pub(super) fn apply(
             .entry("VLLM_SERVER_DEV_MODE".to_string())
             .or_insert_with(|| spanned(&span, "1".to_string()));
     }
+    // llama-server sleeps by itself after `idle` unused.
+    let idle_seconds = match w.sleep.as_ref().map(|t| (t, &t.get_ref().idle)) {
+        Some((_, Some(idle))) if f == "llama-server" => {
+            let d = crate::duration::parse_duration(idle.get_ref())
+                .map_err(|e| src.err(idle.span(), key("sleep.idle"), e))?;
+            Some(d.as_secs() + u64::from(d.subsec_nanos() > 0))
+        }
+        Some((t, None)) if f == "llama-server" => {
+            let msg = "missing: llama-server sleeps by itself after this long unused (--sleep-idle-seconds)";
+            return Err(src.err(t.span(), key("sleep.idle"), msg));
+        }
+        _ => None,
+    };
     if out.command.is_none() {
         let mut argv = d.argv;
         if sleeps {
             argv.push("--enable-sleep-mode".to_string());
+        }
+        if let Some(n) = idle_seconds.filter(|n| *n > 0) {
+            argv.extend(["--sleep-idle-seconds".to_string(), n.to_string()]);
         }
         argv.extend(w.args.iter().map(|a| a.get_ref().clone()));
         out.command = Some(spanned(&span, argv));

@@ -4,7 +4,9 @@
 //! or `.LABEL` of one of its any-of tables: then on each pool chosen for
 //! it). The flavor `vllm` fills these in for vLLM's sleep mode: level 1
 //! moves the weights to the host pool and keeps a residue (`residue`) on
-//! each GPU; level 2 discards the weights.
+//! each GPU; level 2 discards the weights. The flavor `llama-server`
+//! sleeps by itself after `idle` (`--sleep-idle-seconds`), which the agent
+//! follows through `/props`, and wakes by itself at the next request.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -37,6 +39,12 @@ pub(super) fn sleep(
     let t = table.get_ref();
     let k = |s: &str| key(&format!("sleep.{s}"));
     let vllm = w.flavor.as_ref().is_some_and(|f| f.get_ref() == "vllm");
+    if w.flavor
+        .as_ref()
+        .is_some_and(|f| f.get_ref() == "llama-server")
+    {
+        return llama_server(src, spec, pools, table, &k, host).map(Some);
+    }
     let level = match &t.level {
         Some(l) if !vllm => {
             return Err(src.err(l.span(), k("level"), "is vLLM's: set flavor = \"vllm\""));
@@ -85,12 +93,73 @@ pub(super) fn sleep(
         asleep_memory(src, &t.memory, spec, pools, &k, host)?
     };
     let sleep = Sleep {
-        sleep: sleep_call,
-        wake,
+        sleep: Some(sleep_call),
+        wake: Some(wake),
+        follow: None,
         idle,
         timeout,
     };
     Ok(Some((sleep, asleep)))
+}
+
+/// llama-server sleeps by itself after `idle` unused (the flavor passes
+/// `--sleep-idle-seconds`), says so in `/props` (`is_sleeping`), and wakes
+/// by itself at the next request: no calls. Asleep it keeps its process
+/// (its runtime, without the model) in each pool it holds, unless tables
+/// say otherwise.
+fn llama_server(
+    src: &Source<'_>,
+    spec: &Spec,
+    pools: &[PoolDef],
+    table: &Spanned<raw::Sleep>,
+    k: &dyn Fn(&str) -> String,
+    host: Lookups,
+) -> Result<(Sleep, Asleep)> {
+    let t = table.get_ref();
+    for (name, given) in [("sleep", &t.sleep), ("wake", &t.wake)] {
+        if let Some(c) = given {
+            let msg = "llama-server sleeps and wakes by itself: leave the calls out";
+            return Err(src.err(c.span(), k(name), msg));
+        }
+    }
+    for (name, given) in [
+        ("level", t.level.as_ref().map(Spanned::span)),
+        ("residue", t.residue.as_ref().map(Spanned::span)),
+    ] {
+        if let Some(span) = given {
+            return Err(src.err(span, k(name), "is vLLM's: set flavor = \"vllm\""));
+        }
+    }
+    let idle = match &t.idle {
+        Some(d) => duration(src, d, &k("idle"))?,
+        None => Duration::ZERO,
+    };
+    let timeout = match &t.timeout {
+        Some(d) => duration(src, d, &k("timeout"))?,
+        None => Duration::from_secs(60),
+    };
+    let mut asleep = if t.memory.is_empty() {
+        let process = Demand {
+            overhead: super::flavor::LLAMA_SERVER_PROCESS,
+            ..Demand::default()
+        };
+        Asleep {
+            demand: spec.demand.keys().map(|p| (p.clone(), process)).collect(),
+            any_of: spec.any_of.iter().map(|_| process).collect(),
+            by_itself: true,
+        }
+    } else {
+        asleep_memory(src, &t.memory, spec, pools, k, host)?
+    };
+    asleep.by_itself = true;
+    let sleep = Sleep {
+        sleep: None,
+        wake: None,
+        follow: Some("/props".to_string()),
+        idle: Some(idle).filter(|d| !d.is_zero()),
+        timeout,
+    };
+    Ok((sleep, asleep))
 }
 
 /// `"METHOD /path"`.
@@ -126,6 +195,7 @@ fn asleep_memory(
     let mut out = Asleep {
         demand: BTreeMap::new(),
         any_of: vec![Demand::default(); spec.any_of.len()],
+        by_itself: false,
     };
     for (label, d) in tables {
         let tk = |s: &str| k(&format!("memory.{label}.{s}"));

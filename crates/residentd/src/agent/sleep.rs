@@ -25,6 +25,16 @@ impl Agent {
     /// Puts `id` to sleep (the Sleep RPC); answers once it is SLEEPING.
     pub async fn sleep(self: &Arc<Self>, id: &str) -> Result<pb::Instance, ApiError> {
         let ready = self.sup.status(id).is_some_and(|s| s.state == State::Ready);
+        let by_itself = self
+            .books
+            .record(id)
+            .and_then(|r| r.workload.sleep.as_ref().map(|s| s.sleep.is_none()))
+            .unwrap_or(false);
+        if by_itself {
+            return Err(ApiError::FailedPrecondition(format!(
+                "instance '{id}' sleeps by itself after its workload's sleep idle; it cannot be put to sleep"
+            )));
+        }
         if !ready {
             return Err(ApiError::FailedPrecondition(format!(
                 "instance '{id}' is not READY: only a serving instance is put to sleep"
@@ -52,8 +62,20 @@ impl Agent {
                 s.id
             )));
         };
-        tracing::info!(instance_id = %s.id, why, %call, "putting to sleep");
-        match http_call(port, &call, timeout).await {
+        // A server that sleeps by itself has fallen asleep already (the
+        // agent read it): nothing to call.
+        let called = match &call {
+            Some(call) => {
+                tracing::info!(instance_id = %s.id, why, %call, "putting to sleep");
+                http_call(port, call, timeout).await.map(drop)
+            }
+            None => {
+                tracing::info!(instance_id = %s.id, why, "fell asleep by itself");
+                Ok(())
+            }
+        };
+        let call = call.map_or_else(String::new, |c| c.to_string());
+        match called {
             Ok(()) => {
                 if !self
                     .books
@@ -93,7 +115,14 @@ impl Agent {
                 "that run of instance '{id}' has ended"
             )));
         };
-        tracing::info!(instance_id = %id, %call, "waking");
+        let call = match call {
+            Some(call) => {
+                tracing::info!(instance_id = %id, %call, "waking");
+                Some(call)
+            }
+            // It wakes by itself at the request the books admitted it for.
+            None => None,
+        };
         let path = self
             .books
             .record(id)
@@ -102,7 +131,10 @@ impl Agent {
                 _ => None,
             });
         let woke = async {
-            http_call(port, &call, timeout).await?;
+            let Some(call) = &call else {
+                return Ok(());
+            };
+            http_call(port, call, timeout).await?;
             if let Some(path) = path {
                 ready_again(port, &path, timeout.saturating_sub(began.elapsed())).await?;
             }
@@ -122,6 +154,7 @@ impl Agent {
                 Ok(())
             }
             Err(e) => {
+                let call = call.map_or_else(String::new, |c| c.to_string());
                 let text = format!("SLEEP_FAILED: its wake call ({call}) {e}");
                 self.sleep_failed(id, generation, text.clone()).await;
                 Err(ApiError::Internal(format!("instance '{id}': {text}")))
@@ -137,7 +170,7 @@ impl Agent {
         id: &str,
         generation: u64,
         sleep: bool,
-    ) -> Option<(HttpCall, Duration, u16)> {
+    ) -> Option<(Option<HttpCall>, Duration, u16)> {
         let record = self
             .books
             .record(id)
@@ -166,6 +199,7 @@ impl Agent {
     /// Puts to sleep the instances unused for longer than their workload's
     /// sleep `idle`. Runs every second with the idle TTLs.
     pub(super) fn sleep_idle(self: &Arc<Self>) {
+        self.follow_sleepers();
         for (id, run) in self.books.sleepy(self.now_ms()) {
             let ready = self
                 .sup
@@ -183,8 +217,79 @@ impl Agent {
     }
 }
 
-/// One HTTP/1.0 call on loopback `port`: Ok on a 2xx answer.
-async fn http_call(port: u16, call: &HttpCall, timeout: Duration) -> Result<(), String> {
+impl Agent {
+    /// Reads, for each READY instance of a workload that sleeps by itself
+    /// (`follow`: llama-server's `/props`), whether its server sleeps now,
+    /// and follows it in the books: asleep, its asleep demand held; awake
+    /// again (a request that reached it directly, not through a Start),
+    /// its awake demand held again.
+    fn follow_sleepers(self: &Arc<Self>) {
+        for (id, record) in self.books.records() {
+            let Some((path, idle_ms)) = record.workload.sleep.as_ref().and_then(|s| {
+                let idle_ms = s
+                    .idle
+                    .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+                Some((s.follow.clone()?, idle_ms))
+            }) else {
+                continue;
+            };
+            let Some(status) = self
+                .sup
+                .status(&id)
+                .filter(|s| s.generation == record.generation && s.state == State::Ready)
+            else {
+                continue;
+            };
+            if record.cancelled || matches!(record.sleep, Some(Sleepy::Falling | Sleepy::Waking)) {
+                continue;
+            }
+            let me = self.clone();
+            let asleep_now = matches!(record.sleep, Some(Sleepy::Asleep(_)));
+            let (workload, generation, port) = (
+                record.workload.spec.workload.to_string(),
+                record.generation,
+                status.port,
+            );
+            tokio::spawn(async move {
+                let get = HttpCall {
+                    method: "GET".to_string(),
+                    path,
+                };
+                let Ok(body) = http_call(port, &get, Duration::from_secs(2)).await else {
+                    return;
+                };
+                let Some(sleeping) = is_sleeping(&body) else {
+                    return;
+                };
+                // Held, or used within its idle time (a wake the books
+                // admitted whose request has not reached it yet): not
+                // asleep for long, whatever it says now.
+                let quiet = me.books.quiet(&id, me.now_ms(), idle_ms);
+                if sleeping && !asleep_now && quiet {
+                    if let Ok(sleeper) = me.books.begin_sleep(&id, Some(generation)) {
+                        let _ = me.fall_asleep(&sleeper, "idle (by itself)").await;
+                    }
+                } else if !sleeping && asleep_now {
+                    tracing::warn!(instance_id = %id, %workload, "woke by itself (a request reached it directly, not through a Start): its awake demand is held again");
+                    if me.books.settle(&id, generation, Sleepy::Woken(0)) {
+                        me.metrics.woke(&workload, 0.0);
+                        me.persist();
+                        me.publish_view(&id);
+                    }
+                }
+            });
+        }
+    }
+}
+
+/// `"is_sleeping": true|false` in a JSON body (llama-server's `/props`).
+fn is_sleeping(body: &str) -> Option<bool> {
+    let v: serde_json::Value = serde_json::from_str(body).ok()?;
+    v.get("is_sleeping")?.as_bool()
+}
+
+/// One HTTP/1.0 call on loopback `port`: the body of a 2xx answer.
+async fn http_call(port: u16, call: &HttpCall, timeout: Duration) -> Result<String, String> {
     let exchange = async {
         let mut stream = TcpStream::connect((std::net::Ipv4Addr::LOCALHOST, port))
             .await
@@ -209,7 +314,11 @@ async fn http_call(port: u16, call: &HttpCall, timeout: Duration) -> Result<(), 
         let head = String::from_utf8_lossy(&answer[..answer.len().min(64)]).into_owned();
         let status = head.split_whitespace().nth(1).unwrap_or("");
         if status.starts_with('2') && status.len() == 3 {
-            Ok(())
+            let text = String::from_utf8_lossy(&answer).into_owned();
+            Ok(text
+                .split_once("\r\n\r\n")
+                .map(|(_, b)| b.to_string())
+                .unwrap_or_default())
         } else {
             let line = head.lines().next().unwrap_or("").trim();
             Err(format!("answered {line:?}"))
@@ -231,7 +340,7 @@ async fn ready_again(port: u16, path: &str, within: Duration) -> Result<(), Stri
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         match http_call(port, &get, left.min(Duration::from_secs(2))).await {
-            Ok(()) => return Ok(()),
+            Ok(_) => return Ok(()),
             Err(e) if Instant::now() >= deadline => {
                 return Err(format!(
                     "woke, but its readiness ({get}) never answered: {e}"

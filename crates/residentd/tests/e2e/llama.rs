@@ -442,7 +442,7 @@ fn within_window(what: &str, reserved: u64, held: u64) {
 /// `scripts/llama-server` builds (from the sources llama-cpp-python
 /// vendors), when it has; else `None`, after saying the test is skipped
 /// (CI builds them first, so there it fails instead).
-fn llama_server_bin() -> Option<PathBuf> {
+pub fn llama_server_bin() -> Option<PathBuf> {
     let out = Command::new(workspace().join("scripts/llama-server"))
         .arg("--cached")
         .output()

@@ -16,7 +16,7 @@ use serde_json::Value;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpStream;
 
-use crate::llama::{declared, make_model, python, workload};
+use crate::llama::{declared, llama_server_bin, make_model, python, workload};
 use crate::support::*;
 use crate::tls::{ca, connect_tls, leaf, tls_agent_serving};
 
@@ -736,5 +736,64 @@ async fn a_request_for_a_sleeping_model_wakes_it_through_the_router() {
     );
     assert!(i.message.contains("WOKEN"), "{}", i.message);
     assert_eq!(d.ids().await, ["big"], "nothing else started");
+    drop(r);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_real_llama_server_sleeps_by_itself_and_a_request_through_the_router_wakes_it() {
+    let (Some(python), Some(bin)) = (python(), llama_server_bin()) else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = dir.path().join("small.gguf");
+    make_model(&python, &model, 256, 4);
+    let config = format!(
+        "[[pool]]\nname = \"ram\"\nbudget = \"4GB\"\n\n[[workload]]\nname = \"tiny\"\nflavor = \"llama-server\"\nprogram = \"{}\"\nmodel = \"{}\"\nctx = 512\nparallel = 1\n[workload.sleep]\nidle = \"2s\"\n",
+        bin.join("llama-server").display(),
+        model.display()
+    );
+    write_config(dir.path(), &config);
+    let mut d = Daemon::start_in(dir).await;
+    let mut events = d.watch(0).await;
+    let r = router(&d.socket, Duration::from_secs(120)).await;
+    let body = r#"{"model": "tiny", "prompt": "hello", "max_tokens": 4}"#;
+    let (status, _, answer) = raw(r.port, &post("/v1/completions", body)).await;
+    assert_eq!(status, 200, "{answer}");
+    let awake = d.get("tiny").await;
+    assert_eq!(awake.state, pb::State::Ready as i32);
+    // Idle for 2 s, the server sleeps by itself; the agent reads it from
+    // /props and holds its asleep demand (its process, 27 MB) instead.
+    let asleep = d.wait_state("tiny", pb::State::Sleeping).await;
+    assert_eq!(asleep.pid, awake.pid);
+    assert!(
+        asleep.reserved_bytes < awake.reserved_bytes,
+        "asleep {} reserved, awake {}",
+        asleep.reserved_bytes,
+        awake.reserved_bytes
+    );
+    let (status, _, listed) = raw(
+        r.port,
+        b"GET /v1/models HTTP/1.1\r\nHost: router\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert!(listed.contains("\"SLEEPING\""), "{listed}");
+    // A request through the router: the wake is admitted first (the awake
+    // demand reserved), then the request reaches the server, which wakes.
+    let (status, _, answer) = raw(r.port, &post("/v1/completions", body)).await;
+    assert_eq!(status, 200, "{answer}");
+    let mut woke = false;
+    let saw = until(async || {
+        let e = tokio::time::timeout(Duration::from_secs(5), events.message())
+            .await
+            .ok()?
+            .ok()??;
+        let i = e.instance?;
+        woke |= i.instance_id == "tiny" && i.message.contains("WOKEN");
+        woke.then_some(i.pid)
+    })
+    .await;
+    assert_eq!(saw, Some(awake.pid), "woken, the same process");
+    assert_eq!(d.ids().await, ["tiny"]);
     drop(r);
 }

@@ -90,6 +90,14 @@ impl Books {
         self.lock().restore_asleep.insert(id.to_string(), now);
     }
 
+    /// Whether `id` is resident, not held, and unused for `ms` at `now`.
+    pub(in crate::agent) fn quiet(&self, id: &str, now: u64, ms: u64) -> bool {
+        let b = self.lock();
+        b.ledger
+            .resident(id)
+            .is_some_and(|r| !r.held(now) && now.saturating_sub(r.last_used) >= ms)
+    }
+
     /// Awake runs of workloads with a sleep `idle`, unused that long and
     /// not held: each id with its run.
     pub(in crate::agent) fn sleepy(&self, now: u64) -> Vec<(String, u64)> {
