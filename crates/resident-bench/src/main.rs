@@ -19,6 +19,9 @@
 //!    against the same swap by hand.
 //! 8. Fleet: the Python package's ranked Place fan-out over 100 and 1,000
 //!    agents (each its own process), and each agent's idle memory.
+//! 9. Sleep (`sleep.rs`): a request for a model asleep against one
+//!    stopped (the vLLM stand-in, and the real llama-server), and a swap
+//!    A -> B -> A through the router with sleep against with eviction.
 //!
 //! Parts 7 and 8 run Python from the tests' `.venv` (`--venv-python`:
 //! llama-cpp-python, the residentd package); without it they print a note.
@@ -33,6 +36,7 @@ mod measure;
 mod readiness;
 mod report;
 mod router;
+mod sleep;
 mod takeover;
 
 use std::path::{Path, PathBuf};
@@ -70,6 +74,8 @@ struct Plan {
     /// Instances running when the agent is killed, and rounds.
     comeback_instances: usize,
     comeback_rounds: usize,
+    /// Rounds of each row of the sleep part.
+    sleep_rounds: usize,
 }
 
 const FULL: Plan = Plan {
@@ -91,6 +97,7 @@ const FULL: Plan = Plan {
     fleet_rounds: 50,
     comeback_instances: 200,
     comeback_rounds: 3,
+    sleep_rounds: 5,
 };
 
 const QUICK: Plan = Plan {
@@ -112,6 +119,7 @@ const QUICK: Plan = Plan {
     fleet_rounds: 3,
     comeback_instances: 10,
     comeback_rounds: 1,
+    sleep_rounds: 1,
 };
 
 /// A process of ours that is killed when dropped.
@@ -327,7 +335,7 @@ fn main() -> anyhow::Result<()> {
         .position(|a| a == "--venv-python")
         .and_then(|i| args.get(i + 1))
         .map(PathBuf::from);
-    // `--only place|startstop|crash|idle|churn|readiness|router|fleet|comeback|takeover`
+    // `--only place|startstop|crash|idle|churn|readiness|router|sleep|fleet|comeback|takeover`
     // runs one part, for working on it.
     let only = args
         .iter()
@@ -371,6 +379,17 @@ fn main() -> anyhow::Result<()> {
         if runs("router") {
             let router = sibling_binary("residentd-router")?;
             router::rows(
+                &plan,
+                &residentd,
+                &router,
+                venv_python.as_deref(),
+                &mut table,
+            )
+            .await?;
+        }
+        if runs("sleep") {
+            let router = sibling_binary("residentd-router")?;
+            sleep::rows(
                 &plan,
                 &residentd,
                 &router,
