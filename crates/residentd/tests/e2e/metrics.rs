@@ -177,6 +177,10 @@ async fn every_metric_served_is_documented_and_every_documented_one_served() {
     config += "[[pool]]\nname = \"host\"\nbudget = \"2GB\"\nhost = true\n\n";
     config += &crate::footprint::fat("fat", "host", 20, "");
     config += &sleeper("big", "ram", 6, "");
+    config += &format!(
+        "[[workload]]\nname = \"dozy\"\ncommand = [\"python3\", \"-u\", \"{}\", \"${{PORT}}\", \"10\"]\n[workload.memory.ram]\nweights = \"1GB\"\n[workload.readiness]\nhttp = \"/health\"\n[workload.sleep]\nsleep = \"POST /sleep\"\nwake = \"POST /wake_up\"\n",
+        workspace().join("tests/sleep/standin.py").display()
+    );
     config += "[[workload]]\nname = \"open\"\ncommand = [\"python3\", \"-m\", \"http.server\", \"${PORT}\", \"--bind\", \"0.0.0.0\"]\nexpose = \"loopback\"\n[workload.memory.ram]\nweights = \"1GB\"\n[workload.readiness]\ntcp = true\n[workload.restart]\npolicy = \"never\"\n";
     config += &shell(
         "crasher",
@@ -207,6 +211,15 @@ async fn every_metric_served_is_documented_and_every_documented_one_served() {
     d.started("fat", "f").await;
     let over = until(async || (d.get("f").await.overrun_bytes > 0).then_some(()));
     assert!(over.await.is_some(), "the overrun is seen");
+    // A sleep and a wake.
+    let mut dozy = start_req("dozy", "z");
+    dozy.wait_ready = true;
+    d.client.start(dozy.clone()).await.expect("dozy starts");
+    let asleep = pb::SleepRequest {
+        instance_id: "z".into(),
+    };
+    d.client.sleep(asleep).await.expect("dozy sleeps");
+    d.client.start(dozy).await.expect("dozy wakes");
     // A call refused for want of a role: another user, left out of the
     // allowlist by a reload, over the node's one connection (the test's
     // client lets go of it).
