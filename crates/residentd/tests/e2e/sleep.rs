@@ -330,3 +330,41 @@ async fn residentctl_puts_to_sleep_says_whom_place_would_put_to_sleep_and_wakes(
     assert!(woken.contains("woken"), "{woken}");
     assert_eq!(d.get("b").await.state, pb::State::Ready as i32);
 }
+
+#[tokio::test]
+async fn an_instance_unused_for_its_sleep_idle_is_put_to_sleep_unless_held() {
+    let config = config("").replace(
+        "timeout = \"3s\"\n[workload.sleep.memory.gpu]",
+        "timeout = \"3s\"\nidle = \"1s\"\n[workload.sleep.memory.gpu]",
+    );
+    let mut d = Daemon::start(&config).await;
+    d.client
+        .start(start("big", "b", false))
+        .await
+        .expect("started");
+    let awake = d.wait_state("b", pb::State::Ready).await;
+    // Held for a while: not put to sleep however long it is unused.
+    let hold = pb::TouchRequest {
+        instance_id: "b".into(),
+        hold_ms: 600_000,
+        release_hold: false,
+    };
+    d.client.touch(hold).await.expect("held");
+    let slept =
+        until(async || (d.get("b").await.state == pb::State::Sleeping as i32).then_some(()));
+    let slept = tokio::time::timeout(Duration::from_secs(3), slept).await;
+    assert!(
+        !matches!(slept, Ok(Some(()))),
+        "a held instance was put to sleep"
+    );
+    // Its hold ended: asleep about a second later, the same process.
+    let release = pb::TouchRequest {
+        instance_id: "b".into(),
+        hold_ms: 0,
+        release_hold: true,
+    };
+    d.client.touch(release).await.expect("released");
+    let asleep = d.wait_state("b", pb::State::Sleeping).await;
+    assert_eq!(asleep.pid, awake.pid);
+    assert_eq!(used(&mut d).await, (GB / 2, 3 * GB));
+}
