@@ -275,7 +275,7 @@ async fn a_damaged_journal_restores_what_it_can_and_is_kept_aside() {
         String::from_utf8_lossy(&bytes).into_owned()
     };
     let whole =
-        eventually(async || journal().starts_with("# residentd journal 5\nkeep\tnap\t")).await;
+        eventually(async || journal().starts_with("# residentd journal 6\nkeep\tnap\t")).await;
     assert!(whole, "{}", journal());
 }
 
