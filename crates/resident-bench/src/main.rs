@@ -386,6 +386,14 @@ fn main() -> anyhow::Result<()> {
                 &mut table,
             )
             .await?;
+            router::llama_server_rows(
+                &plan,
+                &residentd,
+                &router,
+                venv_python.as_deref(),
+                &mut table,
+            )
+            .await?;
         }
         if runs("sleep") {
             let router = sibling_binary("residentd-router")?;

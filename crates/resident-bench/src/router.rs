@@ -224,12 +224,7 @@ pub async fn rows(
         "",
     ));
 
-    let (mut ours, mut theirs) = (Vec::new(), Vec::new());
-    for _ in 0..plan.router_requests {
-        ours.push(stream(port, "a", 1).await?.first);
-        theirs.push(stream(a, "a", 1).await?.first);
-    }
-    let (ours, theirs) = (measure::median(ours), measure::median(theirs));
+    let (ours, theirs) = first_events(plan, port, a).await?;
     table.push(Row::latency(
         "router: first event, warm model (median)".into(),
         ours,
@@ -297,6 +292,82 @@ pub async fn rows(
     ));
     table.push(Row::note(
         "router: added to a swap (median)".into(),
+        signed_ms(ours, theirs),
+    ));
+    Ok(())
+}
+
+/// Time to the first event of a one-token stream of `a` through the
+/// router on `port` and straight to its server on `direct`, in turn, a new
+/// connection each (medians).
+async fn first_events(plan: &Plan, port: u16, direct: u16) -> anyhow::Result<(Duration, Duration)> {
+    let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+    for _ in 0..plan.router_requests {
+        ours.push(stream(port, "a", 1).await?.first);
+        theirs.push(stream(direct, "a", 1).await?.first);
+    }
+    Ok((measure::median(ours), measure::median(theirs)))
+}
+
+/// The same first-event rows in front of the real llama-server (built by
+/// scripts/llama-server), when it is built.
+pub async fn llama_server_rows(
+    plan: &Plan,
+    residentd: &Path,
+    router: &Path,
+    python: Option<&Path>,
+    table: &mut Table,
+) -> anyhow::Result<()> {
+    let Some(python) = crate::python_with(python, "gguf", "router (llama-server)", table) else {
+        return Ok(());
+    };
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let built = Command::new(root.join("scripts/llama-server"))
+        .arg("--cached")
+        .output()?;
+    if !built.status.success() {
+        table.push(Row::note(
+            "router: llama-server".into(),
+            "not measured: no llama-server built (scripts/llama-server)".into(),
+        ));
+        return Ok(());
+    }
+    let bin = std::path::PathBuf::from(String::from_utf8_lossy(&built.stdout).trim());
+    let models = tempfile::tempdir()?;
+    let model = models.path().join("a.gguf");
+    let status = Command::new(python)
+        .arg(root.join("tests/llama/make_model.py"))
+        .arg(&model)
+        .args(["--embd", "64", "--layers", "2"])
+        .status()?;
+    if !status.success() {
+        bail!("make_model.py {} failed", model.display());
+    }
+    let config = format!(
+        "[node]\nname = \"bench-router\"\nlisten = \"unix://@DIR@/agent.sock\"\nstate_dir = \"@DIR@/state\"\n\n[[pool]]\nname = \"ram\"\nbudget = \"2GB\"\n\n[[workload]]\nname = \"a\"\nflavor = \"llama-server\"\nprogram = \"{}\"\nmodel = \"{}\"\nctx = 512\nparallel = 1\n",
+        bin.join("llama-server").display(),
+        model.display()
+    );
+    let agent = spawn_agent_text(residentd, &config)?;
+    let mut c = connect(&agent.socket).await?;
+    let port = free_port()?;
+    let _router = spawn_router(router, &agent.socket, port)?;
+    wait_http(port).await?;
+    stream(port, "a", 1).await?;
+    let get = pb::GetRequest {
+        instance_id: "a".into(),
+    };
+    let direct = u16::try_from(c.get(get).await?.into_inner().port).unwrap_or(0);
+    let (ours, theirs) = first_events(plan, port, direct).await?;
+    table.push(Row::latency(
+        "router: first event, warm llama-server (median)".into(),
+        ours,
+        theirs,
+        None,
+        "<= direct + 1 ms",
+    ));
+    table.push(Row::note(
+        "router: added to llama-server's first event (median)".into(),
         signed_ms(ours, theirs),
     ));
     Ok(())
