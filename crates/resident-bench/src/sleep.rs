@@ -90,6 +90,27 @@ async fn ask(port: u16, model: &str) -> anyhow::Result<Duration> {
     Ok(began.elapsed())
 }
 
+/// `"METHOD /path"` straight to a server on `port`; Err unless 2xx.
+async fn call(port: u16, what: &str) -> anyhow::Result<()> {
+    let (method, path) = what.split_once(' ').context("METHOD /path")?;
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    );
+    let mut s = TcpStream::connect(("127.0.0.1", port)).await?;
+    s.write_all(request.as_bytes()).await?;
+    let mut seen = Vec::new();
+    s.read_to_end(&mut seen).await?;
+    let status = String::from_utf8_lossy(&seen[..seen.len().min(16)]).into_owned();
+    if !status
+        .split_whitespace()
+        .nth(1)
+        .is_some_and(|c| c.starts_with('2'))
+    {
+        bail!("{what} on {port}: {status}");
+    }
+    Ok(())
+}
+
 async fn state(c: &mut NodeAgentClient<Channel>, id: &str) -> Option<pb::State> {
     let i = c
         .get(pb::GetRequest {
@@ -208,12 +229,40 @@ pub async fn rows(
         stop(&mut c, "a").await?;
         cold.push(ask(port, "a").await?);
     }
+    // What residentd adds to a wake: the server's own calls, straight to
+    // its port (behind the agent's back: the books still say awake),
+    // then the same request straight to it.
+    let mut own = Vec::new();
+    for _ in 0..rounds {
+        placeable(&mut c, "a").await?;
+        ask(port, "a").await?;
+        let i = c
+            .get(pb::GetRequest {
+                instance_id: "a".into(),
+            })
+            .await?
+            .into_inner();
+        let direct = u16::try_from(i.port).unwrap_or(0);
+        call(direct, "POST /sleep?level=1").await?;
+        let began = Instant::now();
+        call(direct, "POST /wake_up").await?;
+        ask(direct, "a").await?;
+        own.push(began.elapsed());
+    }
+    let woken = measure::median(woken);
     table.push(Row::latency(
         format!("sleep: vLLM stand-in ({STANDIN_MB} MB), a request asleep (wake) vs stopped (cold start)"),
-        measure::median(woken),
+        woken,
         measure::median(cold),
         None,
         "<= 0.2x",
+    ));
+    table.push(Row::latency(
+        "sleep: the same wake through the router, vs the server's own wake call and the request straight to it".into(),
+        woken,
+        measure::median(own),
+        None,
+        "reported",
     ));
 
     // A -> B -> A: with sleep, against with eviction.
