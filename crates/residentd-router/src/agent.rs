@@ -214,6 +214,35 @@ impl Agent {
         not_resident_is_none(self.client.clone().touch(quick(req)).await)
     }
 
+    /// The node: its pools and every instance.
+    pub async fn node(&self) -> Result<pb::NodeStatus, tonic::Status> {
+        let r = self.client.clone().node(quick(pb::NodeRequest {})).await?;
+        Ok(r.into_inner())
+    }
+
+    /// The agent's events: the current state of each instance first, then
+    /// every change, until the stream is dropped. No deadline: it is meant
+    /// to stay open.
+    pub async fn watch(&self) -> Result<tonic::Streaming<pb::Event>, tonic::Status> {
+        let req = pb::WatchRequest { since_revision: 0 };
+        Ok(self.client.clone().watch(req).await?.into_inner())
+    }
+
+    /// The last `tail` lines of instance `id`'s output, then each new one
+    /// until the stream is dropped.
+    pub async fn logs(
+        &self,
+        id: &str,
+        tail: u32,
+    ) -> Result<tonic::Streaming<pb::LogLine>, tonic::Status> {
+        let req = pb::LogsRequest {
+            instance_id: id.to_string(),
+            tail,
+            follow: true,
+        };
+        Ok(self.client.clone().logs(req).await?.into_inner())
+    }
+
     /// Starts instance `id` of `workload` under the agent's policy and
     /// answers once it is READY.
     pub async fn start(&self, workload: &str, id: &str) -> Result<pb::Instance, StartError> {

@@ -13,6 +13,8 @@
 //! - `proxy.rs`: forwarding, streaming, and the hold that ends with the
 //!   response body.
 //! - `error.rs`: OpenAI-shaped errors. `metrics.rs`: `/metrics`.
+//! - `console/`: the read-only node console, `GET /ui` (its page under
+//!   `ui/`), fed by Server-Sent Events.
 //!
 //! docs/router.md is the operator's guide.
 
@@ -31,6 +33,7 @@ use http::{HeaderMap, Method, StatusCode, Uri, header};
 use serde::Deserialize;
 
 pub mod agent;
+pub mod console;
 pub mod error;
 pub mod metrics;
 pub mod models;
@@ -109,6 +112,7 @@ impl App {
             .route("/upstream/{model}/{*rest}", any(upstream))
             .route("/health", get(health))
             .route("/metrics", get(metrics))
+            .merge(console::routes())
             .fallback(unknown_endpoint)
             .with_state(self.clone())
     }

@@ -1,6 +1,8 @@
 //! The router's metrics, under the `residentd_router_` prefix, in the
 //! OpenMetrics text format (`GET /metrics`). docs/router.md lists them.
 
+use std::collections::BTreeMap;
+use std::sync::Mutex;
 use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -42,6 +44,9 @@ pub struct Metrics {
     starts: Family<StartLabels, Histogram, fn() -> Histogram>,
     queue_timeouts: Family<ModelLabels, Counter>,
     waiting: Gauge,
+    /// The requests in flight per model again, readable (a Family is
+    /// not): what the console shows.
+    in_flight_now: Mutex<BTreeMap<String, i64>>,
 }
 
 impl Default for Metrics {
@@ -61,6 +66,7 @@ impl Metrics {
             starts: Family::new_with_constructor(latency),
             queue_timeouts: Family::default(),
             waiting: Gauge::default(),
+            in_flight_now: Mutex::default(),
         };
         let r = &mut m.registry;
         r.register(
@@ -121,6 +127,11 @@ impl Metrics {
             model: model.to_string(),
         };
         self.in_flight.get_or_create(&labels).inc_by(by);
+        let mut now = self
+            .in_flight_now
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        *now.entry(labels.model).or_default() += by;
     }
 
     /// Observes a start on demand.
@@ -145,6 +156,17 @@ impl Metrics {
     /// A start began (+1) or stopped (-1) waiting on holds.
     pub fn waiting(&self, by: i64) {
         self.waiting.inc_by(by);
+    }
+
+    /// The requests in flight per model (every model that had one), and
+    /// the starts waiting on holds.
+    pub fn traffic(&self) -> (BTreeMap<String, i64>, i64) {
+        let now = self
+            .in_flight_now
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        (now, self.waiting.get())
     }
 
     /// The text exposition.

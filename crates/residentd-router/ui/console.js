@@ -1,0 +1,188 @@
+// The node console: draws what /ui/events sends. Every string from the
+// agent goes into the page as text (textContent, attribute values), never
+// as markup.
+"use strict";
+
+const EVENTS_KEPT = 200;
+const LOG_LINES_KEPT = 2000;
+const SHADES = 6;
+
+const $ = (id) => document.getElementById(id);
+
+// An element with attributes and children (strings become text nodes).
+function el(tag, attrs, ...children) {
+  const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (v !== undefined && v !== null) e.setAttribute(k, String(v));
+  }
+  for (const c of children) {
+    if (c === null || c === undefined) continue;
+    e.append(typeof c === "string" || typeof c === "number" ? String(c) : c);
+  }
+  return e;
+}
+
+// Bytes in decimal units, as the agent writes them ("4.0 GB").
+function bytes(n) {
+  if (n === null || n === undefined) return "–";
+  const units = ["B", "kB", "MB", "GB", "TB"];
+  let i = 0;
+  let v = Number(n);
+  while (v >= 1000 && i < units.length - 1) { v /= 1000; i++; }
+  return i === 0 ? `${v} B` : `${v.toFixed(1)} ${units[i]}`;
+}
+
+// Each instance's colour, the same in every pool: by its place in the
+// node's list, so that neighbours differ.
+let shades = new Map();
+function shade(id) {
+  return `s${(shades.get(id) ?? 0) % SHADES}`;
+}
+
+function pct(part, whole) {
+  return `${Math.max(0, Math.min(100, (100 * part) / whole))}%`;
+}
+
+function drawPool(p) {
+  const scale = p.budget || p.effective || p.used || 1;
+  const bar = el("div", { class: "bar", role: "img",
+    "aria-label": `${p.name}: ${bytes(p.used)} used of ${bytes(p.budget)}` });
+  const legend = el("ul", { class: "legend" });
+  let held = 0;
+  for (const h of p.held) {
+    held += h.bytes;
+    const c = shade(h.id);
+    const seg = el("span", { class: c, title: `${h.id}: ${bytes(h.bytes)}` });
+    seg.style.width = pct(h.bytes, scale);
+    bar.append(seg);
+    legend.append(el("li", { "data-id": h.id }, el("i", { class: c }), `${h.id} ${bytes(h.bytes)}`));
+  }
+  if (p.used > held) {
+    const seg = el("span", { class: "other", title: `other: ${bytes(p.used - held)}` });
+    seg.style.width = pct(p.used - held, scale);
+    bar.append(seg);
+    legend.append(el("li", {}, el("i", { class: "other" }), `other ${bytes(p.used - held)}`));
+  }
+  if (p.effective !== null && p.budget && p.effective < p.budget) {
+    const cap = el("div", { class: "cap", title: `effective budget ${bytes(p.effective)}` });
+    cap.style.left = pct(p.effective, scale);
+    bar.append(cap);
+  }
+  const figures = [`used ${bytes(p.used)}`];
+  figures.push(p.budget === null ? "no budget" : `budget ${bytes(p.budget)}`);
+  if (p.effective !== null && p.effective !== p.budget) figures.push(`effective ${bytes(p.effective)}`);
+  if (p.free !== null) figures.push(`free ${bytes(p.free)}`);
+  return el("div", { class: "pool", "data-pool": p.name },
+    el("div", { class: "head" }, el("strong", {}, p.name), el("span", { class: "figures" }, figures.join(" · "))),
+    bar, legend);
+}
+
+let following = null;
+
+function drawInstance(i) {
+  const logs = el("button", { type: "button", "aria-pressed": String(following === i.id),
+    "aria-label": `follow the logs of ${i.id}` }, "logs");
+  logs.addEventListener("click", () => follow(i.id));
+  const n = (v) => el("td", { class: "num" }, v ? String(v) : "–");
+  return el("tr", { "data-id": i.id, "data-state": i.state },
+    el("th", { scope: "row" }, i.id), el("td", {}, i.workload),
+    el("td", { class: `st-${i.state}` }, i.state),
+    n(i.pid), n(i.port),
+    el("td", { class: "num" }, bytes(i.reserved)), el("td", { class: "num" }, bytes(i.measured)),
+    el("td", { class: "num" }, String(i.restarts)), el("td", { class: "msg" }, i.message),
+    el("td", {}, logs));
+}
+
+function drawNode(n) {
+  const began = performance.now();
+  $("node").textContent = n.node;
+  shades = new Map(n.instances.map((i, k) => [i.id, k]));
+  $("pools").replaceChildren(...n.pools.map(drawPool));
+  const rows = document.createDocumentFragment();
+  for (const i of n.instances) rows.append(drawInstance(i));
+  $("instances").tBodies[0].replaceChildren(rows);
+  $("count").textContent = `(${n.instances.length})`;
+  const traffic = [el("dt", {}, "starts waiting on holds"), el("dd", {}, String(n.traffic.waiting))];
+  for (const [model, count] of Object.entries(n.traffic.in_flight)) {
+    traffic.push(el("dt", {}, `in flight: ${model}`), el("dd", { "data-model": model }, String(count)));
+  }
+  $("traffic").replaceChildren(...traffic);
+  // For the tests: how long a drawing takes, and when the first one ended
+  // (milliseconds since the page was asked for).
+  const now = performance.now();
+  document.body.dataset.renderMs = (now - began).toFixed(1);
+  document.body.dataset.firstDrawnMs ??= now.toFixed(0);
+  up(`${n.node} · agent ${n.version} · live`);
+}
+
+function drawEvent(e) {
+  const time = new Date().toLocaleTimeString();
+  const item = el("li", { class: e.kind, "data-kind": e.kind, "data-revision": e.revision },
+    el("time", {}, time), el("span", { class: "k" }, e.kind));
+  if (e.kind === "REFUSED" && e.refusal) {
+    item.append(`start of ${e.workload}`, el("span", { class: "why" }, e.refusal.message));
+    if (e.refusal.holders.length) {
+      const held = e.refusal.holders.map((h) => `${h.id} (${bytes(h.bytes)})`).join(", ");
+      item.append(el("span", { class: "holders" },
+        `held by ${held}${e.refusal.temporary ? " · may pass once their holds end" : ""}`));
+    }
+  } else if (e.kind === "POOL") {
+    item.append(`${e.pool}: ${e.message}`);
+  } else {
+    item.append(`${e.instance} (${e.workload}) → ${e.state}`);
+    if (e.message) item.append(el("span", { class: "why" }, e.message));
+  }
+  const feed = $("events");
+  feed.prepend(item);
+  while (feed.children.length > EVENTS_KEPT) feed.lastElementChild.remove();
+}
+
+function up(text) {
+  $("status").textContent = text;
+  $("status").classList.remove("down");
+}
+
+function down(text) {
+  $("status").textContent = text;
+  $("status").classList.add("down");
+}
+
+let logSource = null;
+
+// Follows one instance's output in the logs pane (lines are numbered, so
+// a reconnection's repeated tail is skipped).
+function follow(id) {
+  if (logSource) logSource.close();
+  following = id;
+  for (const b of document.querySelectorAll("#instances button")) {
+    b.setAttribute("aria-pressed", String(b.closest("tr").dataset.id === id));
+  }
+  $("logs-of").textContent = `of ${id}`;
+  const pane = $("logs");
+  pane.replaceChildren();
+  let last = 0;
+  logSource = new EventSource(`/ui/logs/${encodeURIComponent(id)}`);
+  logSource.addEventListener("line", (m) => {
+    const l = JSON.parse(m.data);
+    if (l.seq <= last) return;
+    last = l.seq;
+    const atEnd = pane.scrollTop + pane.clientHeight >= pane.scrollHeight - 4;
+    pane.append(el("span", { class: l.stream, "data-seq": l.seq }, `${l.line}\n`));
+    while (pane.childElementCount > LOG_LINES_KEPT) pane.firstElementChild.remove();
+    if (atEnd) pane.scrollTop = pane.scrollHeight;
+  });
+  logSource.addEventListener("status", (m) => {
+    pane.append(el("span", { class: "STDERR" }, `${JSON.parse(m.data).message}\n`));
+    logSource.close();
+  });
+}
+
+function connect() {
+  const source = new EventSource("/ui/events");
+  source.addEventListener("node", (m) => drawNode(JSON.parse(m.data)));
+  source.addEventListener("agent", (m) => drawEvent(JSON.parse(m.data)));
+  source.addEventListener("status", (m) => down(`agent out of reach: ${JSON.parse(m.data).message}`));
+  source.addEventListener("error", () => down("router out of reach; reconnecting…"));
+}
+
+connect();
