@@ -11,6 +11,7 @@ mod adopt;
 mod chaos;
 mod clock;
 mod connections;
+mod console;
 mod device;
 mod fleet;
 mod footprint;

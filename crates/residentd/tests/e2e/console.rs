@@ -1,0 +1,258 @@
+//! The node console (`GET /ui` on residentd-router) in a real headless
+//! Chromium: tests/console/browser.py, Selenium from the .venv pointed at
+//! Debian's chromium and chromium-driver, answers one command at a time
+//! while the test changes the agent over gRPC. The router is its library
+//! served in this process, in front of the real agent. Screenshots go to
+//! a temporary directory (their paths are printed);
+//! scripts/console-screenshot remakes docs/console.png.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use resident_api::pb;
+use residentd_router::{App, Options};
+use serde_json::Value;
+use tokio::io::{AsyncBufReadExt as _, AsyncWriteExt as _, BufReader, Lines};
+use tokio::process::{Child, ChildStdin, ChildStdout};
+
+use crate::support::*;
+
+/// A router served in this process until dropped.
+struct Router {
+    base: String,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl Drop for Router {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+async fn router(socket: &Path) -> Router {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let listen = listener.local_addr().expect("address");
+    let app = App::new(Options {
+        agent: socket.display().to_string(),
+        tls: None,
+        listen,
+        queue_timeout: Duration::from_secs(5),
+        max_body: 1 << 20,
+        body_timeout: Duration::from_secs(2),
+        hold: Duration::from_secs(30),
+    })
+    .expect("router");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(app.serve(listener, async move {
+        let _ = stopped.await;
+    }));
+    Router {
+        base: format!("http://{listen}"),
+        stop: Some(stop),
+    }
+}
+
+/// The headless browser of tests/console/browser.py.
+struct Browser {
+    child: Child,
+    stdin: ChildStdin,
+    answers: Lines<BufReader<ChildStdout>>,
+}
+
+impl Browser {
+    /// A browser, or `None` after saying why the test is skipped (a
+    /// failure under CI, which installs chromium and selenium).
+    async fn start() -> Option<Self> {
+        let python = venv_python("the console's browser tests")?;
+        let mut child = tokio::process::Command::new(python)
+            .arg(workspace().join("tests/console/browser.py"))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("run browser.py");
+        let stdin = child.stdin.take().expect("stdin");
+        let answers = BufReader::new(child.stdout.take().expect("stdout")).lines();
+        let mut b = Self {
+            child,
+            stdin,
+            answers,
+        };
+        let first = b.answer("start").await;
+        if let Some(why) = first["skip"].as_str() {
+            assert!(std::env::var_os("CI").is_none(), "{why}");
+            skip(why);
+            return None;
+        }
+        assert_eq!(first["ready"], true, "{first}");
+        Some(b)
+    }
+
+    async fn answer(&mut self, what: &str) -> Value {
+        let line = tokio::time::timeout(PATIENCE, self.answers.next_line())
+            .await
+            .unwrap_or_else(|_| panic!("browser.py answers {what} within the patience"))
+            .expect("read browser.py")
+            .unwrap_or_else(|| panic!("browser.py ended before answering {what}"));
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("{what}: {e}: {line}"))
+    }
+
+    /// Runs one command; its answer, which must be `ok`.
+    async fn run(&mut self, args: &[&str]) -> Value {
+        let line = format!("{}\n", args.join("\t"));
+        self.stdin
+            .write_all(line.as_bytes())
+            .await
+            .expect("write to browser.py");
+        let what = args.join(" ");
+        let answer = self.answer(&what).await;
+        assert_eq!(answer["ok"], true, "{what}: {answer}");
+        answer
+    }
+
+    /// Waits for an element of `css` with `words` in it; the seconds it took.
+    async fn text(&mut self, css: &str, words: &str) -> f64 {
+        let a = self.run(&["text", css, words]).await;
+        a["took"].as_f64().expect("took")
+    }
+
+    /// Takes a screenshot into `dir`, named `name`.
+    async fn shot(&mut self, dir: &Path, name: &str) -> PathBuf {
+        let path = dir.join(name);
+        self.run(&["shot", &path.display().to_string()]).await;
+        println!("screenshot: {}", path.display());
+        path
+    }
+}
+
+impl Drop for Browser {
+    fn drop(&mut self) {
+        let _ = self.child.start_kill();
+    }
+}
+
+/// A workload of /bin/sleep holding `mb` MB of pool `gpu0`.
+fn tiny(name: &str, mb: u64) -> String {
+    format!(
+        "[[workload]]\nname = \"{name}\"\ncommand = [\"/bin/sleep\", \"3600\"]\nstop_grace = \"2s\"\n[workload.memory.gpu0]\nweights = \"{mb}MB\"\n"
+    )
+}
+
+#[tokio::test]
+async fn the_page_follows_starts_refusals_and_logs_without_a_reload() {
+    let talker = "[[workload]]\nname = \"talker\"\ncommand = [\"/bin/sh\", \"-c\", \"i=0; while true; do i=$((i+1)); echo talk-$i; sleep 0.2; done\"]\nstop_grace = \"2s\"\n[workload.memory.gpu0]\nweights = \"1GB\"\n";
+    let config = format!(
+        "{}{}{}{talker}",
+        pool("gpu0", "10GB"),
+        sleeper("small", "gpu0", 4, ""),
+        sleeper("big", "gpu0", 8, "")
+    );
+    let mut d = Daemon::start(&config).await;
+    d.started("small", "s1").await;
+    let r = router(&d.socket).await;
+    let Some(mut b) = Browser::start().await else {
+        return;
+    };
+    let shots = tempfile::tempdir().expect("a temporary directory");
+    b.run(&["open", &format!("{}/ui", r.base)]).await;
+    b.text("#mode", "Read-only").await;
+    b.text("[data-pool=\"gpu0\"]", "budget 10.0 GB").await;
+    b.text("[data-pool=\"gpu0\"] .legend", "s1 4.0 GB").await;
+    b.text("#instances tr[data-id=\"s1\"]", "small").await;
+
+    // A start over gRPC, drawn without a reload.
+    let began = std::time::Instant::now();
+    d.started("small", "s2").await;
+    b.text("#instances tr[data-id=\"s2\"]", "small").await;
+    let shown = began.elapsed();
+    b.text("[data-pool=\"gpu0\"]", "used 8.0 GB").await;
+    println!("a start shown {shown:?} after the Start call");
+    assert!(shown < Duration::from_secs(1), "{shown:?}");
+    b.text("#events [data-kind=\"TRANSITION\"]", "s2 (small)")
+        .await;
+
+    // A refusal, with the API's words and its holders.
+    let mut refused = start_req("big", "b1");
+    refused.on_full = pb::Policy::Refuse as i32;
+    let status = d.client.start(refused).await.expect_err("no room for big");
+    let (_, placement) = refusal_details(&status);
+    let words = placement.refusals[0].message.clone();
+    b.text("#events [data-kind=\"REFUSED\"] .why", &words).await;
+    b.text("#events [data-kind=\"REFUSED\"] .holders", "s1 (4.0 GB)")
+        .await;
+    b.text("#events [data-kind=\"REFUSED\"] .holders", "s2 (4.0 GB)")
+        .await;
+
+    // The logs pane follows one instance's output.
+    d.started("talker", "t1").await;
+    b.text("#instances tr[data-id=\"t1\"]", "talker").await;
+    b.run(&["click", "#instances tr[data-id=\"t1\"] button"])
+        .await;
+    b.text("#logs", "talk-1").await;
+    let later = until(async || {
+        let a = b
+            .run(&[
+                "js",
+                "document.querySelector('#logs').lastElementChild?.dataset.seq",
+            ])
+            .await;
+        a["value"]
+            .as_str()
+            .and_then(|s| s.parse::<u64>().ok())
+            .filter(|&seq| seq >= 5)
+    })
+    .await;
+    assert!(later.is_some(), "the logs pane follows new lines");
+
+    // Light, dark, and a phone's width.
+    b.shot(shots.path(), "light-1280.png").await;
+    b.run(&["dark", "on"]).await;
+    b.run(&["size", "1280", "900"]).await;
+    b.shot(shots.path(), "dark-1280.png").await;
+    b.run(&["size", "390", "844"]).await;
+    let phone = b.shot(shots.path(), "dark-phone.png").await;
+    let wide = b
+        .run(&[
+            "js",
+            "document.documentElement.scrollWidth <= window.innerWidth + 1",
+        ])
+        .await;
+    assert_eq!(wide["value"], true, "the page fits a phone's width");
+    assert!(std::fs::metadata(phone).expect("a screenshot").len() > 0);
+    // Kept for a look when asked (RESIDENT_KEEP_SHOTS).
+    if std::env::var_os("RESIDENT_KEEP_SHOTS").is_some() {
+        println!("screenshots kept in {}", shots.keep().display());
+    }
+}
+
+#[tokio::test]
+async fn a_hundred_instances_render_within_a_second() {
+    let config = format!("{}{}", pool("gpu0", "100GB"), tiny("tiny", 1));
+    let mut d = Daemon::start(&config).await;
+    for n in 0..100 {
+        d.started("tiny", &format!("t{n:03}")).await;
+    }
+    let r = router(&d.socket).await;
+    let Some(mut b) = Browser::start().await else {
+        return;
+    };
+    b.run(&["open", &format!("{}/ui", r.base)]).await;
+    b.run(&["count", "#instances tbody tr", "100"]).await;
+    // In the page's own clock, from the moment it was asked for.
+    let first = b.run(&["js", "document.body.dataset.firstDrawnMs"]).await;
+    let drawn = b.run(&["js", "document.body.dataset.renderMs"]).await;
+    let first: f64 = first["value"]
+        .as_str()
+        .and_then(|v| v.parse().ok())
+        .expect("drawn");
+    println!(
+        "100 instances: page asked for to 100 rows drawn {first} ms, one drawing {} ms",
+        drawn["value"]
+    );
+    assert!(first < 1000.0, "{first} ms");
+}
