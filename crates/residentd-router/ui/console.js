@@ -79,18 +79,51 @@ function drawPool(p) {
 
 let following = null;
 
-function drawInstance(i) {
-  const logs = el("button", { type: "button", "aria-pressed": String(following === i.id),
-    "aria-label": `follow the logs of ${i.id}` }, "logs");
-  logs.addEventListener("click", () => follow(i.id));
-  const n = (v) => el("td", { class: "num" }, v ? String(v) : "–");
-  return el("tr", { "data-id": i.id, "data-state": i.state },
-    el("th", { scope: "row" }, i.id), el("td", {}, i.workload),
-    el("td", { class: `st-${i.state}` }, i.state),
-    n(i.pid), n(i.port),
-    el("td", { class: "num" }, bytes(i.reserved)), el("td", { class: "num" }, bytes(i.measured)),
-    el("td", { class: "num" }, String(i.restarts)), el("td", { class: "msg" }, i.message),
-    el("td", {}, logs));
+// The rows by instance id, kept from one drawing to the next, so that a
+// focused button stays focused while the figures change.
+const rows = new Map();
+
+function newRow(id) {
+  const logs = el("button", { type: "button", "aria-pressed": "false",
+    "aria-label": `follow the logs of ${id}` }, "logs");
+  logs.addEventListener("click", () => follow(id));
+  const td = (cls) => el("td", { class: cls });
+  return el("tr", { "data-id": id }, el("th", { scope: "row" }, id), td(""), td(""),
+    td("num"), td("num"), td("num"), td("num"), td("num"), td("msg"), el("td", {}, logs));
+}
+
+function fillRow(row, i) {
+  const cells = row.cells;
+  const put = (k, text) => { if (cells[k].textContent !== text) cells[k].textContent = text; };
+  const n = (v) => (v ? String(v) : "–");
+  row.dataset.state = i.state;
+  cells[2].className = `st-${i.state}`;
+  put(1, i.workload); put(2, i.state); put(3, n(i.pid)); put(4, n(i.port));
+  put(5, bytes(i.reserved)); put(6, bytes(i.measured)); put(7, String(i.restarts));
+  put(8, i.message);
+}
+
+function drawInstances(list) {
+  const body = $("instances").tBodies[0];
+  const seen = new Set();
+  let before = body.firstChild;
+  for (const i of list) {
+    let row = rows.get(i.id);
+    if (!row) {
+      row = newRow(i.id);
+      rows.set(i.id, row);
+    }
+    fillRow(row, i);
+    seen.add(i.id);
+    if (row === before) before = row.nextSibling;
+    else body.insertBefore(row, before);
+  }
+  for (const [id, row] of rows) {
+    if (!seen.has(id)) {
+      row.remove();
+      rows.delete(id);
+    }
+  }
 }
 
 function drawNode(n) {
@@ -98,20 +131,19 @@ function drawNode(n) {
   $("node").textContent = n.node;
   shades = new Map(n.instances.map((i, k) => [i.id, k]));
   $("pools").replaceChildren(...n.pools.map(drawPool));
-  const rows = document.createDocumentFragment();
-  for (const i of n.instances) rows.append(drawInstance(i));
-  $("instances").tBodies[0].replaceChildren(rows);
+  drawInstances(n.instances);
   $("count").textContent = `(${n.instances.length})`;
   const traffic = [el("dt", {}, "starts waiting on holds"), el("dd", {}, String(n.traffic.waiting))];
   for (const [model, count] of Object.entries(n.traffic.in_flight)) {
     traffic.push(el("dt", {}, `in flight: ${model}`), el("dd", { "data-model": model }, String(count)));
   }
   $("traffic").replaceChildren(...traffic);
-  // For the tests: how long a drawing takes, and when the first one ended
-  // (milliseconds since the page was asked for).
+  // For the tests: how long a drawing takes, when the first one ended
+  // (milliseconds since the page was asked for), and how many there were.
   const now = performance.now();
   document.body.dataset.renderMs = (now - began).toFixed(1);
   document.body.dataset.firstDrawnMs ??= now.toFixed(0);
+  document.body.dataset.draws = String(Number(document.body.dataset.draws || 0) + 1);
   up(`${n.node} · agent ${n.version} · live`);
 }
 
