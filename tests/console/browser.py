@@ -13,7 +13,7 @@ Commands (arguments separated by one tab):
   count CSS N              wait until exactly N elements match CSS
   text CSS WORDS           wait until an element matching CSS contains WORDS
   absent WORDS             whether WORDS are nowhere in the page's text now
-  click CSS                click the first element matching CSS
+  click CSS                click the first element matching CSS (waits for one)
   js EXPR                  the value of a JavaScript expression
   shot PATH                a screenshot of the whole page, to PATH
 Each wait is bounded by PATIENCE; its answer gives the seconds it took.
@@ -66,6 +66,7 @@ def wait(check):
 
 
 def run(driver, command, args):
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
 
     def matching(css):
@@ -101,10 +102,14 @@ def run(driver, command, args):
         body = driver.find_element(By.TAG_NAME, "body").text
         return {"ok": args[0] not in body}
     if command == "click":
-        found = matching(args[0])
-        if found:
-            found[0].click()
-        return {"ok": bool(found)}
+        def click():
+            try:
+                matching(args[0])[0].click()
+                return True
+            except (IndexError, StaleElementReferenceException):
+                return False
+        took = wait(click)
+        return {"ok": took is not None, "took": took}
     if command == "js":
         return {"ok": True, "value": driver.execute_script(f"return ({args[0]});")}
     if command == "shot":

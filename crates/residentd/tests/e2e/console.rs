@@ -3,8 +3,9 @@
 //! Debian's chromium and chromium-driver, answers one command at a time
 //! while the test changes the agent over gRPC. The router is its library
 //! served in this process, in front of the real agent. Screenshots go to
-//! a temporary directory (their paths are printed);
-//! scripts/console-screenshot remakes docs/console.png.
+//! a temporary directory (their paths are printed; RESIDENT_KEEP_SHOTS
+//! keeps them); scripts/console-screenshot remakes docs/console.png with
+//! the first, through RESIDENT_CONSOLE_PNG.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -194,6 +195,25 @@ async fn the_page_follows_starts_refusals_and_logs_without_a_reload() {
     b.run(&["click", "#instances tr[data-id=\"t1\"] button"])
         .await;
     b.text("#logs", "talk-1").await;
+    // The rows stay while the figures change: the button keeps its focus.
+    let mark = "document.querySelector('#instances tr[data-id=\"t1\"]').dataset.mark = 'kept'";
+    b.run(&["js", mark]).await;
+    let draws = b.run(&["js", "Number(document.body.dataset.draws)"]).await;
+    let draws = draws["value"].as_u64().expect("draws");
+    let redrawn = format!("Number(document.body.dataset.draws) > {draws}");
+    let redrawn = until(async || {
+        b.run(&["js", &redrawn]).await["value"]
+            .as_bool()
+            .filter(|&r| r)
+    })
+    .await;
+    assert!(redrawn.is_some(), "the node is drawn again");
+    let focus = "document.activeElement.closest('tr')?.dataset.mark ?? null";
+    let focused = b.run(&["js", focus]).await;
+    assert_eq!(
+        focused["value"], "kept",
+        "the focused button is the same after a drawing"
+    );
     let later = until(async || {
         let a = b
             .run(&[
@@ -210,7 +230,11 @@ async fn the_page_follows_starts_refusals_and_logs_without_a_reload() {
     assert!(later.is_some(), "the logs pane follows new lines");
 
     // Light, dark, and a phone's width.
-    b.shot(shots.path(), "light-1280.png").await;
+    let light = b.shot(shots.path(), "light-1280.png").await;
+    // scripts/console-screenshot: this one is docs/console.png.
+    if let Some(keep) = std::env::var_os("RESIDENT_CONSOLE_PNG") {
+        std::fs::copy(&light, keep).expect("copy the screenshot");
+    }
     b.run(&["dark", "on"]).await;
     b.run(&["size", "1280", "900"]).await;
     b.shot(shots.path(), "dark-1280.png").await;
