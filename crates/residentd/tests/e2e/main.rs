@@ -1,7 +1,8 @@
 //! The end-to-end tests of residentd: one binary, a module per topic, each
 //! starting the real `residentd` (and `residentctl`) and talking to it over
 //! its socket, with the helpers of `support`. `router` runs
-//! residentd-router (its library, in the test process) in front of it.
+//! residentd-router (its library, in the test process) in front of it;
+//! `console` opens the router's page in a headless chromium.
 //!
 //! `cargo test -p residentd --test e2e lifecycle::` runs one topic.
 
