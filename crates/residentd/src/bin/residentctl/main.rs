@@ -338,11 +338,7 @@ async fn connect(cli: &Cli) -> Result<NodeAgentClient<Channel>, Failure> {
                 std::fs::read(path)
                     .map_err(|e| Failure::Error(format!("--{what} {}: {e}", path.display())))
             };
-            let name = cli
-                .tls_name
-                .clone()
-                .or_else(|| uri.host().map(String::from))
-                .unwrap_or_default();
+            let name = cli.tls_name.clone().unwrap_or_else(|| host_name(&uri));
             let tls = tonic::transport::ClientTlsConfig::new()
                 .ca_certificate(tonic::transport::Certificate::from_pem(read(
                     "ca", &cli.ca,
@@ -574,4 +570,30 @@ async fn run(cli: &Cli) -> Result<ExitCode, Failure> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The name a server's certificate is checked against: the endpoint's
+/// host, an IPv6 address without the brackets the URI writes it in.
+fn host_name(uri: &tonic::transport::Uri) -> String {
+    uri.host()
+        .map(|h| h.trim_start_matches('[').trim_end_matches(']'))
+        .unwrap_or_default()
+        .to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::host_name;
+
+    #[test]
+    fn a_certificate_is_checked_against_the_host_without_brackets() {
+        for (endpoint, name) in [
+            ("https://[::1]:7070", "::1"),
+            ("https://127.0.0.1:7070", "127.0.0.1"),
+            ("https://node-3.example:7070", "node-3.example"),
+        ] {
+            let uri: tonic::transport::Uri = endpoint.parse().expect("a URI");
+            assert_eq!(host_name(&uri), name, "{endpoint}");
+        }
+    }
 }
