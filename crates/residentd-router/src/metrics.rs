@@ -178,3 +178,25 @@ impl Metrics {
         out
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_console_reads_what_the_gauges_say() {
+        let m = Metrics::new();
+        m.in_flight("chat", 1);
+        m.in_flight("chat", 1);
+        m.in_flight("embed", 1);
+        m.in_flight("embed", -1);
+        m.waiting(1);
+        let (in_flight, waiting) = m.traffic();
+        let want = BTreeMap::from([("chat".to_string(), 2), ("embed".to_string(), 0)]);
+        assert_eq!((in_flight, waiting), (want, 1));
+        assert!(
+            m.render()
+                .contains("residentd_router_in_flight{model=\"chat\"} 2")
+        );
+    }
+}
