@@ -146,7 +146,7 @@ fn tiny(name: &str, mb: u64) -> String {
 
 #[tokio::test]
 async fn the_page_follows_starts_refusals_and_logs_without_a_reload() {
-    let talker = "[[workload]]\nname = \"talker\"\ncommand = [\"/bin/sh\", \"-c\", \"i=0; while true; do i=$((i+1)); echo talk-$i; sleep 0.2; done\"]\nstop_grace = \"2s\"\n[workload.memory.gpu0]\nweights = \"1GB\"\n";
+    let talker = "[[workload]]\nname = \"talker\"\ncommand = [\"/bin/sh\", \"-c\", \"echo '<img src=x id=injected>'; i=0; while true; do i=$((i+1)); echo talk-$i; sleep 0.2; done\"]\nstop_grace = \"2s\"\n[workload.memory.gpu0]\nweights = \"1GB\"\n";
     let config = format!(
         "{}{}{}{talker}",
         pool("gpu0", "10GB"),
@@ -228,6 +228,12 @@ async fn the_page_follows_starts_refusals_and_logs_without_a_reload() {
     })
     .await;
     assert!(later.is_some(), "the logs pane follows new lines");
+    // A server's output is shown as text, never as markup.
+    b.text("#logs", "<img src=x id=injected>").await;
+    let markup = b
+        .run(&["js", "document.querySelector('#logs img') === null"])
+        .await;
+    assert_eq!(markup["value"], true, "a log line became an element");
 
     // Light, dark, and a phone's width.
     let light = b.shot(shots.path(), "light-1280.png").await;
@@ -248,6 +254,10 @@ async fn the_page_follows_starts_refusals_and_logs_without_a_reload() {
         .await;
     assert_eq!(wide["value"], true, "the page fits a phone's width");
     assert!(std::fs::metadata(phone).expect("a screenshot").len() > 0);
+    // An agent gone is said.
+    d.terminate().await;
+    b.text("#status", "agent out of reach").await;
+
     // Kept for a look when asked (RESIDENT_KEEP_SHOTS).
     if std::env::var_os("RESIDENT_KEEP_SHOTS").is_some() {
         println!("screenshots kept in {}", shots.keep().display());
