@@ -47,6 +47,9 @@ pub struct Metrics {
     /// The requests in flight per model again, readable (a Family is
     /// not): what the console shows.
     in_flight_now: Mutex<BTreeMap<String, i64>>,
+    /// Counts changes of the traffic, so the console can show each within
+    /// moments.
+    traffic_changed: tokio::sync::watch::Sender<u64>,
 }
 
 impl Default for Metrics {
@@ -67,6 +70,7 @@ impl Metrics {
             queue_timeouts: Family::default(),
             waiting: Gauge::default(),
             in_flight_now: Mutex::default(),
+            traffic_changed: tokio::sync::watch::Sender::new(0),
         };
         let r = &mut m.registry;
         r.register(
@@ -132,6 +136,8 @@ impl Metrics {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         *now.entry(labels.model).or_default() += by;
+        drop(now);
+        self.traffic_changed.send_modify(|n| *n += 1);
     }
 
     /// Observes a start on demand.
@@ -156,6 +162,7 @@ impl Metrics {
     /// A start began (+1) or stopped (-1) waiting on holds.
     pub fn waiting(&self, by: i64) {
         self.waiting.inc_by(by);
+        self.traffic_changed.send_modify(|n| *n += 1);
     }
 
     /// The requests in flight per model (every model that had one), and
@@ -167,6 +174,11 @@ impl Metrics {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .clone();
         (now, self.waiting.get())
+    }
+
+    /// Wakes whenever the traffic changes.
+    pub fn traffic_changes(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.traffic_changed.subscribe()
     }
 
     /// The text exposition.

@@ -3,6 +3,9 @@
 // as markup.
 "use strict";
 
+// For the tests: when this script began (ms since the page was asked for).
+const SCRIPT_BEGAN = performance.now();
+
 const EVENTS_KEPT = 200;
 const LOG_LINES_KEPT = 2000;
 const SHADES = 6;
@@ -143,6 +146,7 @@ function drawNode(n) {
   const now = performance.now();
   document.body.dataset.renderMs = (now - began).toFixed(1);
   document.body.dataset.firstDrawnMs ??= now.toFixed(0);
+  document.body.dataset.scriptBeganMs ??= SCRIPT_BEGAN.toFixed(0);
   document.body.dataset.draws = String(Number(document.body.dataset.draws || 0) + 1);
   up(`${n.node} · agent ${n.version} · live`);
 }
@@ -175,6 +179,7 @@ function up(text) {
 }
 
 function down(text) {
+  document.body.dataset.downs = `${document.body.dataset.downs || ""}${Math.round(performance.now())} ms: ${text}\n`;
   $("status").textContent = text;
   $("status").classList.add("down");
 }

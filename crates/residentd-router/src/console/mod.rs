@@ -6,9 +6,10 @@
 //! - `GET /ui/events`: per viewer, a Watch on the agent (each event as
 //!   `agent`, the initial SNAPSHOTs left out since `node` carries them)
 //!   and the node (`node`: pools, instances, the router's traffic), sent
-//!   at once, within [`TICK`] of each event and at least every
-//!   [`REFRESH`], so that measured bytes move too. An agent out of reach
-//!   is said (`status`) and asked again every [`REFRESH`].
+//!   at once, within [`TICK`] of each event or change of the router's
+//!   requests in flight, and at least every [`REFRESH`], so that measured
+//!   bytes move too. An agent out of reach is said (`status`) and asked
+//!   again every [`REFRESH`].
 //! - `GET /ui/logs/{id}`: the last lines of one instance, then each new
 //!   one (`line`), from the agent's Logs.
 
@@ -113,6 +114,7 @@ async fn follow_node(app: Arc<App>, tx: mpsc::Sender<Result<Event, Infallible>>)
     let mut stale = true;
     let mut sent = Instant::now();
     let mut asked = Instant::now() - REFRESH;
+    let mut traffic = app.metrics.traffic_changes();
     loop {
         let next = async {
             match watch.as_mut() {
@@ -132,6 +134,7 @@ async fn follow_node(app: Arc<App>, tx: mpsc::Sender<Result<Event, Infallible>>)
                 }
                 Ok(None) | Err(_) => watch = None,
             },
+            Ok(()) = traffic.changed() => stale = true,
             _ = tick.tick() => {
                 if watch.is_none() && asked.elapsed() >= REFRESH {
                     asked = Instant::now();
