@@ -85,6 +85,18 @@ let following = null;
 // The rows by instance id, kept from one drawing to the next, so that a
 // focused button stays focused while the figures change.
 const rows = new Map();
+// When an event named an instance not drawn yet, for the tests: its row
+// says how long after that event it was drawn (data-shown-after-ms).
+const heard = new Map();
+
+// A duration in its largest unit or two ("3 h 12 min", "45 s").
+function span(ms) {
+  const s = Math.floor(ms / 1000);
+  if (s < 60) return `${s} s`;
+  if (s < 3600) return `${Math.floor(s / 60)} min`;
+  if (s < 86400) return `${Math.floor(s / 3600)} h ${Math.floor((s % 3600) / 60)} min`;
+  return `${Math.floor(s / 86400)} d ${Math.floor((s % 86400) / 3600)} h`;
+}
 
 function newRow(id) {
   const logs = el("button", { type: "button", "aria-pressed": "false",
@@ -92,7 +104,8 @@ function newRow(id) {
   logs.addEventListener("click", () => follow(id));
   const td = (cls) => el("td", { class: cls });
   return el("tr", { "data-id": id }, el("th", { scope: "row" }, id), td(""), td(""),
-    td("num"), td("num"), td("num"), td("num"), td("num"), td("msg"), el("td", {}, logs));
+    td("num"), td("num"), td("num"), td("num"), td("num"), td("num"), td("num"), td("msg"),
+    el("td", {}, logs));
 }
 
 function fillRow(row, i) {
@@ -102,8 +115,10 @@ function fillRow(row, i) {
   row.dataset.state = i.state;
   cells[2].className = `st-${i.state}`;
   put(1, i.workload); put(2, i.state); put(3, n(i.pid)); put(4, n(i.port));
-  put(5, bytes(i.reserved)); put(6, bytes(i.measured)); put(7, String(i.restarts));
-  put(8, i.message);
+  put(5, bytes(i.reserved)); put(6, bytes(i.measured));
+  put(7, i.started_ms ? span(Math.max(0, Date.now() - i.started_ms)) : "–");
+  put(8, String(i.restarts)); put(9, i.lease_left_ms ? span(i.lease_left_ms) : "–");
+  put(10, i.message);
 }
 
 function drawInstances(list) {
@@ -115,6 +130,7 @@ function drawInstances(list) {
     if (!row) {
       row = newRow(i.id);
       rows.set(i.id, row);
+      if (heard.has(i.id)) row.dataset.shownAfterMs = (performance.now() - heard.get(i.id)).toFixed(0);
     }
     fillRow(row, i);
     seen.add(i.id);
@@ -152,6 +168,7 @@ function drawNode(n) {
 }
 
 function drawEvent(e) {
+  if (e.instance && !rows.has(e.instance) && !heard.has(e.instance)) heard.set(e.instance, performance.now());
   const time = new Date().toLocaleTimeString();
   const item = el("li", { class: e.kind, "data-kind": e.kind, "data-revision": e.revision },
     el("time", {}, time), el("span", { class: "k" }, e.kind));

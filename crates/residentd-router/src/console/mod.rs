@@ -6,10 +6,10 @@
 //! - `GET /ui/events`: per viewer, a Watch on the agent (each event as
 //!   `agent`, the initial SNAPSHOTs left out since `node` carries them)
 //!   and the node (`node`: pools, instances, the router's traffic), sent
-//!   at once, within [`TICK`] of each event or change of the router's
-//!   requests in flight, and at least every [`REFRESH`], so that measured
-//!   bytes move too. An agent out of reach is said (`status`) and asked
-//!   again every [`REFRESH`].
+//!   at once, on each event or change of the router's requests in flight
+//!   (a burst of them once a [`TICK`]), and at least every [`REFRESH`],
+//!   so that measured bytes move too. An agent out of reach is said
+//!   (`status`) and asked again every [`REFRESH`].
 //! - `GET /ui/logs/{id}`: the last lines of one instance, then each new
 //!   one (`line`), from the agent's Logs.
 
@@ -110,9 +110,10 @@ async fn follow_node(app: Arc<App>, tx: mpsc::Sender<Result<Event, Infallible>>)
     let mut watch: Option<tonic::Streaming<pb::Event>> = None;
     let mut tick = tokio::time::interval(TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    // Due at once: the node first, then whenever an event makes it stale.
+    // Due at once; then at once after an event that follows a quiet
+    // TICK, and a burst of them once a TICK.
     let mut stale = true;
-    let mut sent = Instant::now();
+    let mut sent = Instant::now() - REFRESH;
     let mut asked = Instant::now() - REFRESH;
     let mut traffic = app.metrics.traffic_changes();
     loop {
@@ -140,32 +141,36 @@ async fn follow_node(app: Arc<App>, tx: mpsc::Sender<Result<Event, Infallible>>)
                     asked = Instant::now();
                     match agent.watch().await {
                         Ok(w) => watch = Some(w),
-                        Err(s) => {
-                            let down = serde_json::json!({"ok": false, "message": s.message()});
-                            if tx.send(sse("status", &down)).await.is_err() {
-                                return;
-                            }
-                        }
-                    }
-                }
-                if stale || sent.elapsed() >= REFRESH {
-                    sent = Instant::now();
-                    stale = false;
-                    let event = match agent.node().await {
-                        Ok(n) => {
-                            let (in_flight, waiting) = app.metrics.traffic();
-                            sse("node", &view::node(&n, &in_flight, waiting))
-                        }
-                        Err(s) => sse("status", &serde_json::json!({"ok": false, "message": s.message()})),
-                    };
-                    if tx.send(event).await.is_err() {
-                        return;
+                        Err(s) if tx.send(down(&s)).await.is_err() => return,
+                        Err(_) => {}
                     }
                 }
             }
             () = tx.closed() => return,
         }
+        if (stale && sent.elapsed() >= TICK) || sent.elapsed() >= REFRESH {
+            sent = Instant::now();
+            stale = false;
+            let event = match agent.node().await {
+                Ok(n) => {
+                    let (in_flight, waiting) = app.metrics.traffic();
+                    sse("node", &view::node(&n, &in_flight, waiting))
+                }
+                Err(s) => down(&s),
+            };
+            if tx.send(event).await.is_err() {
+                return;
+            }
+        }
     }
+}
+
+/// The agent could not be asked: `status`, with its words.
+fn down(s: &tonic::Status) -> Result<Event, Infallible> {
+    sse(
+        "status",
+        &serde_json::json!({"ok": false, "message": s.message()}),
+    )
 }
 
 async fn logs(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response {
@@ -178,12 +183,7 @@ async fn follow_logs(app: Arc<App>, id: String, tx: mpsc::Sender<Result<Event, I
     let mut lines = match app.models.agent().logs(&id, LOG_TAIL).await {
         Ok(l) => l,
         Err(s) => {
-            let _ = tx
-                .send(sse(
-                    "status",
-                    &serde_json::json!({"ok": false, "message": s.message()}),
-                ))
-                .await;
+            let _ = tx.send(down(&s)).await;
             return;
         }
     };
