@@ -137,7 +137,7 @@ fn contains(hay: &[u8], needle: &[u8]) -> bool {
 }
 
 /// The router binary on `port`, in front of `socket`.
-fn spawn_router(router: &Path, socket: &Path, port: u16) -> anyhow::Result<Server> {
+pub(crate) fn spawn_router(router: &Path, socket: &Path, port: u16) -> anyhow::Result<Server> {
     let child = Command::new(router)
         .arg("--agent")
         .arg(socket)
@@ -154,7 +154,7 @@ fn spawn_router(router: &Path, socket: &Path, port: u16) -> anyhow::Result<Serve
     })
 }
 
-async fn wait_http(port: u16) -> anyhow::Result<()> {
+pub(crate) async fn wait_http(port: u16) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(20);
     while TcpStream::connect(("127.0.0.1", port)).await.is_err() {
         if Instant::now() > deadline {
@@ -165,7 +165,7 @@ async fn wait_http(port: u16) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn free_port() -> anyhow::Result<u16> {
+pub(crate) fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port())

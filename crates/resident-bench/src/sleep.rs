@@ -12,7 +12,7 @@
 //!   eviction (workloads without `[workload.sleep]`).
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
@@ -23,6 +23,7 @@ use tokio::net::TcpStream;
 use tonic::transport::Channel;
 
 use crate::report::{Row, Table};
+use crate::router::{free_port, spawn_router, wait_http};
 use crate::{Plan, Server, connect, measure, spawn_agent_text};
 
 /// Megabytes the stand-in holds awake (really allocated and touched).
@@ -178,30 +179,9 @@ async fn agent_and_router(
 ) -> anyhow::Result<(Server, Server, u16, NodeAgentClient<Channel>)> {
     let agent = spawn_agent_text(residentd, config)?;
     let c = connect(&agent.socket).await?;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
-    let child = Command::new(router)
-        .arg("--agent")
-        .arg(&agent.socket)
-        .args(["--listen", &format!("127.0.0.1:{port}")])
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .with_context(|| format!("starting {}", router.display()))?;
-    let routed = Server {
-        child,
-        socket: agent.socket.clone(),
-        _dir: tempfile::tempdir()?,
-    };
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while TcpStream::connect(("127.0.0.1", port)).await.is_err() {
-        if Instant::now() > deadline {
-            bail!("the router never served on {port}");
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let port = free_port()?;
+    let routed = spawn_router(router, &agent.socket, port)?;
+    wait_http(port).await?;
     Ok((agent, routed, port, c))
 }
 

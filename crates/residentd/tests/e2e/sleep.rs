@@ -63,6 +63,17 @@ async fn get(port: u32, path: &str) -> String {
         .to_string()
 }
 
+/// An agent on `config(flags)` with `big` READY as instance `b`.
+async fn big_ready(flags: &str) -> (Daemon, pb::Instance) {
+    let mut d = Daemon::start(&config(flags)).await;
+    d.client
+        .start(start("big", "b", false))
+        .await
+        .expect("started");
+    let awake = d.wait_state("b", pb::State::Ready).await;
+    (d, awake)
+}
+
 async fn sleep(d: &mut Daemon, id: &str) -> Result<pb::Instance, tonic::Status> {
     let req = pb::SleepRequest {
         instance_id: id.into(),
@@ -163,12 +174,7 @@ async fn a_sleeping_instance_keeps_its_process_and_port_and_a_start_wakes_it() {
 
 #[tokio::test]
 async fn the_planner_puts_residents_to_sleep_before_it_evicts_and_a_wake_makes_room() {
-    let mut d = Daemon::start(&config("")).await;
-    d.client
-        .start(start("big", "b", false))
-        .await
-        .expect("started");
-    let awake = d.wait_state("b", pb::State::Ready).await;
+    let (mut d, awake) = big_ready("").await;
 
     // Place says so first, changing nothing.
     let place = pb::PlaceRequest {
@@ -228,12 +234,7 @@ async fn the_planner_puts_residents_to_sleep_before_it_evicts_and_a_wake_makes_r
 
 #[tokio::test]
 async fn a_failed_wake_stops_the_instance_and_releases_what_it_held() {
-    let mut d = Daemon::start(&config("--fail-wake")).await;
-    d.client
-        .start(start("big", "b", false))
-        .await
-        .expect("started");
-    let awake = d.wait_state("b", pb::State::Ready).await;
+    let (mut d, awake) = big_ready("--fail-wake").await;
     sleep(&mut d, "b").await.expect("asleep");
     let failed = d.client.start(start("big", "b", false)).await;
     let status = failed.expect_err("the wake call fails");
@@ -247,11 +248,7 @@ async fn a_failed_wake_stops_the_instance_and_releases_what_it_held() {
 
 #[tokio::test]
 async fn a_failed_sleep_stops_the_instance() {
-    let mut d = Daemon::start(&config("--fail-sleep")).await;
-    d.client
-        .start(start("big", "b", false))
-        .await
-        .expect("started");
+    let (mut d, _) = big_ready("--fail-sleep").await;
     let status = sleep(&mut d, "b").await.expect_err("the sleep call fails");
     assert!(status.message().contains("SLEEP_FAILED"), "{status:?}");
     let ended = d.wait_state("b", pb::State::Exited).await;
@@ -261,12 +258,7 @@ async fn a_failed_sleep_stops_the_instance() {
 
 #[tokio::test]
 async fn a_server_that_dies_asleep_releases_its_asleep_demand_and_is_not_restarted() {
-    let mut d = Daemon::start(&config("")).await;
-    d.client
-        .start(start("big", "b", false))
-        .await
-        .expect("started");
-    let awake = d.wait_state("b", pb::State::Ready).await;
+    let (mut d, awake) = big_ready("").await;
     sleep(&mut d, "b").await.expect("asleep");
     assert_eq!(used(&mut d).await, (GB / 2, 3 * GB));
     let pid = nix::unistd::Pid::from_raw(awake.pid as i32);
@@ -283,12 +275,7 @@ async fn a_server_that_dies_asleep_releases_its_asleep_demand_and_is_not_restart
 
 #[tokio::test]
 async fn an_agent_killed_and_started_again_takes_a_sleeping_instance_over_asleep() {
-    let mut d = Daemon::start(&config("")).await;
-    d.client
-        .start(start("big", "b", false))
-        .await
-        .expect("started");
-    let awake = d.wait_state("b", pb::State::Ready).await;
+    let (mut d, awake) = big_ready("").await;
     sleep(&mut d, "b").await.expect("asleep");
     d.kill();
     let mut d = d.restart().await;
@@ -306,12 +293,7 @@ async fn an_agent_killed_and_started_again_takes_a_sleeping_instance_over_asleep
 
 #[tokio::test]
 async fn residentctl_puts_to_sleep_says_whom_place_would_put_to_sleep_and_wakes() {
-    let mut d = Daemon::start(&config("")).await;
-    d.client
-        .start(start("big", "b", false))
-        .await
-        .expect("started");
-    d.wait_state("b", pb::State::Ready).await;
+    let (mut d, _) = big_ready("").await;
     let text = |o: std::process::Output| {
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         String::from_utf8_lossy(&o.stdout).into_owned()
