@@ -415,6 +415,46 @@ fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The real llama-server (built by scripts/llama-server) and a test model
+/// of `embd` and `layers` written by tests/llama/make_model.py into a
+/// temporary directory: (the server's path, the directory, the model).
+/// `None` when there is no python with `gguf` or no llama-server built,
+/// after a note in the table that `part` was not measured.
+fn llama_server_and_model(
+    python: Option<&Path>,
+    part: &str,
+    embd: u32,
+    layers: u32,
+    table: &mut Table,
+) -> anyhow::Result<Option<(PathBuf, tempfile::TempDir, PathBuf)>> {
+    let Some(python) = python_with(python, "gguf", part, table) else {
+        return Ok(None);
+    };
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let built = Command::new(root.join("scripts/llama-server"))
+        .arg("--cached")
+        .output()?;
+    if !built.status.success() {
+        table.push(Row::note(
+            part.into(),
+            "not measured: no llama-server built (scripts/llama-server)".into(),
+        ));
+        return Ok(None);
+    }
+    let server = PathBuf::from(String::from_utf8_lossy(&built.stdout).trim()).join("llama-server");
+    let models = tempfile::tempdir()?;
+    let model = models.path().join("model.gguf");
+    let status = Command::new(python)
+        .arg(root.join("tests/llama/make_model.py"))
+        .arg(&model)
+        .args(["--embd", &embd.to_string(), "--layers", &layers.to_string()])
+        .status()?;
+    if !status.success() {
+        bail!("make_model.py {} failed", model.display());
+    }
+    Ok(Some((server, models, model)))
+}
+
 /// `python` when it can import `modules`; else `None`, after a note in the
 /// table that `part` was not measured.
 fn python_with<'a>(

@@ -318,34 +318,14 @@ pub async fn llama_server_rows(
     python: Option<&Path>,
     table: &mut Table,
 ) -> anyhow::Result<()> {
-    let Some(python) = crate::python_with(python, "gguf", "router (llama-server)", table) else {
+    let Some((server, _models, model)) =
+        crate::llama_server_and_model(python, "router (llama-server)", 64, 2, table)?
+    else {
         return Ok(());
     };
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let built = Command::new(root.join("scripts/llama-server"))
-        .arg("--cached")
-        .output()?;
-    if !built.status.success() {
-        table.push(Row::note(
-            "router: llama-server".into(),
-            "not measured: no llama-server built (scripts/llama-server)".into(),
-        ));
-        return Ok(());
-    }
-    let bin = std::path::PathBuf::from(String::from_utf8_lossy(&built.stdout).trim());
-    let models = tempfile::tempdir()?;
-    let model = models.path().join("a.gguf");
-    let status = Command::new(python)
-        .arg(root.join("tests/llama/make_model.py"))
-        .arg(&model)
-        .args(["--embd", "64", "--layers", "2"])
-        .status()?;
-    if !status.success() {
-        bail!("make_model.py {} failed", model.display());
-    }
     let config = format!(
         "[node]\nname = \"bench-router\"\nlisten = \"unix://@DIR@/agent.sock\"\nstate_dir = \"@DIR@/state\"\n\n[[pool]]\nname = \"ram\"\nbudget = \"2GB\"\n\n[[workload]]\nname = \"a\"\nflavor = \"llama-server\"\nprogram = \"{}\"\nmodel = \"{}\"\nctx = 512\nparallel = 1\n",
-        bin.join("llama-server").display(),
+        server.display(),
         model.display()
     );
     let agent = spawn_agent_text(residentd, &config)?;

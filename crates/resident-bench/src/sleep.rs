@@ -12,7 +12,6 @@
 //!   eviction (workloads without `[workload.sleep]`).
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
@@ -272,36 +271,13 @@ pub async fn rows(
     ));
 
     // The real llama-server, when built, and a python to write its model.
-    let Some(python) = crate::python_with(python, "gguf", "sleep (llama-server)", table) else {
+    let Some((server, _models, model)) =
+        crate::llama_server_and_model(python, "sleep (llama-server)", 1024, 8, table)?
+    else {
         return Ok(());
     };
-    let built = Command::new(workspace().join("scripts/llama-server"))
-        .arg("--cached")
-        .output()?;
-    if !built.status.success() {
-        table.push(Row::note(
-            "sleep: llama-server".into(),
-            "not measured: no llama-server built (scripts/llama-server)".into(),
-        ));
-        return Ok(());
-    }
-    let bin = PathBuf::from(String::from_utf8_lossy(&built.stdout).trim());
-    let models = tempfile::tempdir()?;
-    let model = models.path().join("l.gguf");
-    let status = Command::new(python)
-        .arg(workspace().join("tests/llama/make_model.py"))
-        .arg(&model)
-        .args(["--embd", "1024", "--layers", "8"])
-        .status()?;
-    if !status.success() {
-        bail!("make_model.py {} failed", model.display());
-    }
-    let (_agent, _router, port, mut c) = agent_and_router(
-        residentd,
-        router,
-        &llama_config(&bin.join("llama-server"), &model),
-    )
-    .await?;
+    let (_agent, _router, port, mut c) =
+        agent_and_router(residentd, router, &llama_config(&server, &model)).await?;
     let (mut woken, mut cold) = (Vec::new(), Vec::new());
     ask(port, "l").await?;
     for _ in 0..rounds {
