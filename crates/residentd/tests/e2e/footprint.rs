@@ -41,12 +41,14 @@ async fn an_overrun_is_told_counted_and_refuses_what_fits_only_by_the_declaratio
     let mut events = d.watch(0).await;
     d.started("fat", "f").await;
     // The sampler reads the buffer; the books count it from that reading.
+    // A sample taken while Python is still filling the buffer already
+    // overruns the 20 MB declared, so wait for the whole buffer.
     let over = until(async || {
         let i = d.get("f").await;
-        (i.overrun_bytes > 50 * MB).then_some(i)
+        (i.overrun_bytes > 50 * MB && i.reserved_bytes >= 120 * MB).then_some(i)
     })
     .await
-    .expect("the overrun is seen");
+    .expect("the overrun is seen and the books hold what it holds");
     assert!(
         over.message.contains("OVERRUN: measured"),
         "{}",
@@ -64,11 +66,6 @@ async fn an_overrun_is_told_counted_and_refuses_what_fits_only_by_the_declaratio
         "the reservation stays"
     );
     assert_eq!(over.demand[0].overrun_bytes, over.overrun_bytes);
-    assert!(
-        over.reserved_bytes >= 120 * MB,
-        "the books hold what it holds: {}",
-        over.reserved_bytes
-    );
     let event = loop {
         let e = tokio::time::timeout(PATIENCE, events.next())
             .await
