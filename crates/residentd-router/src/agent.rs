@@ -243,6 +243,52 @@ impl Agent {
         Ok(self.client.clone().logs(req).await?.into_inner())
     }
 
+    /// What a Start of `workload` would do now (a dry run, under the
+    /// workload's own policy).
+    pub async fn place(&self, workload: &str) -> Result<pb::Placement, tonic::Status> {
+        let req = pb::PlaceRequest {
+            workload: workload.to_string(),
+            on_full: 0,
+        };
+        Ok(self.client.clone().place(quick(req)).await?.into_inner())
+    }
+
+    /// Starts (or wakes) instance `id` of `workload` (a new id when
+    /// empty) and answers once the agent has admitted it, not once it is
+    /// READY: what the console asks.
+    pub async fn start_admitted(
+        &self,
+        workload: &str,
+        id: &str,
+    ) -> Result<pb::StartResponse, tonic::Status> {
+        let req = pb::StartRequest {
+            workload: workload.to_string(),
+            instance_id: id.to_string(),
+            wait_ready: false,
+            ..Default::default()
+        };
+        Ok(self.client.clone().start(quick(req)).await?.into_inner())
+    }
+
+    /// Stops instance `id` with its workload's grace.
+    pub async fn stop(&self, id: &str) -> Result<pb::Instance, tonic::Status> {
+        let req = pb::StopRequest {
+            instance_id: id.to_string(),
+            grace_ms: 0,
+        };
+        let r = self.client.clone().stop(quick(req)).await?.into_inner();
+        r.instance
+            .ok_or_else(|| tonic::Status::internal("the agent answered no instance"))
+    }
+
+    /// Puts instance `id` to sleep.
+    pub async fn sleep(&self, id: &str) -> Result<pb::Instance, tonic::Status> {
+        let req = pb::SleepRequest {
+            instance_id: id.to_string(),
+        };
+        Ok(self.client.clone().sleep(quick(req)).await?.into_inner())
+    }
+
     /// Starts instance `id` of `workload` under the agent's policy and
     /// answers once it is READY.
     pub async fn start(&self, workload: &str, id: &str) -> Result<pb::Instance, StartError> {

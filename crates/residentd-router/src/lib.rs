@@ -20,7 +20,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::Router;
 use axum::body::Body;
@@ -67,6 +67,9 @@ pub struct Options {
     /// How long each hold lasts; renewed every third of it while a request
     /// is in flight, so a router that dies leaves no hold for longer.
     pub hold: Duration,
+    /// The console's actions (start, stop, sleep, wake from `/ui`): off
+    /// when `None`; on for requests that carry this bearer token.
+    pub console_token: Option<String>,
 }
 
 /// The router's shared state.
@@ -176,13 +179,23 @@ impl App {
         headers: &HeaderMap,
         body: Bytes,
     ) -> Response {
-        let began = Instant::now();
+        let arrived = proxy::Arrival::now();
+        let began = arrived.at;
         let answer = async {
             let m = self.models.resolve(model).await?;
             let held = self.models.acquire(m).await?;
             let (name, pid) = (held.model.name.clone(), held.pid);
-            let response =
-                proxy::forward(&self.upstream, held, method, path_and_query, headers, body).await?;
+            let response = proxy::forward(
+                &self.upstream,
+                &self.metrics,
+                arrived,
+                held,
+                method,
+                path_and_query,
+                headers,
+                body,
+            )
+            .await?;
             self.metrics.first_byte(&name, began.elapsed());
             Ok::<_, RouterError>((name, pid, response))
         }

@@ -57,6 +57,11 @@ struct Cli {
     /// per core.
     #[arg(long, default_value_t = 1)]
     threads: usize,
+    /// Turns on the console's actions (start, stop, sleep and wake from
+    /// /ui) for callers that send the token in this file as
+    /// `Authorization: Bearer`. Without it the console is read-only.
+    #[arg(long, env = "RESIDENTD_CONSOLE_TOKEN_FILE")]
+    console_token_file: Option<PathBuf>,
     /// Log as JSON lines.
     #[arg(long)]
     log_json: bool,
@@ -162,8 +167,29 @@ fn tls(cli: &Cli) -> anyhow::Result<Option<AgentTls>> {
     }))
 }
 
+/// The console's token from `--console-token-file`: the file's first
+/// line, which must not be empty.
+fn console_token(path: Option<&Path>) -> anyhow::Result<Option<String>> {
+    let Some(path) = path else { return Ok(None) };
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("--console-token-file {}", path.display()))?;
+    let token = text.lines().next().unwrap_or("").trim();
+    if token.is_empty() {
+        anyhow::bail!(
+            "--console-token-file {}: the file is empty; write a token on its first line",
+            path.display()
+        );
+    }
+    use std::os::unix::fs::PermissionsExt as _;
+    if std::fs::metadata(path).is_ok_and(|m| m.permissions().mode() & 0o077 != 0) {
+        tracing::warn!(file = %path.display(), "the console's token file can be read by others than its owner: chmod 600 it");
+    }
+    Ok(Some(token.to_string()))
+}
+
 async fn run(cli: Cli) -> anyhow::Result<()> {
     let options = Options {
+        console_token: console_token(cli.console_token_file.as_deref()).map_err(Misconfigured)?,
         tls: tls(&cli).map_err(Misconfigured)?,
         agent: cli.agent,
         listen: cli.listen,
@@ -174,11 +200,12 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     };
     let (listen, agent) = (options.listen, options.agent.clone());
     let tls = options.tls.is_some();
+    let console_actions = options.console_token.is_some();
     let app = App::new(options).map_err(Misconfigured)?;
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {listen}: {e}"))?;
-    tracing::info!(%listen, %agent, tls, "serving");
+    tracing::info!(%listen, %agent, tls, console_actions, "serving");
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
     let shutdown = async move {

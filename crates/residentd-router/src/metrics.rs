@@ -1,7 +1,7 @@
 //! The router's metrics, under the `residentd_router_` prefix, in the
 //! OpenMetrics text format (`GET /metrics`). docs/router.md lists them.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -34,6 +34,10 @@ fn latency() -> Histogram {
     Histogram::new(exponential_buckets(0.0001, 2.0, 20))
 }
 
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// Every metric of the router.
 #[derive(Debug)]
 pub struct Metrics {
@@ -47,9 +51,54 @@ pub struct Metrics {
     /// The requests in flight per model again, readable (a Family is
     /// not): what the console shows.
     in_flight_now: Mutex<BTreeMap<String, i64>>,
+    /// The starts waiting on holds per model, readable.
+    waiting_now: Mutex<BTreeMap<String, i64>>,
+    /// The last [`RECENT_KEPT`] requests answered, newest last.
+    recent: Mutex<VecDeque<Served>>,
     /// Counts changes of the traffic, so the console can show each within
     /// moments.
     traffic_changed: tokio::sync::watch::Sender<u64>,
+}
+
+/// How many answered requests the console can show.
+pub const RECENT_KEPT: usize = 50;
+
+/// One request answered (its body sent, or its client gone), as the
+/// console lists it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Served {
+    /// The workload it went to.
+    pub model: String,
+    /// Its path.
+    pub path: String,
+    /// The model server's status.
+    pub status: u16,
+    /// When it arrived, in ms since the Unix epoch.
+    pub arrived_unix_ms: u64,
+    /// From its arrival to the first piece of the answer's body: the time
+    /// to the first token of a streamed answer (a start or wake on demand
+    /// and any wait for memory included).
+    pub first_token_ms: Option<f64>,
+    /// From its arrival to the end of the answer's body.
+    pub total_ms: f64,
+    /// Tokens generated: a streamed answer's `data:` events (the last
+    /// `[DONE]` left out), else the answer's `usage.completion_tokens`.
+    pub tokens: Option<u64>,
+    /// Tokens per second after the first: None for fewer than two.
+    pub tokens_per_s: Option<f64>,
+    /// Whether the client went away before the answer ended.
+    pub cut_off: bool,
+}
+
+/// The traffic as the console shows it.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Traffic {
+    /// Requests in flight per model (every model that had one).
+    pub in_flight: BTreeMap<String, i64>,
+    /// Starts waiting on holds per model (every model that had one).
+    pub waiting: BTreeMap<String, i64>,
+    /// The last requests answered, newest first.
+    pub recent: Vec<Served>,
 }
 
 impl Default for Metrics {
@@ -70,6 +119,8 @@ impl Metrics {
             queue_timeouts: Family::default(),
             waiting: Gauge::default(),
             in_flight_now: Mutex::default(),
+            waiting_now: Mutex::default(),
+            recent: Mutex::default(),
             traffic_changed: tokio::sync::watch::Sender::new(0),
         };
         let r = &mut m.registry;
@@ -131,12 +182,7 @@ impl Metrics {
             model: model.to_string(),
         };
         self.in_flight.get_or_create(&labels).inc_by(by);
-        let mut now = self
-            .in_flight_now
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        *now.entry(labels.model).or_default() += by;
-        drop(now);
+        *lock(&self.in_flight_now).entry(labels.model).or_default() += by;
         self.traffic_changed.send_modify(|n| *n += 1);
     }
 
@@ -159,21 +205,34 @@ impl Metrics {
         self.queue_timeouts.get_or_create(&labels).inc();
     }
 
-    /// A start began (+1) or stopped (-1) waiting on holds.
-    pub fn waiting(&self, by: i64) {
+    /// A start of `model` began (+1) or stopped (-1) waiting on holds.
+    pub fn waiting(&self, model: &str, by: i64) {
         self.waiting.inc_by(by);
+        *lock(&self.waiting_now)
+            .entry(model.to_string())
+            .or_default() += by;
         self.traffic_changed.send_modify(|n| *n += 1);
     }
 
-    /// The requests in flight per model (every model that had one), and
-    /// the starts waiting on holds.
-    pub fn traffic(&self) -> (BTreeMap<String, i64>, i64) {
-        let now = self
-            .in_flight_now
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone();
-        (now, self.waiting.get())
+    /// A request answered: kept for the console.
+    pub fn served(&self, s: Served) {
+        let mut recent = lock(&self.recent);
+        if recent.len() == RECENT_KEPT {
+            recent.pop_front();
+        }
+        recent.push_back(s);
+        drop(recent);
+        self.traffic_changed.send_modify(|n| *n += 1);
+    }
+
+    /// The traffic now: requests in flight and starts waiting per model,
+    /// the last requests answered.
+    pub fn traffic(&self) -> Traffic {
+        Traffic {
+            in_flight: lock(&self.in_flight_now).clone(),
+            waiting: lock(&self.waiting_now).clone(),
+            recent: lock(&self.recent).iter().rev().cloned().collect(),
+        }
     }
 
     /// Wakes whenever the traffic changes.
@@ -196,16 +255,39 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_last_requests_are_kept_newest_first() {
+        let m = Metrics::new();
+        for status in 0..(RECENT_KEPT as u16 + 3) {
+            m.served(Served {
+                model: "chat".into(),
+                path: "/v1/completions".into(),
+                status,
+                arrived_unix_ms: 0,
+                first_token_ms: None,
+                total_ms: 1.0,
+                tokens: None,
+                tokens_per_s: None,
+                cut_off: false,
+            });
+        }
+        let recent = m.traffic().recent;
+        assert_eq!(recent.len(), RECENT_KEPT);
+        assert_eq!(recent[0].status, RECENT_KEPT as u16 + 2);
+        assert_eq!(recent[RECENT_KEPT - 1].status, 3);
+    }
+
+    #[test]
     fn the_console_reads_what_the_gauges_say() {
         let m = Metrics::new();
         m.in_flight("chat", 1);
         m.in_flight("chat", 1);
         m.in_flight("embed", 1);
         m.in_flight("embed", -1);
-        m.waiting(1);
-        let (in_flight, waiting) = m.traffic();
+        m.waiting("embed", 1);
+        let t = m.traffic();
         let want = BTreeMap::from([("chat".to_string(), 2), ("embed".to_string(), 0)]);
-        assert_eq!((in_flight, waiting), (want, 1));
+        assert_eq!(t.in_flight, want);
+        assert_eq!(t.waiting, BTreeMap::from([("embed".to_string(), 1)]));
         assert!(
             m.render()
                 .contains("residentd_router_in_flight{model=\"chat\"} 2")

@@ -327,7 +327,7 @@ impl Models {
                 }) => {
                     match &mut waiting {
                         Some(w) => w.wait_for(holders),
-                        None => waiting = Some(Waiting::new(self, holders)),
+                        None => waiting = Some(Waiting::new(self, &model.name, holders)),
                     }
                     tracing::debug!(model = %model.name, %message, "waiting for held memory");
                     let wait = async {
@@ -484,14 +484,16 @@ impl Models {
 /// exists.
 struct Waiting<'a> {
     models: &'a Models,
+    model: String,
     holders: Vec<String>,
 }
 
 impl<'a> Waiting<'a> {
-    fn new(models: &'a Models, holders: Vec<String>) -> Self {
-        models.metrics.waiting(1);
+    fn new(models: &'a Models, model: &str, holders: Vec<String>) -> Self {
+        models.metrics.waiting(model, 1);
         let mut w = Self {
             models,
+            model: model.to_string(),
             holders: Vec::new(),
         };
         w.wait_for(holders);
@@ -523,6 +525,6 @@ fn unblock(blocking: &mut HashMap<String, usize>, holders: &[String]) {
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
         unblock(&mut self.models.blocking_lock(), &self.holders);
-        self.models.metrics.waiting(-1);
+        self.models.metrics.waiting(&self.model, -1);
     }
 }

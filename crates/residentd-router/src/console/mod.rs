@@ -1,7 +1,8 @@
 //! The node console, `GET /ui`: one page (ui/ beside src/, embedded in
 //! the binary, no build step, nothing fetched from elsewhere) fed by
-//! Server-Sent Events. Read-only: it calls only the agent's Watch, Node
-//! and Logs, which any viewer of the agent may call.
+//! Server-Sent Events. Read-only unless the operator turns actions on
+//! (see [`actions`]): it watches with the agent's Watch, Node and Logs,
+//! and asks Workloads and Place, which any viewer of the agent may call.
 //!
 //! - `GET /ui/events`: per viewer, a Watch on the agent (each event as
 //!   `agent`, the initial SNAPSHOTs left out since `node` carries them)
@@ -13,6 +14,7 @@
 //! - `GET /ui/logs/{id}`: the last lines of one instance, then each new
 //!   one (`line`), from the agent's Logs.
 
+pub mod actions;
 pub mod view;
 
 use std::convert::Infallible;
@@ -67,6 +69,9 @@ pub fn routes() -> Router<Arc<App>> {
             get(|| async { asset("text/javascript; charset=utf-8", SCRIPT) }),
         )
         .route("/ui/events", get(events))
+        .route("/ui/workloads", get(actions::workloads))
+        .route("/ui/place", get(actions::place))
+        .route("/ui/act", axum::routing::post(actions::act))
         .route("/ui/logs/{id}", get(logs))
 }
 
@@ -152,10 +157,7 @@ async fn follow_node(app: Arc<App>, tx: mpsc::Sender<Result<Event, Infallible>>)
             sent = Instant::now();
             stale = false;
             let event = match agent.node().await {
-                Ok(n) => {
-                    let (in_flight, waiting) = app.metrics.traffic();
-                    sse("node", &view::node(&n, &in_flight, waiting))
-                }
+                Ok(n) => sse("node", &view::node(&n, &app.metrics.traffic())),
                 Err(s) => down(&s),
             };
             if tx.send(event).await.is_err() {

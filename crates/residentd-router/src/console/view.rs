@@ -3,13 +3,13 @@
 //! each of the agent's Watch events. Plain data only; the page puts every
 //! string into the document as text.
 
-use std::collections::BTreeMap;
-
 use resident_api::pb;
 use serde_json::{Value, json};
 
+use crate::metrics::Traffic;
+
 /// The name of a State number, as the API spells it.
-fn state_name(state: i32) -> &'static str {
+pub(crate) fn state_name(state: i32) -> &'static str {
     pb::State::try_from(state).map_or("STATE_UNSPECIFIED", |s| s.as_str_name())
 }
 
@@ -41,7 +41,9 @@ pub fn instance(i: &pb::Instance) -> Value {
 }
 
 /// One pool with its figures and, for each instance that holds memory
-/// in it, the bytes its reservation there comes to.
+/// in it, the bytes its reservation there comes to (and its state, so a
+/// sleeper's residue is told apart); `foreign`: what the budget lost to
+/// memory held outside the books (budget less effective budget).
 fn pool(p: &pb::PoolStatus, instances: &[pb::Instance]) -> Value {
     let held: Vec<Value> = instances
         .iter()
@@ -53,7 +55,8 @@ fn pool(p: &pb::PoolStatus, instances: &[pb::Instance]) -> Value {
                 .filter(|d| d.pool == p.name)
                 .map(|d| d.reserved_bytes + d.overrun_bytes)
                 .sum();
-            (bytes > 0).then(|| json!({"id": i.instance_id, "bytes": bytes}))
+            (bytes > 0)
+                .then(|| json!({"id": i.instance_id, "bytes": bytes, "state": state_name(i.state)}))
         })
         .collect();
     json!({
@@ -63,13 +66,15 @@ fn pool(p: &pb::PoolStatus, instances: &[pb::Instance]) -> Value {
         "used": p.used_bytes,
         "free": p.free_bytes,
         "available": p.available_bytes,
+        "foreign": p.budget_bytes.zip(p.effective_budget_bytes).map(|(b, e)| b.saturating_sub(e)),
         "held": held,
     })
 }
 
-/// The whole node as the page draws it, with the router's requests in
-/// flight per model and its starts waiting on holds.
-pub fn node(n: &pb::NodeStatus, in_flight: &BTreeMap<String, i64>, waiting: i64) -> Value {
+/// The whole node as the page draws it, with the router's traffic:
+/// requests in flight and starts waiting on holds per model, the last
+/// requests answered.
+pub fn node(n: &pb::NodeStatus, traffic: &Traffic) -> Value {
     let mut instances: Vec<&pb::Instance> = n.instances.iter().collect();
     instances.sort_by(|a, b| a.instance_id.cmp(&b.instance_id));
     json!({
@@ -77,13 +82,17 @@ pub fn node(n: &pb::NodeStatus, in_flight: &BTreeMap<String, i64>, waiting: i64)
         "version": n.version,
         "pools": n.pools.iter().map(|p| pool(p, &n.instances)).collect::<Vec<_>>(),
         "instances": instances.into_iter().map(instance).collect::<Vec<_>>(),
-        "traffic": {"in_flight": in_flight, "waiting": waiting},
+        "traffic": {
+            "in_flight": traffic.in_flight,
+            "waiting": traffic.waiting,
+            "recent": traffic.recent,
+        },
     })
 }
 
 /// A refusal: the agent's words, whether waiting may help, and the
 /// instances holding the memory it needs with their bytes.
-fn refusal(r: &pb::Refusal) -> Value {
+pub(crate) fn refusal(r: &pb::Refusal) -> Value {
     let (reason, holders) = match &r.reason {
         Some(pb::refusal::Reason::OverBudget(o)) => ("OVER_BUDGET", o.holders.as_slice()),
         Some(pb::refusal::Reason::HostMemory(h)) => ("HOST_MEMORY", h.holders.as_slice()),
@@ -154,11 +163,11 @@ mod tests {
             ],
             ..Default::default()
         };
-        let v = node(&n, &BTreeMap::new(), 0);
+        let v = node(&n, &Traffic::default());
         let pool = &v["pools"][0];
         assert_eq!(
             pool["held"],
-            json!([{"id": "b", "bytes": 4}, {"id": "a", "bytes": 3}])
+            json!([{"id": "b", "bytes": 4, "state": "READY"}, {"id": "a", "bytes": 3, "state": "STARTING"}])
         );
         assert_eq!(
             (pool["free"].clone(), pool["effective"].clone()),

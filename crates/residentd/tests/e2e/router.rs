@@ -54,6 +54,7 @@ async fn router_to(agent: &str, tls: Option<AgentTls>, queue_timeout: Duration) 
         max_body: 1 << 20,
         body_timeout: Duration::from_secs(2),
         hold: Duration::from_secs(30),
+        console_token: None,
     })
     .expect("router");
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
