@@ -54,11 +54,13 @@ function drawPool(p) {
   let held = 0;
   for (const h of p.held) {
     held += h.bytes;
-    const c = shade(h.id);
-    const seg = el("span", { class: c, title: `${h.id}: ${bytes(h.bytes)}` });
+    const asleep = h.state === "SLEEPING";
+    const c = `${shade(h.id)}${asleep ? " asleep" : ""}`;
+    const what = `${h.id}${asleep ? " (asleep)" : ""} ${bytes(h.bytes)}`;
+    const seg = el("span", { class: c, title: what });
     seg.style.width = pct(h.bytes, scale);
     bar.append(seg);
-    legend.append(el("li", { "data-id": h.id }, el("i", { class: c }), `${h.id} ${bytes(h.bytes)}`));
+    legend.append(el("li", { "data-id": h.id, "data-state": h.state }, el("i", { class: c }), what));
   }
   if (p.used > held) {
     const seg = el("span", { class: "other", title: `other: ${bytes(p.used - held)}` });
@@ -67,9 +69,11 @@ function drawPool(p) {
     legend.append(el("li", {}, el("i", { class: "other" }), `other ${bytes(p.used - held)}`));
   }
   if (p.effective !== null && p.budget && p.effective < p.budget) {
-    const cap = el("div", { class: "cap", title: `effective budget ${bytes(p.effective)}` });
-    cap.style.left = pct(p.effective, scale);
-    bar.append(cap);
+    // What memory outside the books takes off the budget, at its end.
+    const foreign = el("div", { class: "foreign", title: `foreign ${bytes(p.foreign)}` });
+    foreign.style.left = pct(p.effective, scale);
+    bar.append(foreign);
+    legend.append(el("li", { "data-foreign": p.foreign }, el("i", { class: "foreign" }), `foreign ${bytes(p.foreign)}`));
   }
   const figures = [`used ${bytes(p.used)}`];
   figures.push(p.budget === null ? "no budget" : `budget ${bytes(p.budget)}`);
@@ -103,16 +107,31 @@ function newRow(id) {
     "aria-label": `follow the logs of ${id}` }, "logs");
   logs.addEventListener("click", () => follow(id));
   const td = (cls) => el("td", { class: cls });
+  const acts = el("td", { class: "act" });
+  for (const action of ["stop", "sleep", "wake"]) {
+    const b = el("button", { type: "button", "data-action": action, "aria-label": `${action} ${id}` }, action);
+    b.addEventListener("click", () => act(action, b.closest("tr").dataset.workload, id));
+    acts.append(b);
+  }
   return el("tr", { "data-id": id }, el("th", { scope: "row" }, id), td(""), td(""),
     td("num"), td("num"), td("num"), td("num"), td("num"), td("num"), td("num"), td("msg"),
-    el("td", {}, logs));
+    el("td", {}, logs), acts);
 }
+
+// Which actions an instance in `state` offers.
+const OFFERS = {
+  stop: (s) => !["EXITED", "FAILED", "STOPPING"].includes(s),
+  sleep: (s) => s === "READY",
+  wake: (s) => s === "SLEEPING",
+};
 
 function fillRow(row, i) {
   const cells = row.cells;
   const put = (k, text) => { if (cells[k].textContent !== text) cells[k].textContent = text; };
   const n = (v) => (v ? String(v) : "–");
   row.dataset.state = i.state;
+  row.dataset.workload = i.workload;
+  for (const b of cells[12].children) b.hidden = !OFFERS[b.dataset.action](i.state);
   cells[2].className = `st-${i.state}`;
   put(1, i.workload); put(2, i.state); put(3, n(i.pid)); put(4, n(i.port));
   put(5, bytes(i.reserved)); put(6, bytes(i.measured));
@@ -152,11 +171,7 @@ function drawNode(n) {
   $("pools").replaceChildren(...n.pools.map(drawPool));
   drawInstances(n.instances);
   $("count").textContent = `(${n.instances.length})`;
-  const traffic = [el("dt", {}, "starts waiting on holds"), el("dd", {}, String(n.traffic.waiting))];
-  for (const [model, count] of Object.entries(n.traffic.in_flight)) {
-    traffic.push(el("dt", {}, `in flight: ${model}`), el("dd", { "data-model": model }, String(count)));
-  }
-  $("traffic").replaceChildren(...traffic);
+  drawTraffic(n.traffic);
   // For the tests: how long a drawing takes, when the first one ended
   // (milliseconds since the page was asked for), and how many there were.
   const now = performance.now();
@@ -165,6 +180,99 @@ function drawNode(n) {
   document.body.dataset.scriptBeganMs ??= SCRIPT_BEGAN.toFixed(0);
   document.body.dataset.draws = String(Number(document.body.dataset.draws || 0) + 1);
   up(`${n.node} · agent ${n.version} · live`);
+}
+
+// Milliseconds as the page writes them: "850 ms", "2.4 s".
+function ms(v) {
+  if (v === null || v === undefined) return "–";
+  return v < 1000 ? `${Math.round(v)} ms` : `${(v / 1000).toFixed(1)} s`;
+}
+
+function drawTraffic(t) {
+  const traffic = [];
+  const models = new Set([...Object.keys(t.in_flight), ...Object.keys(t.waiting)]);
+  for (const model of [...models].sort()) {
+    traffic.push(el("dt", {}, model),
+      el("dd", { "data-model": model, "data-in-flight": t.in_flight[model] ?? 0, "data-waiting": t.waiting[model] ?? 0 },
+        `${t.in_flight[model] ?? 0} in flight · ${t.waiting[model] ?? 0} waiting for a swap`));
+  }
+  if (!traffic.length) traffic.push(el("dt", {}, "no requests yet"), el("dd", {}, ""));
+  $("traffic").replaceChildren(...traffic);
+  const rows = t.recent.map((r) => el("tr", { "data-model": r.model, "data-status": r.status },
+    el("td", {}, new Date(r.arrived_unix_ms).toLocaleTimeString()),
+    el("td", {}, r.model),
+    el("td", { class: "num" }, `${r.status}${r.cut_off ? " (cut off)" : ""}`),
+    el("td", { class: "num" }, ms(r.first_token_ms)),
+    el("td", { class: "num" }, ms(r.total_ms)),
+    el("td", { class: "num" }, r.tokens === null ? "–" : String(r.tokens)),
+    el("td", { class: "num" }, r.tokens_per_s === null ? "–" : r.tokens_per_s.toFixed(1))));
+  $("recent").tBodies[0].replaceChildren(...rows);
+}
+
+// Place's answer for the workload chosen, in the agent's words.
+function drawPlacement(p) {
+  const out = [];
+  if (p.admitted) {
+    out.push(el("p", { class: "ok" }, `A start of ${p.workload} would be admitted.`));
+    if (p.sleep.length) out.push(el("p", {}, `It would put to sleep: ${p.sleep.join(", ")}.`));
+    if (p.evict.length) {
+      out.push(el("p", {}, `It would evict: ${p.evict.map((v) => `${v.id} (${v.workload}, ${bytes(v.bytes)})`).join(", ")}.`));
+    }
+    if (p.wait_for.length) out.push(el("p", {}, `It would wait for: ${p.wait_for.join(", ")}.`));
+    if (!p.sleep.length && !p.evict.length && !p.wait_for.length) out.push(el("p", {}, "It fits as the node is."));
+    if (p.free_after !== null) out.push(el("p", { class: "muted" }, `Left free after it: ${bytes(p.free_after)}.`));
+  } else {
+    out.push(el("p", { class: "bad" }, `A start of ${p.workload} would be refused:`));
+    for (const r of p.refusals) {
+      const item = el("p", { class: "why" }, r.message);
+      if (r.holders.length) {
+        item.append(el("span", { class: "holders" },
+          ` held by ${r.holders.map((h) => `${h.id} (${bytes(h.bytes)})`).join(", ")}`));
+      }
+      out.push(item);
+    }
+  }
+  $("whatif-answer").replaceChildren(...out);
+}
+
+async function place(e) {
+  e.preventDefault();
+  const workload = $("whatif-workload").value;
+  if (!workload) return;
+  const r = await fetch(`/ui/place?workload=${encodeURIComponent(workload)}`);
+  const body = await r.json();
+  if (r.ok) drawPlacement(body);
+  else $("whatif-answer").replaceChildren(el("p", { class: "bad" }, body.message));
+}
+
+// One action, as the router's call to the agent; its answer in words.
+async function act(action, workload, id) {
+  const token = $("token").value.trim();
+  sessionStorage.setItem("residentd-console-token", token);
+  const r = await fetch("/ui/act", {
+    method: "POST",
+    headers: { "Content-Type": "application/json", Authorization: `Bearer ${token}` },
+    body: JSON.stringify({ action, workload, id }),
+  });
+  const body = await r.json();
+  const answer = $("act-answer");
+  answer.textContent = body.message;
+  answer.className = r.ok ? "ok" : "bad";
+  answer.dataset.status = String(r.status);
+}
+
+async function roster() {
+  const r = await fetch("/ui/workloads");
+  if (!r.ok) return setTimeout(roster, 2000);
+  const w = await r.json();
+  $("whatif-workload").replaceChildren(...w.workloads.map((name) => el("option", { value: name }, name)));
+  document.body.classList.toggle("actions-on", w.actions);
+  $("token-form").hidden = !w.actions;
+  $("token").value = sessionStorage.getItem("residentd-console-token") || "";
+  $("mode").textContent = w.actions
+    ? "Actions on: start, stop, sleep and wake reach the agent as the router's calls (the agent's roles decide; its audit log records them)."
+    : "Read-only: this page shows the node; it starts and stops nothing.";
+  document.body.dataset.roster = "1";
 }
 
 function drawEvent(e) {
@@ -239,4 +347,8 @@ function connect() {
   source.addEventListener("error", () => down("router out of reach; reconnecting…"));
 }
 
+$("whatif").addEventListener("submit", place);
+$("token-form").addEventListener("submit", (e) => e.preventDefault());
+$("start").addEventListener("click", () => act("start", $("whatif-workload").value, ""));
+roster();
 connect();

@@ -35,6 +35,11 @@ impl Drop for Router {
 }
 
 async fn router(socket: &Path) -> Router {
+    router_with(socket, None).await
+}
+
+/// A router whose console takes actions with `token`.
+async fn router_with(socket: &Path, token: Option<&str>) -> Router {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
@@ -47,7 +52,7 @@ async fn router(socket: &Path) -> Router {
         max_body: 1 << 20,
         body_timeout: Duration::from_secs(2),
         hold: Duration::from_secs(30),
-        console_token: None,
+        console_token: token.map(str::to_string),
     })
     .expect("router");
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -383,13 +388,288 @@ async fn the_routers_requests_in_flight_show_per_model() {
     // Started on demand by the request, which stays in flight.
     let stream = open_stream(&r.base, "demo").await;
     let began = std::time::Instant::now();
-    b.text("#traffic [data-model=\"demo\"]", "1").await;
+    b.text("#traffic [data-model=\"demo\"]", "1 in flight")
+        .await;
     println!(
         "a request in flight shown {:?} after its first chunk",
         began.elapsed()
     );
     b.text("#instances tr[data-id=\"demo\"]", "READY").await;
     drop(stream);
-    b.text("#traffic [data-model=\"demo\"]", "0").await;
+    b.text("#traffic [data-model=\"demo\"]", "0 in flight")
+        .await;
+    // The answer cut off is listed; then one read to its end, with its
+    // five tokens, its time to the first and its rate.
+    b.text("#recent tbody tr[data-model=\"demo\"]", "(cut off)")
+        .await;
+    let whole = read_stream(&r.base, "demo", 5).await;
+    assert_eq!(whole.matches("data: {").count(), 5, "{whole}");
+    let row = "[...document.querySelectorAll('#recent tbody tr')].map(r => [...r.cells].map(c => c.textContent)).find(c => c[5] === '5') ?? null";
+    let row = until(async || {
+        let v = b.run(&["js", row]).await["value"].clone();
+        v.as_array().cloned()
+    })
+    .await
+    .expect("the whole answer is listed with its 5 tokens");
+    let cell = |k: usize| row[k].as_str().unwrap_or_default().to_string();
+    assert_eq!(cell(2), "200", "{row:?}");
+    assert!(
+        cell(3).ends_with(" ms") || cell(3).ends_with(" s"),
+        "first token: {row:?}"
+    );
+    // Four gaps of 50 ms after the first token: about 20 tokens/s.
+    let rate: f64 = cell(6).parse().expect("tokens/s");
+    assert!(rate > 2.0 && rate < 40.0, "{row:?}");
     drop(d);
+}
+
+/// A streamed chat completion of `max_tokens` through the router at
+/// `base`, read to its end.
+async fn read_stream(base: &str, model: &str, max_tokens: u32) -> String {
+    let body = format!(
+        r#"{{"model": "{model}", "stream": true, "max_tokens": {max_tokens}, "messages": [{{"role": "user", "content": "hi"}}]}}"#
+    );
+    let request = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let address = base.strip_prefix("http://").expect("http");
+    let mut s = TcpStream::connect(address).await.expect("connect");
+    s.write_all(request.as_bytes()).await.expect("send");
+    let mut answer = String::new();
+    tokio::time::timeout(PATIENCE, s.read_to_string(&mut answer))
+        .await
+        .expect("the whole answer within the patience")
+        .expect("read");
+    answer
+}
+
+/// `POST /ui/act` with `body` (and `token` as the bearer): the status and
+/// the answer's body.
+async fn act(base: &str, token: Option<&str>, body: &str) -> (u16, String) {
+    let auth = token.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
+    let request = format!(
+        "POST /ui/act HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n{auth}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let address = base.strip_prefix("http://").expect("http");
+    let mut s = TcpStream::connect(address).await.expect("connect");
+    s.write_all(request.as_bytes()).await.expect("send");
+    let mut answer = String::new();
+    tokio::time::timeout(PATIENCE, s.read_to_string(&mut answer))
+        .await
+        .expect("answered within the patience")
+        .expect("read");
+    let status = answer
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("a status line: {answer}"));
+    let body = answer.split("\r\n\r\n").nth(1).unwrap_or_default();
+    (status, body.to_string())
+}
+
+#[tokio::test]
+async fn what_if_shows_places_answer_and_actions_are_off_until_turned_on() {
+    let config = format!(
+        "{}{}{}",
+        pool("gpu0", "10GB"),
+        sleeper("small", "gpu0", 4, ""),
+        sleeper("big", "gpu0", 8, "")
+    );
+    let mut d = Daemon::start(&config).await;
+    d.started("small", "s1").await;
+    let Some(mut b) = Browser::start().await else {
+        return;
+    };
+
+    // Read-only: no action buttons, and an action sent anyway is refused
+    // by the router before it reaches the agent.
+    let r = router(&d.socket).await;
+    b.run(&["open", &format!("{}/ui", r.base)]).await;
+    b.text("#mode", "Read-only").await;
+    b.text("#instances tr[data-id=\"s1\"]", "READY").await;
+    let shown =
+        "getComputedStyle(document.querySelector('#instances tr[data-id=\"s1\"] td.act')).display";
+    assert_eq!(b.run(&["js", shown]).await["value"], "none");
+    let token_box = "getComputedStyle(document.querySelector('#token-form')).display";
+    assert_eq!(b.run(&["js", token_box]).await["value"], "none");
+    assert_eq!(
+        b.run(&[
+            "js",
+            "getComputedStyle(document.querySelector('#start')).display"
+        ])
+        .await["value"],
+        "none"
+    );
+    let (status, body) = act(
+        &r.base,
+        Some("anything"),
+        r#"{"action": "stop", "id": "s1"}"#,
+    )
+    .await;
+    assert_eq!(status, 403, "{body}");
+    assert!(body.contains("read-only"), "{body}");
+    assert_eq!(d.get("s1").await.state, pb::State::Ready as i32);
+
+    // What-if: the page's answer is Place's, in its words.
+    let place = d
+        .client
+        .place(pb::PlaceRequest {
+            workload: "big".into(),
+            on_full: 0,
+        })
+        .await
+        .expect("place")
+        .into_inner();
+    b.text("#whatif-workload", "big").await;
+    b.run(&[
+        "js",
+        "(document.querySelector('#whatif-workload').value = 'big', true)",
+    ])
+    .await;
+    b.run(&["click", "#whatif button[type=submit]"]).await;
+    if place.admitted {
+        b.text("#whatif-answer", "would be admitted").await;
+        for v in &place.victims {
+            b.text("#whatif-answer", &format!("would evict: {}", v.instance_id))
+                .await;
+        }
+    } else {
+        b.text("#whatif-answer", "would be refused").await;
+        b.text("#whatif-answer .why", &place.refusals[0].message)
+            .await;
+        b.text("#whatif-answer .holders", "s1 (4.0 GB)").await;
+    }
+    // Nothing was started by asking.
+    assert_eq!(d.ids().await, ["s1"]);
+    let shots = tempfile::tempdir().expect("a temporary directory");
+    b.shot(shots.path(), "what-if.png").await;
+    drop(r);
+
+    // Turned on: a wrong token is refused; the right one stops and starts,
+    // each a call of the router's that the agent audits.
+    let token = "console-test-token";
+    let r = router_with(&d.socket, Some(token)).await;
+    b.run(&["open", &format!("{}/ui", r.base)]).await;
+    b.text("#mode", "Actions on").await;
+    b.text("#instances tr[data-id=\"s1\"] td.act", "stop").await;
+    b.run(&[
+        "js",
+        "(document.querySelector('#token').value = 'wrong', true)",
+    ])
+    .await;
+    b.run(&[
+        "click",
+        "#instances tr[data-id=\"s1\"] button[data-action=stop]",
+    ])
+    .await;
+    b.text("#act-answer", "token").await;
+    assert_eq!(
+        b.run(&["js", "document.querySelector('#act-answer').dataset.status"])
+            .await["value"],
+        "401"
+    );
+    assert_eq!(d.get("s1").await.state, pb::State::Ready as i32);
+    b.run(&[
+        "js",
+        &format!("(document.querySelector('#token').value = '{token}', true)"),
+    ])
+    .await;
+    b.run(&[
+        "click",
+        "#instances tr[data-id=\"s1\"] button[data-action=stop]",
+    ])
+    .await;
+    b.text("#act-answer", "stop s1").await;
+    d.wait_state("s1", pb::State::Exited).await;
+    b.text("#instances tr[data-id=\"s1\"]", "EXITED").await;
+    b.run(&[
+        "js",
+        "(document.querySelector('#whatif-workload').value = 'small', true)",
+    ])
+    .await;
+    b.run(&["click", "#start"]).await;
+    b.text("#act-answer", "start ").await;
+    let started = until(async || {
+        let list = d.list().await;
+        list.into_iter().find(|i| {
+            i.instance_id != "s1" && i.workload == "small" && i.state == pb::State::Ready as i32
+        })
+    })
+    .await
+    .expect("the page's Start started an instance of small");
+    let log = d.log();
+    let audited = |rpc: &str, id: &str| {
+        log.lines().any(|l| {
+            l.contains(" audit: ")
+                && l.contains(&format!("rpc=\"{rpc}\""))
+                && l.contains("outcome=\"ok\"")
+                && l.contains(id)
+        })
+    };
+    assert!(audited("Stop", "s1"), "the Stop is audited: {log}");
+    assert!(
+        audited("Start", &started.instance_id),
+        "the Start is audited: {log}"
+    );
+    b.text("#instances tr[data-state=\"READY\"]", "small").await;
+    b.shot(shots.path(), "actions-on.png").await;
+    if std::env::var_os("RESIDENT_KEEP_SHOTS").is_some() {
+        println!("screenshots kept in {}", shots.keep().display());
+    }
+}
+
+#[tokio::test]
+async fn the_page_puts_a_server_to_sleep_and_wakes_it() {
+    // The vLLM stand-in of the sleep tests, READY as `b`.
+    let (mut d, _) = crate::sleep::big_ready("").await;
+    let token = "console-test-token";
+    let r = router_with(&d.socket, Some(token)).await;
+    let Some(mut b) = Browser::start().await else {
+        return;
+    };
+    b.run(&["open", &format!("{}/ui", r.base)]).await;
+    b.text("#mode", "Actions on").await;
+    b.run(&[
+        "js",
+        &format!("(document.querySelector('#token').value = '{token}', true)"),
+    ])
+    .await;
+    b.run(&[
+        "click",
+        "#instances tr[data-id=\"b\"] button[data-action=sleep]",
+    ])
+    .await;
+    b.text("#act-answer", "sleep b: SLEEPING").await;
+    b.text("#instances tr[data-id=\"b\"]", "SLEEPING").await;
+    assert_eq!(d.get("b").await.state, pb::State::Sleeping as i32);
+    // Asleep, its residue in the pool is drawn as a sleeper's.
+    b.text(
+        "[data-pool=\"gpu\"] .legend [data-state=\"SLEEPING\"]",
+        "b (asleep)",
+    )
+    .await;
+    b.run(&[
+        "click",
+        "#instances tr[data-id=\"b\"] button[data-action=wake]",
+    ])
+    .await;
+    b.text("#act-answer", "wake b").await;
+    d.wait_state("b", pb::State::Ready).await;
+    b.text("#instances tr[data-id=\"b\"]", "READY").await;
+    let log = d.log();
+    let audited = |rpc: &str| {
+        log.lines()
+            .filter(|l| {
+                l.contains(" audit: ")
+                    && l.contains(&format!("rpc=\"{rpc}\""))
+                    && l.contains("instance_id=\"b\"")
+                    && l.contains("outcome=\"ok\"")
+            })
+            .count()
+    };
+    assert_eq!(audited("Sleep"), 1, "the page's Sleep is audited: {log}");
+    // The first Start began it; the page's wake is the second.
+    assert_eq!(audited("Start"), 2, "the page's wake is audited: {log}");
 }

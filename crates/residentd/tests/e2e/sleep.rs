@@ -19,7 +19,7 @@ const GB: u64 = 1_000_000_000;
 /// holding 40 MB, with `flags`: 3 GB of `gpu` awake; asleep 0.5 GB of
 /// `gpu` and its 3 GB of weights in `ram`), and `other` (3 GB of `gpu`,
 /// cannot sleep).
-fn config(flags: &str) -> String {
+pub(crate) fn config(flags: &str) -> String {
     let script = workspace().join("tests/sleep/standin.py");
     let flags: String = flags
         .split_whitespace()
@@ -64,7 +64,7 @@ async fn get(port: u32, path: &str) -> String {
 }
 
 /// An agent on `config(flags)` with `big` READY as instance `b`.
-async fn big_ready(flags: &str) -> (Daemon, pb::Instance) {
+pub(crate) async fn big_ready(flags: &str) -> (Daemon, pb::Instance) {
     let mut d = Daemon::start(&config(flags)).await;
     d.client
         .start(start("big", "b", false))
