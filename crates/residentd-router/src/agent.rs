@@ -224,7 +224,18 @@ impl Agent {
     /// every change, until the stream is dropped. No deadline: it is meant
     /// to stay open.
     pub async fn watch(&self) -> Result<tonic::Streaming<pb::Event>, tonic::Status> {
-        let req = pb::WatchRequest { since_revision: 0 };
+        self.watch_since(0).await
+    }
+
+    /// The agent's events after revision `since` (0: the current state
+    /// first), then every change, until the stream is dropped.
+    pub async fn watch_since(
+        &self,
+        since: u64,
+    ) -> Result<tonic::Streaming<pb::Event>, tonic::Status> {
+        let req = pb::WatchRequest {
+            since_revision: since,
+        };
         Ok(self.client.clone().watch(req).await?.into_inner())
     }
 

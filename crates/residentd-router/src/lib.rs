@@ -79,6 +79,8 @@ pub struct App {
     upstream: Upstream,
     metrics: Arc<Metrics>,
     options: Options,
+    /// The agent's events for the console's pages.
+    feed: console::feed::Feed,
 }
 
 impl App {
@@ -92,6 +94,7 @@ impl App {
             upstream: proxy::upstream(),
             metrics,
             options,
+            feed: console::feed::Feed::default(),
         }))
     }
 

@@ -276,9 +276,11 @@ async function roster() {
 }
 
 function drawEvent(e) {
-  if (e.instance && !rows.has(e.instance) && !heard.has(e.instance)) heard.set(e.instance, performance.now());
-  const time = new Date().toLocaleTimeString();
-  const item = el("li", { class: e.kind, "data-kind": e.kind, "data-revision": e.revision },
+  const live = e.time_ms !== null;
+  if (live && e.instance && !rows.has(e.instance) && !heard.has(e.instance)) heard.set(e.instance, performance.now());
+  // An event from before the router heard it live has no time.
+  const time = live ? new Date(e.time_ms).toLocaleTimeString() : "earlier";
+  const item = el("li", { class: e.kind, "data-kind": e.kind, "data-revision": e.revision, "data-live": String(live) },
     el("time", {}, time), el("span", { class: "k" }, e.kind));
   if (e.kind === "REFUSED" && e.refusal) {
     item.append(`start of ${e.workload}`, el("span", { class: "why" }, e.refusal.message));

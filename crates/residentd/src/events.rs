@@ -112,6 +112,11 @@ impl EventLog {
         }
     }
 
+    /// The revision of the latest event published.
+    pub fn revision(&self) -> u64 {
+        self.lock().revision
+    }
+
     /// Every event published from now on (no snapshot, no history).
     pub fn subscribe(&self) -> broadcast::Receiver<pb::Event> {
         self.live.subscribe()

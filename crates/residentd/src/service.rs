@@ -361,7 +361,9 @@ impl pb::node_agent_server::NodeAgent for Service {
         _req: Request<pb::NodeRequest>,
     ) -> Result<Response<pb::NodeStatus>, Status> {
         let _timer = self.agent.metrics().time("Node");
+        let revision = self.agent.events().revision();
         Ok(Response::new(pb::NodeStatus {
+            revision,
             node: self.agent.config().node.name.clone(),
             version: env!("CARGO_PKG_VERSION").to_string(),
             agent_pid: std::process::id(),

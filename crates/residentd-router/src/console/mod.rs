@@ -4,17 +4,18 @@
 //! (see [`actions`]): it watches with the agent's Watch, Node and Logs,
 //! and asks Workloads and Place, which any viewer of the agent may call.
 //!
-//! - `GET /ui/events`: per viewer, a Watch on the agent (each event as
-//!   `agent`, the initial SNAPSHOTs left out since `node` carries them)
-//!   and the node (`node`: pools, instances, the router's traffic), sent
-//!   at once, on each event or change of the router's requests in flight
-//!   (a burst of them once a [`TICK`]), and at least every [`REFRESH`],
-//!   so that measured bytes move too. An agent out of reach is said
+//! - `GET /ui/events`: per viewer, the agent's events (`agent`: the
+//!   last ones kept by the router's one Watch, [`feed`], then each new
+//!   one) and the node (`node`: pools, instances, the router's traffic),
+//!   sent at once, on each event or change of the router's traffic (a
+//!   burst of them once a [`TICK`]), and at least every [`REFRESH`], so
+//!   that measured bytes move too. An agent out of reach is said
 //!   (`status`) and asked again every [`REFRESH`].
 //! - `GET /ui/logs/{id}`: the last lines of one instance, then each new
 //!   one (`line`), from the agent's Logs.
 
 pub mod actions;
+pub mod feed;
 pub mod view;
 
 use std::convert::Infallible;
@@ -112,45 +113,34 @@ async fn events(State(app): State<Arc<App>>) -> Response {
 /// Feeds one viewer until it leaves.
 async fn follow_node(app: Arc<App>, tx: mpsc::Sender<Result<Event, Infallible>>) {
     let agent = app.models.agent().clone();
-    let mut watch: Option<tonic::Streaming<pb::Event>> = None;
+    let (kept, mut live) = app.feed.follow(&agent);
+    for e in kept {
+        if tx.send(sse("agent", &e)).await.is_err() {
+            return;
+        }
+    }
     let mut tick = tokio::time::interval(TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // Due at once; then at once after an event that follows a quiet
     // TICK, and a burst of them once a TICK.
     let mut stale = true;
     let mut sent = Instant::now() - REFRESH;
-    let mut asked = Instant::now() - REFRESH;
     let mut traffic = app.metrics.traffic_changes();
     loop {
-        let next = async {
-            match watch.as_mut() {
-                Some(w) => w.message().await,
-                None => std::future::pending().await,
-            }
-        };
         tokio::select! {
-            got = next => match got {
-                Ok(Some(e)) => {
+            got = live.recv() => match got {
+                Ok(e) => {
                     stale = true;
-                    if e.kind != pb::EventKind::Snapshot as i32
-                        && tx.send(sse("agent", &view::event(&e))).await.is_err()
-                    {
+                    if tx.send(sse("agent", &e)).await.is_err() {
                         return;
                     }
                 }
-                Ok(None) | Err(_) => watch = None,
+                // Too slow a viewer misses events, not the node.
+                Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => stale = true,
+                Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
             },
             Ok(()) = traffic.changed() => stale = true,
-            _ = tick.tick() => {
-                if watch.is_none() && asked.elapsed() >= REFRESH {
-                    asked = Instant::now();
-                    match agent.watch().await {
-                        Ok(w) => watch = Some(w),
-                        Err(s) if tx.send(down(&s)).await.is_err() => return,
-                        Err(_) => {}
-                    }
-                }
-            }
+            _ = tick.tick() => {}
             () = tx.closed() => return,
         }
         if (stale && sent.elapsed() >= TICK) || sent.elapsed() >= REFRESH {

@@ -489,6 +489,12 @@ async fn what_if_shows_places_answer_and_actions_are_off_until_turned_on() {
     b.run(&["open", &format!("{}/ui", r.base)]).await;
     b.text("#mode", "Read-only").await;
     b.text("#instances tr[data-id=\"s1\"]", "READY").await;
+    // What happened before the page (and the router) began is shown,
+    // without a time of its own.
+    b.text("#events [data-live=\"false\"]", "s1 (small) → READY")
+        .await;
+    b.text("#events [data-live=\"false\"] time", "earlier")
+        .await;
     let shown =
         "getComputedStyle(document.querySelector('#instances tr[data-id=\"s1\"] td.act')).display";
     assert_eq!(b.run(&["js", shown]).await["value"], "none");
