@@ -114,7 +114,7 @@ function newRow(id) {
     acts.append(b);
   }
   return el("tr", { "data-id": id }, el("th", { scope: "row" }, id), td(""), td(""),
-    td("num"), td("num"), td("num"), td("num"), td("num"), td("num"), td("num"), td("msg"),
+    td("num"), td("num"), td("num"), td("num"), td("num"), td("num"), td("num"), td("num"), td("msg"),
     el("td", {}, logs), acts);
 }
 
@@ -131,13 +131,14 @@ function fillRow(row, i) {
   const n = (v) => (v ? String(v) : "–");
   row.dataset.state = i.state;
   row.dataset.workload = i.workload;
-  for (const b of cells[12].children) b.hidden = !OFFERS[b.dataset.action](i.state);
+  for (const b of cells[13].children) b.hidden = !OFFERS[b.dataset.action](i.state);
   cells[2].className = `st-${i.state}`;
   put(1, i.workload); put(2, i.state); put(3, n(i.pid)); put(4, n(i.port));
   put(5, bytes(i.reserved)); put(6, bytes(i.measured));
   put(7, i.started_ms ? span(Math.max(0, Date.now() - i.started_ms)) : "–");
-  put(8, String(i.restarts)); put(9, i.lease_left_ms ? span(i.lease_left_ms) : "–");
-  put(10, i.message);
+  put(8, String(i.restarts)); put(9, i.hold_left_ms ? span(i.hold_left_ms) : "–");
+  put(10, i.lease_left_ms ? span(i.lease_left_ms) : "–");
+  put(11, i.message);
 }
 
 function drawInstances(list) {

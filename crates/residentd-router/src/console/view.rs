@@ -37,6 +37,7 @@ pub fn instance(i: &pb::Instance) -> Value {
         "message": i.message,
         "started_ms": i.started_unix_ms,
         "lease_left_ms": i.lease_left_ms,
+        "hold_left_ms": i.hold_left_ms,
     })
 }
 

@@ -85,6 +85,7 @@ impl Agent {
                 })
                 .collect();
         }
+        out.hold_left_ms = self.books.hold_left(&out.instance_id, self.now_ms());
         if let Some(lease) = record.lease {
             out.lease_ms = lease.ms;
             out.lease_left_ms = lease.until.saturating_sub(self.now_ms());

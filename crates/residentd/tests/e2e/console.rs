@@ -395,6 +395,16 @@ async fn the_routers_requests_in_flight_show_per_model() {
         began.elapsed()
     );
     b.text("#instances tr[data-id=\"demo\"]", "READY").await;
+    // The request holds its model: the hold's rest is shown (the router's
+    // hold is 30 s, renewed every third of it).
+    let hold = "document.querySelector('#instances tr[data-id=\"demo\"]').cells[9].textContent";
+    let left = until(async || {
+        let v = b.run(&["js", hold]).await["value"].as_str()?.to_string();
+        v.strip_suffix(" s")?.parse::<u64>().ok()
+    })
+    .await
+    .expect("the hold's rest in seconds");
+    assert!((1..=30).contains(&left), "{left}");
     drop(stream);
     b.text("#traffic [data-model=\"demo\"]", "0 in flight")
         .await;

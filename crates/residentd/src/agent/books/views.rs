@@ -164,6 +164,14 @@ impl Books {
         }
     }
 
+    /// What is left at `now` of the hold on resident `id` (0: none).
+    pub(in crate::agent) fn hold_left(&self, id: &str, now: u64) -> u64 {
+        let b = self.lock();
+        b.ledger
+            .resident(id)
+            .map_or(0, |r| r.hold_until.saturating_sub(now))
+    }
+
     /// Every hold still in force at `now`: the instance and how many
     /// milliseconds are left of it (an upgrade hands them over).
     pub(in crate::agent) fn holds(&self, now: u64) -> Vec<(String, u64)> {
