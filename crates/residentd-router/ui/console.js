@@ -224,14 +224,8 @@ function drawPlacement(p) {
     if (p.free_after !== null) out.push(el("p", { class: "muted" }, `Left free after it: ${bytes(p.free_after)}.`));
   } else {
     out.push(el("p", { class: "bad" }, `A start of ${p.workload} would be refused:`));
-    for (const r of p.refusals) {
-      const item = el("p", { class: "why" }, r.message);
-      if (r.holders.length) {
-        item.append(el("span", { class: "holders" },
-          ` held by ${r.holders.map((h) => `${h.id} (${bytes(h.bytes)})`).join(", ")}`));
-      }
-      out.push(item);
-    }
+    // The agent's words name the holders and their bytes.
+    for (const r of p.refusals) out.push(el("p", { class: "why" }, r.message));
   }
   $("whatif-answer").replaceChildren(...out);
 }

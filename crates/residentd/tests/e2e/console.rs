@@ -261,6 +261,16 @@ async fn the_page_follows_starts_refusals_and_logs_without_a_reload() {
         .await;
     assert_eq!(markup["value"], true, "a log line became an element");
 
+    // The what-if of the same start says the same.
+    b.text("#whatif-workload", "big").await;
+    b.run(&[
+        "js",
+        "(document.querySelector('#whatif-workload').value = 'big', true)",
+    ])
+    .await;
+    b.run(&["click", "#whatif button[type=submit]"]).await;
+    b.text("#whatif-answer", "would be").await;
+
     // Light, dark, and a phone's width.
     let light = b.shot(shots.path(), "light-1280.png").await;
     // scripts/console-screenshot: this one is docs/console.png.
@@ -555,7 +565,8 @@ async fn what_if_shows_places_answer_and_actions_are_off_until_turned_on() {
         b.text("#whatif-answer", "would be refused").await;
         b.text("#whatif-answer .why", &place.refusals[0].message)
             .await;
-        b.text("#whatif-answer .holders", "s1 (4.0 GB)").await;
+        b.text("#whatif-answer .why", "held by s1 (small) 4.0 GB")
+            .await;
     }
     // Nothing was started by asking.
     assert_eq!(d.ids().await, ["s1"]);
