@@ -4,13 +4,22 @@ Each replica asks residentd (through residentd.ray.place_model) for a node
 where the model fits, gets a ResidentModel actor pinned there (the model
 started, READY, under a lease the actor renews), and forwards every
 request to the model's own server through that actor, on the model's node.
-A replica that goes away ends its actor, and the model is stopped.
+
+- Scaling up: each new replica is placed the same way; a node that refuses
+  the start (another scheduler took the memory, or it is at max_instances)
+  is passed over for the next one of the ranking.
+- Scaling down, or deleting the app: Serve calls the replica's __del__,
+  which stops the model at once. A replica that dies without it (killed,
+  its node lost) takes its actor along, and the lease ends the model.
+- A node's agent dying takes its model along: the replica's health check
+  fails, Serve replaces the replica, and the new one is placed on a node
+  whose agent answers.
 
 Run on a Ray cluster whose nodes each run residentd and carry their
-agent's label (docs/fleet.md):
+agent's label (docs/fleet.md), from the repository root:
 
     pip install "./python[ray]" "ray[serve]"
-    serve run examples/ray-serve-resident:app   # from the repository root
+    serve run --address HEAD:6379 --app-dir examples ray-serve-resident:app
 
 then POST OpenAI-style requests to http://127.0.0.1:8000/v1/chat/completions.
 The workload "chat" is one of the agents' workloads (see
@@ -22,22 +31,28 @@ from ray import serve
 from starlette.requests import Request
 from starlette.responses import Response
 
+from residentd import pb
 from residentd import ray as resident_ray
 
-WORKLOAD = "chat"
 
-
-@serve.deployment(num_replicas=2, ray_actor_options={"num_cpus": 0})
+@serve.deployment(num_replicas=2, ray_actor_options={"num_cpus": 0}, health_check_period_s=5)
 class ResidentChat:
-    def __init__(self):
+    def __init__(self, workload: str = "chat", lease_ms: int = 30_000):
         # Raises residentd.fleet.FleetRefused, with every node's reason,
         # when no node can take the model: Serve reports the replica failed.
-        self.model = resident_ray.place_model(WORKLOAD, lease_ms=30_000)
+        self.model = resident_ray.place_model(workload, lease_ms=lease_ms)
 
     async def __call__(self, request: Request) -> Response:
         body = await request.body()
         status, answer = await self.model.post.remote(request.url.path, body)
         return Response(answer, status_code=status, media_type="application/json")
+
+    async def check_health(self):
+        # Raises when the agent is gone or the model is no longer READY:
+        # Serve then replaces this replica, and the new one is placed anew.
+        instance = await self.model.instance.remote()
+        if instance.state != pb.READY:
+            raise RuntimeError(f"{instance.instance_id} is {pb.State.Name(instance.state)}")
 
     def __del__(self):
         try:

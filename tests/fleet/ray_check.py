@@ -7,6 +7,7 @@ Usage: ray_check.py JSON   where JSON is {"agents": {NAME: SOCKET, ...},
                                           "pids": {NAME: PID}, "tmp": DIR}
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -31,10 +32,11 @@ def free_port():
         return s.getsockname()[1]
 
 
-def ray_start(args, log):
+def ray_start(args, log, env=None):
     """One Ray node, `ray start --block` in the foreground: ending the
-    process ends the node (and only ours, unlike `ray stop`)."""
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_raylet_start_wait_time_s="120")
+    process ends the node (and only ours, unlike `ray stop`). Its workers
+    inherit `env`."""
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_raylet_start_wait_time_s="120", **(env or {}))
     return subprocess.Popen([RAY, "start", "--block", "--node-ip-address=127.0.0.1", "--num-cpus=2",
                              "--disable-usage-stats", *args], env=env, stdout=log, stderr=subprocess.STDOUT)
 
@@ -71,98 +73,28 @@ def instance(endpoint, instance_id):
         return next((i for i in a.list() if i.instance_id == instance_id), None)
 
 
-def main():
-    setup = json.loads(sys.argv[1])
-    agents, pids = setup["agents"], setup["pids"]
+@contextlib.contextmanager
+def cluster(agents, tmp, env=None):
+    """A Ray cluster on loopback, one node per agent (the first the head),
+    each labelled with its agent and started with `env`; the driver
+    connected. Yields the head's port. On a failure, prints what
+    `ray start` said; at the end, ends every node."""
+    names = list(agents)
     port = free_port()
-    log = open(os.path.join(setup["tmp"], "ray.log"), "w")
+    log = open(os.path.join(tmp, "ray.log"), "w")
     nodes_started = [ray_start(["--head", f"--port={port}", "--include-dashboard=false",
-                                f"--temp-dir={setup['tmp']}", "--labels", rray.labels(agents["n1"])], log)]
+                                f"--temp-dir={tmp}", "--labels", rray.labels(agents[names[0]])], log, env)]
     try:
         until(lambda: answers(port), "the Ray head serves")
         ray.init(address=f"127.0.0.1:{port}", logging_level="ERROR")
         until(lambda: len(rray.agents()) == 1, "the head node registered", within=120)
         # One at a time: each registers before the next starts (two raylets
         # registering at once on a loaded 2-core machine can time out).
-        for n, name in enumerate(["n2", "n3"], start=2):
+        for n, name in enumerate(names[1:], start=2):
             nodes_started.append(ray_start([f"--address=127.0.0.1:{port}", "--labels", rray.labels(agents[name])],
-                                           log))
+                                           log, env))
             until(lambda: len(rray.agents()) == n, f"node {name} registered", within=120)
-        nodes = rray.agents()
-        assert sorted(nodes.values()) == sorted(agents.values()), nodes
-        name_of = {endpoint: name for name, endpoint in agents.items()}
-
-        # Five models, each where it fits without eviction.
-        actors = {}
-        for workload in ["m25", "m15", "m8", "m4", "m3"]:
-            actor = rray.place_model(workload, instance_id=workload, lease_ms=LEASE_MS)
-            actors[workload] = actor
-            node_id = ray.get(actor.node.remote())
-            at = name_of[nodes[node_id]]
-            i = instance(agents[at], workload)
-            assert i is not None and i.state == pb.READY, (workload, at, i)
-            url = ray.get(actor.endpoint.remote())
-            assert url == f"http://127.0.0.1:{i.port}", (url, i.port)
-            actors[workload] = (actor, at)
-        landed = {w: at for w, (_, at) in actors.items()}
-        # m4 fits n2 and n3 alike (1 GB left on either): ties go by node
-        # name, which under Ray is the node id; m3 then fits only the other.
-        by_id = sorted(["n2", "n3"], key=lambda n: next(i for i, e in nodes.items() if e == agents[n]))
-        expected = {"m25": "n3", "m15": "n2", "m8": "n1", "m4": by_id[0], "m3": by_id[1]}
-        assert landed == expected, (landed, expected)
-        for name, endpoint in agents.items():
-            with residentd.Agent(endpoint) as a:
-                ready = sorted(i.instance_id for i in a.list() if i.state == pb.READY)
-            assert ready == sorted(w for w, at in landed.items() if at == name), (name, ready)
-
-        # A sixth fits nowhere: refused with every node's reason.
-        try:
-            rray.place_model("m20", lease_ms=LEASE_MS)
-            raise AssertionError("m20 fits nowhere")
-        except fleet.FleetRefused as e:
-            why = e.ranking.why_not()
-            assert set(why) == set(agents.values()), why
-            assert all("unplaceable" in w for w in why.values()), why
-
-        # Another scheduler takes the first choice between the ranking and
-        # the start: the refused start's actor ends, and the next node of
-        # the ranking gets the model.
-        ranking = fleet.place(dict(rray.agents()), "m1")
-        first, second = ranking.choices[0], ranking.choices[1]
-        with residentd.Agent(first) as a:
-            a.start("m2", "other-scheduler")
-        actor = rray.place_model("m1", instance_id="m1", lease_ms=LEASE_MS, ranking=ranking)
-        assert nodes[ray.get(actor.node.remote())] == second, (name_of[first], name_of[second])
-        assert instance(first, "m1") is None, "nothing of the refused start is left"
-        assert instance(second, "m1").state == pb.READY
-
-        # A killed actor renews nothing: its model is stopped within the lease.
-        actor, at = actors["m8"]
-        ray.kill(actor)
-        killed = time.monotonic()
-        gone = until(lambda: (lambda i: i if i and i.state in (pb.EXITED, pb.FAILED) else None)(
-            instance(agents[at], "m8")), "m8 stopped after its actor was killed", within=LEASE_MS / 1000 + 10)
-        took = time.monotonic() - killed
-        assert "LEASE_EXPIRED" in gone.message, gone.message
-        assert took < LEASE_MS / 1000 + 3, f"stopped {took:.1f} s after the kill, lease {LEASE_MS} ms"
-        # The others were renewed all along.
-        assert instance(agents["n3"], "m25").state == pb.READY
-
-        # An actor that ends normally stops its model at once.
-        actor, at = actors["m4"]
-        ray.get(actor.stop.remote())
-        assert instance(agents[at], "m4").state == pb.EXITED
-
-        # One agent stopped: the ranking skips its node and says why.
-        os.kill(pids["n1"], signal.SIGTERM)
-        until(lambda: not serves(agents["n1"]), "n1 no longer serves")
-        ranking = fleet.place({n: e for n, e in rray.agents().items()}, "m1", deadline_s=1.0)
-        down = ranking.answers[agents["n1"]]
-        assert isinstance(down, fleet.Unreachable), down
-        assert agents["n1"] not in ranking.choices and ranking.choices, ranking.choices
-        actor = rray.place_model("m1", instance_id="m1-late", lease_ms=LEASE_MS)
-        assert name_of[nodes[ray.get(actor.node.remote())]] != "n1"
-        print("ray checks passed")
+        yield port
     except BaseException:
         log.flush()
         with open(log.name) as f:
@@ -177,6 +109,91 @@ def main():
                 node.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 node.kill()
+
+
+def main():
+    setup = json.loads(sys.argv[1])
+    agents, pids = setup["agents"], setup["pids"]
+    with cluster(agents, setup["tmp"]):
+        check(agents, pids)
+
+
+def check(agents, pids):
+    nodes = rray.agents()
+    assert sorted(nodes.values()) == sorted(agents.values()), nodes
+    name_of = {endpoint: name for name, endpoint in agents.items()}
+
+    # Five models, each where it fits without eviction.
+    actors = {}
+    for workload in ["m25", "m15", "m8", "m4", "m3"]:
+        actor = rray.place_model(workload, instance_id=workload, lease_ms=LEASE_MS)
+        actors[workload] = actor
+        node_id = ray.get(actor.node.remote())
+        at = name_of[nodes[node_id]]
+        i = instance(agents[at], workload)
+        assert i is not None and i.state == pb.READY, (workload, at, i)
+        url = ray.get(actor.endpoint.remote())
+        assert url == f"http://127.0.0.1:{i.port}", (url, i.port)
+        actors[workload] = (actor, at)
+    landed = {w: at for w, (_, at) in actors.items()}
+    # m4 fits n2 and n3 alike (1 GB left on either): ties go by node
+    # name, which under Ray is the node id; m3 then fits only the other.
+    by_id = sorted(["n2", "n3"], key=lambda n: next(i for i, e in nodes.items() if e == agents[n]))
+    expected = {"m25": "n3", "m15": "n2", "m8": "n1", "m4": by_id[0], "m3": by_id[1]}
+    assert landed == expected, (landed, expected)
+    for name, endpoint in agents.items():
+        with residentd.Agent(endpoint) as a:
+            ready = sorted(i.instance_id for i in a.list() if i.state == pb.READY)
+        assert ready == sorted(w for w, at in landed.items() if at == name), (name, ready)
+
+    # A sixth fits nowhere: refused with every node's reason.
+    try:
+        rray.place_model("m20", lease_ms=LEASE_MS)
+        raise AssertionError("m20 fits nowhere")
+    except fleet.FleetRefused as e:
+        why = e.ranking.why_not()
+        assert set(why) == set(agents.values()), why
+        assert all("unplaceable" in w for w in why.values()), why
+
+    # Another scheduler takes the first choice between the ranking and
+    # the start: the refused start's actor ends, and the next node of
+    # the ranking gets the model.
+    ranking = fleet.place(dict(rray.agents()), "m1")
+    first, second = ranking.choices[0], ranking.choices[1]
+    with residentd.Agent(first) as a:
+        a.start("m2", "other-scheduler")
+    actor = rray.place_model("m1", instance_id="m1", lease_ms=LEASE_MS, ranking=ranking)
+    assert nodes[ray.get(actor.node.remote())] == second, (name_of[first], name_of[second])
+    assert instance(first, "m1") is None, "nothing of the refused start is left"
+    assert instance(second, "m1").state == pb.READY
+
+    # A killed actor renews nothing: its model is stopped within the lease.
+    actor, at = actors["m8"]
+    ray.kill(actor)
+    killed = time.monotonic()
+    gone = until(lambda: (lambda i: i if i and i.state in (pb.EXITED, pb.FAILED) else None)(
+        instance(agents[at], "m8")), "m8 stopped after its actor was killed", within=LEASE_MS / 1000 + 10)
+    took = time.monotonic() - killed
+    assert "LEASE_EXPIRED" in gone.message, gone.message
+    assert took < LEASE_MS / 1000 + 3, f"stopped {took:.1f} s after the kill, lease {LEASE_MS} ms"
+    # The others were renewed all along.
+    assert instance(agents["n3"], "m25").state == pb.READY
+
+    # An actor that ends normally stops its model at once.
+    actor, at = actors["m4"]
+    ray.get(actor.stop.remote())
+    assert instance(agents[at], "m4").state == pb.EXITED
+
+    # One agent stopped: the ranking skips its node and says why.
+    os.kill(pids["n1"], signal.SIGTERM)
+    until(lambda: not serves(agents["n1"]), "n1 no longer serves")
+    ranking = fleet.place({n: e for n, e in rray.agents().items()}, "m1", deadline_s=1.0)
+    down = ranking.answers[agents["n1"]]
+    assert isinstance(down, fleet.Unreachable), down
+    assert agents["n1"] not in ranking.choices and ranking.choices, ranking.choices
+    actor = rray.place_model("m1", instance_id="m1-late", lease_ms=LEASE_MS)
+    assert name_of[nodes[ray.get(actor.node.remote())]] != "n1"
+    print("ray checks passed")
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 //! against real agents: its unit tests, tests/fleet/check.py on three
 //! agents of different sizes and an endpoint where no agent is, and
 //! tests/fleet/ray_check.py: the same three agents under a real Ray
-//! cluster of three nodes on loopback (Ray from PyPI); and
-//! tests/fleet/tls_check.py: an agent served only over mutual TLS beside
-//! one on a Unix socket.
+//! cluster of three nodes on loopback (Ray from PyPI);
+//! tests/fleet/serve_check.py: examples/ray-serve-resident.py under Ray
+//! Serve on such a cluster; and tests/fleet/tls_check.py: an agent served
+//! only over mutual TLS beside one on a Unix socket.
 
 use std::process::Command;
 
@@ -54,8 +55,7 @@ fn the_packages_unit_tests_pass() {
         said.contains("Ran ") && !said.contains("Ran 0 tests"),
         "{said}"
     );
-    // The Ray Serve example compiles (running it needs ray[serve] and a
-    // cluster of labelled nodes: docs/fleet.md).
+    // The Ray Serve example compiles (serve_check.py runs it).
     let example = workspace().join("examples/ray-serve-resident.py");
     let out = Command::new(&python)
         .args(["-m", "py_compile"])
@@ -72,10 +72,22 @@ fn the_packages_unit_tests_pass() {
 /// Three agents, n1 10 GB, n2 20 GB and n3 30 GB, each with the same
 /// workloads m1 to m25 (N GB each).
 async fn three_agents() -> Vec<(&'static str, Daemon)> {
+    three_agents_with(|_| String::new(), |_| workloads()).await
+}
+
+/// Agents n1 10 GB, n2 20 GB and n3 30 GB, each with `node(name)` as more
+/// `[node]` keys and `workloads(name)`.
+async fn three_agents_with(
+    node: impl Fn(&str) -> String,
+    workloads: impl Fn(&str) -> String,
+) -> Vec<(&'static str, Daemon)> {
     let mut agents = Vec::new();
     for (name, gb) in [("n1", 10), ("n2", 20), ("n3", 30)] {
         let dir = tempfile::tempdir().expect("tempdir");
-        let text = format!("name = \"{name}\"\n") + &pool("ram", &format!("{gb}GB")) + &workloads();
+        let text = format!("name = \"{name}\"\n")
+            + &node(name)
+            + &pool("ram", &format!("{gb}GB"))
+            + &workloads(name);
         // The node's name comes first in [node]; config_text writes its own.
         let text = config_text(dir.path(), &text).replacen("name = \"test-node\"\n", "", 1);
         std::fs::write(dir.path().join("residentd.toml"), text).expect("write");
@@ -128,36 +140,93 @@ async fn the_python_client_and_fleet_placement_against_three_agents() {
     .await;
 }
 
+/// One Ray cluster at a time: two on 2 cores would slow each other's
+/// nodes past their start-up bounds.
+static ONE_RAY_CLUSTER: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Whether the venv's python imports `modules` (`ray, residentd.ray`);
+/// if not, says the test is skipped (CI installs them, so there it fails).
+fn imports(python: &std::path::Path, modules: &str) -> bool {
+    let ok = Command::new(python)
+        .args(["-c", &format!("import {modules}")])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !ok {
+        let why = format!("no {modules} in .venv: run scripts/test, which installs them");
+        assert!(std::env::var_os("CI").is_none(), "{why}");
+        skip(&why);
+    }
+    ok
+}
+
+/// The JSON setup of a Ray check: the agents' sockets and pids, a
+/// temporary directory.
+fn ray_setup(agents: &[(&str, Daemon)], tmp: &tempfile::TempDir) -> serde_json::Value {
+    let pids: serde_json::Map<_, _> = agents
+        .iter()
+        .map(|(name, d)| (name.to_string(), d.pid().into()))
+        .collect();
+    serde_json::json!({
+        "agents": sockets(agents),
+        "pids": pids,
+        "tmp": tmp.path().display().to_string(),
+    })
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn models_placed_under_a_real_ray_cluster_of_three_nodes() {
     let Some(python) = python() else {
         return;
     };
-    let has_ray = Command::new(&python)
-        .args(["-c", "import ray, residentd.ray"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !has_ray {
-        let why = "no ray in .venv: run scripts/test, which installs it";
-        assert!(std::env::var_os("CI").is_none(), "{why}");
-        return skip(why);
+    if !imports(&python, "ray, residentd.ray") {
+        return;
     }
+    let _one = ONE_RAY_CLUSTER.lock().await;
     let agents = three_agents().await;
     let tmp = tempfile::tempdir().expect("tempdir");
-    let pids: serde_json::Map<_, _> = agents
-        .iter()
-        .map(|(name, d)| (name.to_string(), d.pid().into()))
-        .collect();
-    let setup = serde_json::json!({
-        "agents": sockets(&agents),
-        "pids": pids,
-        "tmp": tmp.path().display().to_string(),
-    });
     check(
         &python,
         "tests/fleet/ray_check.py",
-        setup,
+        ray_setup(&agents, &tmp),
         "ray checks passed",
+    )
+    .await;
+}
+
+/// examples/ray-serve-resident.py under real Ray Serve, on three Ray nodes
+/// on loopback: each agent holds `chat` (8 GB), a server that answers with
+/// its node's name; n3 takes one instance at most (`max_instances = 1`,
+/// which Start checks and Place does not: a node that refuses after Place
+/// ranked it first). tests/fleet/serve_check.py runs the documented
+/// `serve run`, then scales, kills and deletes through Serve's Python API.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ray_serve_example_places_scales_and_moves_resident_models() {
+    let Some(python) = python() else {
+        return;
+    };
+    if !imports(&python, "ray.serve, residentd.ray") {
+        return;
+    }
+    let _one = ONE_RAY_CLUSTER.lock().await;
+    let server = workspace().join("tests/fleet/echo_model.py");
+    let chat = |name: &str| {
+        format!(
+            "[[workload]]\nname = \"chat\"\ncommand = [\"{py}\", \"{server}\", \"${{PORT}}\", \"{name}\"]\nstop_grace = \"2s\"\n[workload.memory.ram]\nweights = \"8GB\"\n[workload.readiness]\nhttp = \"/health\"\ntimeout = \"30s\"\n",
+            py = python.display(),
+            server = server.display(),
+        )
+    };
+    let cap = |name: &str| match name {
+        "n3" => "max_instances = 1\n".to_string(),
+        _ => String::new(),
+    };
+    let agents = three_agents_with(cap, chat).await;
+    let tmp = tempfile::tempdir().expect("tempdir");
+    check(
+        &python,
+        "tests/fleet/serve_check.py",
+        ray_setup(&agents, &tmp),
+        "serve checks passed",
     )
     .await;
 }
