@@ -112,6 +112,7 @@ pub struct Metrics {
     sleeps: Family<WorkloadLabels, Counter>,
     wakes: Family<WorkloadLabels, Counter>,
     wake_seconds: Family<WorkloadLabels, Histogram, fn() -> Histogram>,
+    journal_writable: Gauge,
 }
 
 /// Wake times: 10 ms to about 80 s.
@@ -148,6 +149,7 @@ impl Metrics {
             exposed: Family::default(),
             denied: Family::default(),
             pool_live: Family::default(),
+            journal_writable: Gauge::default(),
             probe_failures: Family::default(),
             refusals: Family::default(),
             connections: Family::default(),
@@ -220,6 +222,14 @@ impl Metrics {
             "exposed",
             "Instances found listening beyond loopback under expose = loopback (stopped; adopted ones reported)",
             m.exposed.clone(),
+        );
+        // Writable until a write says otherwise: the journal was opened
+        // (created if need be) before the agent serves.
+        m.journal_writable.set(1);
+        r.register(
+            "journal_writable",
+            "1 while the journal is written, 0 while its last write failed (starts are refused until it can be written)",
+            m.journal_writable.clone(),
         );
         r.register(
             "pool_live",
@@ -308,6 +318,11 @@ impl Metrics {
                 reason: reason.to_string(),
             })
             .inc();
+    }
+
+    /// Whether the journal's last write went through.
+    pub fn journal_written(&self, ok: bool) {
+        self.journal_writable.set(i64::from(ok));
     }
 
     /// Whether `pool`'s probe gives readings; a failure is counted.

@@ -271,6 +271,7 @@ impl Agent {
         let written = self
             .journal
             .write(self.journal_entries(), self.books.learned_rows());
+        self.metrics().journal_written(written.is_ok());
         let settled = {
             let mut d = self.durable_state();
             match written {

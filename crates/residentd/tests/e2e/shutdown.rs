@@ -281,8 +281,20 @@ async fn a_damaged_journal_restores_what_it_can_and_is_kept_aside() {
 
 #[tokio::test]
 async fn a_journal_that_cannot_be_written_refuses_starts_until_it_can() {
-    let mut d = Daemon::start(&(ram() + &sleeper("nap", "ram", 1, ""))).await;
+    let port = free_port();
+    let config = format!(
+        "metrics_listen = \"127.0.0.1:{port}\"\n{}{}",
+        ram(),
+        sleeper("nap", "ram", 1, "")
+    );
+    let mut d = Daemon::start(&config).await;
     let a = d.started("nap", "a").await;
+    let writable = || {
+        crate::metrics::scrape(port)
+            .lines()
+            .find_map(|l| l.strip_prefix("residentd_journal_writable ").map(str::to_string))
+    };
+    assert_eq!(writable().as_deref(), Some("1"), "the metric before");
     // The journal's next write fails, as on a full or read-only state_dir:
     // the journal is taken away (so the next write must be whole) and a
     // directory stands where that write's file must go, which fails even
@@ -320,6 +332,8 @@ async fn a_journal_that_cannot_be_written_refuses_starts_until_it_can() {
         1,
         "said once"
     );
+    // Said to monitoring too (prometheus/residentd-rules.yml alerts on it).
+    assert_eq!(writable().as_deref(), Some("0"), "the metric while failing");
     // Space is back: starts resume by themselves.
     std::fs::remove_dir(&blocker).expect("unblock");
     let started = until(async || d.client.start(start_req("nap", "d")).await.ok()).await;
@@ -328,6 +342,7 @@ async fn a_journal_that_cannot_be_written_refuses_starts_until_it_can() {
         "starts resume once the journal can be written"
     );
     assert!(d.log().contains("the journal is written again"));
+    assert_eq!(writable().as_deref(), Some("1"), "the metric after");
     let ids: Vec<String> = d.journaled().into_iter().map(|e| e.instance).collect();
     assert_eq!(ids, ["a", "d"]);
 }
