@@ -79,6 +79,7 @@ function drawPool(p) {
   figures.push(p.budget === null ? "no budget" : `budget ${bytes(p.budget)}`);
   if (p.effective !== null && p.effective !== p.budget) figures.push(`effective ${bytes(p.effective)}`);
   if (p.free !== null) figures.push(`free ${bytes(p.free)}`);
+  if (p.available !== null) figures.push(`available now ${bytes(p.available)}`);
   return el("div", { class: "pool", "data-pool": p.name },
     el("div", { class: "head" }, el("strong", {}, p.name), el("span", { class: "figures" }, figures.join(" · "))),
     bar, legend);
