@@ -206,7 +206,7 @@ def the_python_api(agents, pids, name_of, http):
     # A replica killed outright runs no __del__: its ResidentModel actor
     # dies with it, nothing renews the lease, and the agent stops the model.
     # Serve starts another replica, placed anew.
-    [replica] = replicas()
+    [replica] = until(lambda: (lambda r: r if len(r) == 1 else None)(replicas()), "the scaled-down replica gone")
     before = flat(chats(agents))
     ray.kill(ray.get_actor(replica["name"], namespace=replica["namespace"]), no_restart=True)
     for i in ended(agents, before, within=LEASE_MS / 1000 + 15).values():
