@@ -12,7 +12,6 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use resident_api::pb;
-use residentd_router::{App, Options};
 use serde_json::Value;
 use tokio::io::{AsyncBufReadExt as _, AsyncReadExt as _, AsyncWriteExt as _, BufReader, Lines};
 use tokio::net::TcpStream;
@@ -20,49 +19,14 @@ use tokio::process::{Child, ChildStdin, ChildStdout};
 
 use crate::support::*;
 
-/// A router served in this process until dropped.
-struct Router {
-    base: String,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-}
-
-impl Drop for Router {
-    fn drop(&mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-    }
-}
-
 async fn router(socket: &Path) -> Router {
     router_with(socket, None).await
 }
 
 /// A router whose console takes actions with `token`.
 async fn router_with(socket: &Path, token: Option<&str>) -> Router {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let listen = listener.local_addr().expect("address");
-    let app = App::new(Options {
-        agent: socket.display().to_string(),
-        tls: None,
-        listen,
-        queue_timeout: Duration::from_secs(5),
-        max_body: 1 << 20,
-        body_timeout: Duration::from_secs(2),
-        hold: Duration::from_secs(30),
-        console_token: token.map(str::to_string),
-    })
-    .expect("router");
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(app.serve(listener, async move {
-        let _ = stopped.await;
-    }));
-    Router {
-        base: format!("http://{listen}"),
-        stop: Some(stop),
-    }
+    let agent = socket.display().to_string();
+    serve_router(&agent, None, Duration::from_secs(5), token).await
 }
 
 /// One browser at a time: the tests measure the page, not browsers

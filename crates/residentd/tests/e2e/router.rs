@@ -11,7 +11,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use resident_api::pb;
-use residentd_router::{AgentTls, App, Options};
+use residentd_router::AgentTls;
 use serde_json::Value;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpStream;
@@ -21,20 +21,6 @@ use crate::support::*;
 use crate::tls::{ca, connect_tls, leaf, tls_agent_serving};
 
 /// A router served in this process until dropped.
-struct Router {
-    base: String,
-    port: u16,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-}
-
-impl Drop for Router {
-    fn drop(&mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-    }
-}
-
 async fn router(socket: &Path, queue_timeout: Duration) -> Router {
     router_to(&socket.display().to_string(), None, queue_timeout).await
 }
@@ -42,30 +28,7 @@ async fn router(socket: &Path, queue_timeout: Duration) -> Router {
 /// A router of the agent at `agent` (a socket, `http://` or `https://`
 /// with `tls`).
 async fn router_to(agent: &str, tls: Option<AgentTls>, queue_timeout: Duration) -> Router {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let listen = listener.local_addr().expect("address");
-    let app = App::new(Options {
-        agent: agent.to_string(),
-        tls,
-        listen,
-        queue_timeout,
-        max_body: 1 << 20,
-        body_timeout: Duration::from_secs(2),
-        hold: Duration::from_secs(30),
-        console_token: None,
-    })
-    .expect("router");
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(app.serve(listener, async move {
-        let _ = stopped.await;
-    }));
-    Router {
-        base: format!("http://{listen}"),
-        port: listen.port(),
-        stop: Some(stop),
-    }
+    serve_router(agent, tls, queue_timeout, None).await
 }
 
 /// Runs tests/router/client.py with `args`; its JSON answer.

@@ -415,3 +415,52 @@ pub fn residentctl(socket: &Path, args: &[&str]) -> std::process::Output {
         .output()
         .expect("residentctl runs")
 }
+
+/// residentd-router served in this process (its library) until dropped.
+pub struct Router {
+    pub base: String,
+    pub port: u16,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl Drop for Router {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+/// A router of the agent at `agent` (a socket, `http://` or `https://`
+/// with `tls`), its console's actions on with `console_token`.
+pub async fn serve_router(
+    agent: &str,
+    tls: Option<residentd_router::AgentTls>,
+    queue_timeout: Duration,
+    console_token: Option<&str>,
+) -> Router {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let listen = listener.local_addr().expect("address");
+    let app = residentd_router::App::new(residentd_router::Options {
+        agent: agent.to_string(),
+        tls,
+        listen,
+        queue_timeout,
+        max_body: 1 << 20,
+        body_timeout: Duration::from_secs(2),
+        hold: Duration::from_secs(30),
+        console_token: console_token.map(str::to_string),
+    })
+    .expect("router");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(app.serve(listener, async move {
+        let _ = stopped.await;
+    }));
+    Router {
+        base: format!("http://{listen}"),
+        port: listen.port(),
+        stop: Some(stop),
+    }
+}
