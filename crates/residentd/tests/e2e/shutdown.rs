@@ -290,9 +290,10 @@ async fn a_journal_that_cannot_be_written_refuses_starts_until_it_can() {
     let mut d = Daemon::start(&config).await;
     let a = d.started("nap", "a").await;
     let writable = || {
-        crate::metrics::scrape(port)
-            .lines()
-            .find_map(|l| l.strip_prefix("residentd_journal_writable ").map(str::to_string))
+        crate::metrics::scrape(port).lines().find_map(|l| {
+            l.strip_prefix("residentd_journal_writable ")
+                .map(str::to_string)
+        })
     };
     assert_eq!(writable().as_deref(), Some("1"), "the metric before");
     // The journal's next write fails, as on a full or read-only state_dir:
