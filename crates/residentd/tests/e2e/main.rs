@@ -2,7 +2,9 @@
 //! starting the real `residentd` (and `residentctl`) and talking to it over
 //! its socket, with the helpers of `support`. `router` runs
 //! residentd-router (its library, in the test process) in front of it;
-//! `console` opens the router's page in a headless chromium.
+//! `console` opens the router's page in a headless chromium; `package`
+//! builds the Debian package and, as root, installs it for real and
+//! purges it.
 //!
 //! `cargo test -p residentd --test e2e lifecycle::` runs one topic.
 
@@ -25,6 +27,7 @@ mod llama;
 mod load;
 mod metrics;
 mod oom;
+mod package;
 mod placement;
 mod prometheus;
 mod residentctl;

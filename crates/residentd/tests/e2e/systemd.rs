@@ -135,8 +135,8 @@ async fn children_do_not_inherit_the_agents_oom_protection() {
 
 /// The packaged config for an agent in `dir`: its paths moved into `dir`,
 /// its user and socket group `user`'s (the packaged `residentd` exists
-/// only where the package is installed), its example workload replaced by
-/// one that runs here.
+/// only where the package is installed), a workload that runs here added
+/// (as shipped it has none, so that it loads on any machine).
 fn packaged_config_in(dir: &std::path::Path, user: &nix::unistd::User) -> String {
     let text = std::fs::read_to_string(workspace().join("systemd/residentd.toml"))
         .expect("the packaged config");
@@ -153,11 +153,11 @@ fn packaged_config_in(dir: &std::path::Path, user: &nix::unistd::User) -> String
         .flatten()
         .expect("the user's group")
         .name;
-    let node = text
-        .split("[[workload]]")
-        .next()
-        .expect("the node and pools");
-    node.replace("\"residentd\"", &format!("\"{}\"", user.name))
+    assert!(
+        !text.lines().any(|l| l.starts_with("[[workload]]")),
+        "the packaged config declares no workload, only a commented example"
+    );
+    text.replace("\"residentd\"", &format!("\"{}\"", user.name))
         .replace(
             "\"unix:///run/residentd/residentd.sock\"",
             &format!("\"unix://{}/agent.sock\"", dir.display()),
