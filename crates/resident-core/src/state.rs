@@ -191,7 +191,7 @@ pub struct PoolStatus {
 }
 
 /// The result of a successful `admit`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Admission {
     /// False when the instance was already resident (idempotent start).
     pub created: bool,
@@ -299,13 +299,7 @@ impl NodeState {
             Plan::Refuse(refusal) => Err(AdmitError::Refused(refusal)),
             Plan::Existing => {
                 self.touch(id.as_str(), now, 0);
-                Ok(Admission {
-                    created: false,
-                    sleep: Vec::new(),
-                    evict: Vec::new(),
-                    wait_for: Vec::new(),
-                    chosen: Vec::new(),
-                })
+                Ok(Admission::default())
             }
             Plan::Admit {
                 sleep,
@@ -355,10 +349,8 @@ impl NodeState {
                 self.enter(id, spec, now, present.clone(), evictable);
                 Ok(Admission {
                     created: true,
-                    sleep: Vec::new(),
-                    evict: Vec::new(),
                     wait_for,
-                    chosen: Vec::new(),
+                    ..Admission::default()
                 })
             }
         }
@@ -421,10 +413,9 @@ impl NodeState {
                 self.set_tier(id.as_str(), Tier::Asleep);
                 Ok(Admission {
                     created: true,
-                    sleep: Vec::new(),
-                    evict: Vec::new(),
                     wait_for,
                     chosen,
+                    ..Admission::default()
                 })
             }
         }
@@ -456,13 +447,7 @@ impl NodeState {
     ) -> Result<Admission, AdmitError> {
         match self.plan_wake(id, policy, now)? {
             Plan::Refuse(refusal) => Err(AdmitError::Refused(refusal)),
-            Plan::Existing => Ok(Admission {
-                created: false,
-                sleep: Vec::new(),
-                evict: Vec::new(),
-                wait_for: Vec::new(),
-                chosen: Vec::new(),
-            }),
+            Plan::Existing => Ok(Admission::default()),
             Plan::Admit {
                 sleep,
                 evict,
@@ -475,11 +460,10 @@ impl NodeState {
                 }
                 self.touch(id.as_str(), now, 0);
                 Ok(Admission {
-                    created: false,
                     sleep,
                     evict,
                     wait_for,
-                    chosen: Vec::new(),
+                    ..Admission::default()
                 })
             }
         }
