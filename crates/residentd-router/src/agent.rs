@@ -27,6 +27,18 @@ fn quick<T>(msg: T) -> tonic::Request<T> {
     r
 }
 
+/// The longest a console action (Start without waiting for READY, Stop,
+/// Sleep) may take: it waits for evictions, a stop's grace, a sleep or
+/// wake call, which the workloads' own timeouts bound.
+const ACTION_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// `msg` as a request bounded by [`ACTION_TIMEOUT`].
+fn action<T>(msg: T) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(msg);
+    r.set_timeout(ACTION_TIMEOUT);
+    r
+}
+
 /// How an on-demand start ended, when not with a READY instance.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StartError {
@@ -278,7 +290,7 @@ impl Agent {
             wait_ready: false,
             ..Default::default()
         };
-        Ok(self.client.clone().start(quick(req)).await?.into_inner())
+        Ok(self.client.clone().start(action(req)).await?.into_inner())
     }
 
     /// Stops instance `id` with its workload's grace.
@@ -287,7 +299,7 @@ impl Agent {
             instance_id: id.to_string(),
             grace_ms: 0,
         };
-        let r = self.client.clone().stop(quick(req)).await?.into_inner();
+        let r = self.client.clone().stop(action(req)).await?.into_inner();
         r.instance
             .ok_or_else(|| tonic::Status::internal("the agent answered no instance"))
     }
@@ -297,7 +309,7 @@ impl Agent {
         let req = pb::SleepRequest {
             instance_id: id.to_string(),
         };
-        Ok(self.client.clone().sleep(quick(req)).await?.into_inner())
+        Ok(self.client.clone().sleep(action(req)).await?.into_inner())
     }
 
     /// Starts instance `id` of `workload` under the agent's policy and
