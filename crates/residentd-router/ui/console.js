@@ -245,13 +245,16 @@ async function place(e) {
 async function act(action, workload, id) {
   const token = $("token").value.trim();
   sessionStorage.setItem("residentd-console-token", token);
+  const answer = $("act-answer");
+  answer.textContent = `asking the agent: ${action} ${id || workload}…`;
+  answer.className = "muted";
+  delete answer.dataset.status;
   const r = await fetch("/ui/act", {
     method: "POST",
     headers: { "Content-Type": "application/json", Authorization: `Bearer ${token}` },
     body: JSON.stringify({ action, workload, id }),
   });
   const body = await r.json();
-  const answer = $("act-answer");
   answer.textContent = body.message;
   answer.className = r.ok ? "ok" : "bad";
   answer.dataset.status = String(r.status);

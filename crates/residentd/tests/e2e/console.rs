@@ -572,7 +572,7 @@ async fn what_if_shows_places_answer_and_actions_are_off_until_turned_on() {
         "#instances tr[data-id=\"s1\"] button[data-action=stop]",
     ])
     .await;
-    b.text("#act-answer", "stop s1").await;
+    b.text("#act-answer", "stop s1: ").await;
     d.wait_state("s1", pb::State::Exited).await;
     b.text("#instances tr[data-id=\"s1\"]", "EXITED").await;
     b.run(&[
@@ -581,7 +581,7 @@ async fn what_if_shows_places_answer_and_actions_are_off_until_turned_on() {
     ])
     .await;
     b.run(&["click", "#start"]).await;
-    b.text("#act-answer", "start ").await;
+    b.text("#act-answer", "start small-").await;
     let started = until(async || {
         let list = d.list().await;
         list.into_iter().find(|i| {
@@ -646,7 +646,7 @@ async fn the_page_puts_a_server_to_sleep_and_wakes_it() {
         "#instances tr[data-id=\"b\"] button[data-action=wake]",
     ])
     .await;
-    b.text("#act-answer", "wake b").await;
+    b.text("#act-answer", "wake b: ").await;
     d.wait_state("b", pb::State::Ready).await;
     b.text("#instances tr[data-id=\"b\"]", "READY").await;
     let log = d.log();
