@@ -120,20 +120,54 @@ fn call() -> impl Strategy<Value = Call> {
     ]
 }
 
-async fn books(c: &mut Client) -> (Vec<pb::Instance>, Vec<pb::PoolStatus>) {
+/// What an invalid call must not change, and the countdowns kept apart.
+struct Books {
+    /// The instances (timers and sampled memory zeroed) and the pools.
+    stable: (Vec<pb::Instance>, Vec<pb::PoolStatus>),
+    /// Per instance: the hold and the lease left, in ms. They count down on
+    /// their own between two reads, so they are compared with the time that
+    /// passed, not for equality.
+    timers: Vec<(String, u64, u64)>,
+}
+
+async fn books(c: &mut Client) -> Books {
     let list = c.list(pb::ListRequest {}).await.expect("list").into_inner();
     let node = c.node(pb::NodeRequest {}).await.expect("node").into_inner();
+    let mut timers = Vec::new();
     // The transient fields of a live instance (sampled memory) may move on
     // their own; what an invalid call must not change is the rest.
     let stable = list
         .instances
         .into_iter()
         .map(|mut i| {
+            timers.push((i.instance_id.clone(), i.hold_left_ms, i.lease_left_ms));
             i.measured_bytes = 0;
+            i.hold_left_ms = 0;
+            i.lease_left_ms = 0;
             i
         })
         .collect();
-    (stable, node.pools)
+    Books {
+        stable: (stable, node.pools),
+        timers,
+    }
+}
+
+/// The countdowns after a call are those before it, less at most the time
+/// that passed between the two reads (a hold set or lengthened shows).
+fn timers_only_ran_down(before: &Books, after: &Books, elapsed_ms: u64) -> Result<(), String> {
+    if before.timers.len() != after.timers.len() {
+        return Err(format!("{:?} became {:?}", before.timers, after.timers));
+    }
+    for ((id, hold0, lease0), (id1, hold1, lease1)) in before.timers.iter().zip(&after.timers) {
+        let ran_down = |t0: u64, t1: u64| t1 <= t0 && t0 - t1 <= elapsed_ms + 1;
+        if id != id1 || !ran_down(*hold0, *hold1) || !ran_down(*lease0, *lease1) {
+            return Err(format!(
+                "{id}: hold {hold0} ms, lease {lease0} ms became {id1}: hold {hold1} ms, lease {lease1} ms in {elapsed_ms} ms"
+            ));
+        }
+    }
+    Ok(())
 }
 
 async fn send(c: &mut Client, call: Call) -> Result<(), tonic::Status> {
@@ -183,12 +217,22 @@ fn random_messages_never_break_the_agent_and_invalid_ones_change_nothing() {
     let result = runner.run(&call(), |call| {
         let mut c = client.clone();
         rt.block_on(async {
+            let clock = std::time::Instant::now();
             let before = books(&mut c).await;
             match send(&mut c, call.clone()).await {
                 Err(s) if s.code() == tonic::Code::InvalidArgument => {
                     invalid.set(invalid.get() + 1);
                     let after = books(&mut c).await;
-                    prop_assert_eq!(before, after, "{:?} changed the books", call);
+                    let elapsed_ms = clock.elapsed().as_millis() as u64;
+                    prop_assert_eq!(
+                        &before.stable,
+                        &after.stable,
+                        "{:?} changed the books",
+                        call
+                    );
+                    if let Err(e) = timers_only_ran_down(&before, &after, elapsed_ms) {
+                        prop_assert!(false, "{:?} changed a hold or a lease: {}", call, e);
+                    }
                 }
                 Err(s) => prop_assert!(
                     s.code() != tonic::Code::Internal && s.code() != tonic::Code::Unknown,
