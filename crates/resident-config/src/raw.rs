@@ -269,6 +269,22 @@ pub struct Demand {
     /// model, whose tensors count with the weights.
     #[serde(skip)]
     pub mmproj: Option<Spanned<String>>,
+    /// Set by a flavor on its host-memory table: the prompt cache its
+    /// server keeps beside the model (llama-server's `--cache-ram`).
+    #[serde(skip)]
+    pub prompt_cache: Option<PromptCache>,
+}
+
+/// The prompt cache a llama-server holds in host memory: states of
+/// earlier prompts, kept so that a conversation's next turn is not
+/// decoded again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PromptCache {
+    /// Bounded to this many bytes (`--cache-ram N`, N MiB): reserved.
+    Bytes(u64),
+    /// Left at the server's default (8 GiB) by a command of the
+    /// workload's own: not reserved, and a config warning says so.
+    ServerDefault,
 }
 
 /// How a flavor's server runs its model (`gguf::Serving`, less the

@@ -54,6 +54,8 @@ fn each_flavor_resolves_to_its_servers_command_line_and_probe() {
             "q8_0",
             "--verbosity",
             "4",
+            "--cache-ram",
+            "0",
             "--threads",
             "8"
         ]
@@ -320,6 +322,103 @@ fn a_sleep_table_is_checked_key_by_key() {
     ))
     .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(c.workloads["g"].spec.asleep_footprint("gpu0"), 200_000_000);
+}
+
+#[test]
+fn llama_servers_prompt_cache_is_off_or_reserved_in_host_memory() {
+    const MIB: u64 = 1 << 20;
+    let pools = "[[pool]]\nname = \"ram\"\nbudget = \"64GB\"\n\n[[pool]]\nname = \"gpu0\"\nbudget = \"80GB\"\nindex = 0\n\n";
+    let tables =
+        "[workload.memory.gpu0]\nweights = \"4GB\"\n[workload.memory.ram]\nweights = \"1GB\"\n";
+    let config = |rest: &str| {
+        parse(&format!(
+            "{pools}[[workload]]\nname = \"l\"\nflavor = \"llama-server\"\nmodel = \"/m/l.gguf\"\n{rest}{tables}"
+        ))
+    };
+    let ok = |rest: &str| config(rest).unwrap_or_else(|e| panic!("{rest}: {e}"));
+    let cram = |c: &Config| {
+        let argv = &c.workloads["l"].argv;
+        let n = argv.iter().position(|a| a == "--cache-ram")?;
+        Some(argv[n + 1].clone())
+    };
+
+    // Nothing asks for it: off, and nothing beyond the tables reserved.
+    let c = ok("");
+    assert_eq!(cram(&c).as_deref(), Some("0"));
+    assert_eq!(c.workloads["l"].spec.footprint("ram"), 1_000_000_000);
+    assert_eq!(c.workloads["l"].spec.footprint("gpu0"), 4_000_000_000);
+
+    // Sized in args, in either spelling, or by the server's variable: that
+    // much reserved in the host pool, never on the device, and the flag
+    // not written twice.
+    for (rest, mib) in [
+        ("args = [\"--cache-ram\", \"512\"]\n", 512),
+        ("args = [\"-cram\", \"256\"]\n", 256),
+        ("args = [\"--cache-ram=128\"]\n", 128),
+        ("env = { LLAMA_ARG_CACHE_RAM = \"64\" }\n", 64),
+    ] {
+        let c = ok(rest);
+        let l = &c.workloads["l"];
+        assert_eq!(l.spec.footprint("ram"), 1_000_000_000 + mib * MIB, "{rest}");
+        assert_eq!(l.spec.footprint("gpu0"), 4_000_000_000, "{rest}");
+        assert_eq!(
+            l.argv
+                .iter()
+                .filter(|a| a.contains("cache-ram") || *a == "-cram")
+                .count(),
+            usize::from(!rest.starts_with("env")),
+            "{rest}: {:?}",
+            l.argv
+        );
+        assert!(
+            l.reservation.iter().any(|n| n.contains("prompt cache")),
+            "{rest}: {:?}",
+            l.reservation
+        );
+    }
+
+    // Asleep, the cache stays in the books beside the process.
+    let c = ok("args = [\"--cache-ram\", \"512\"]\n[workload.sleep]\nidle = \"90s\"\n");
+    let l = &c.workloads["l"];
+    assert_eq!(l.spec.asleep_footprint("ram"), 27_000_000 + 512 * MIB);
+    assert_eq!(l.spec.asleep_footprint("gpu0"), 27_000_000);
+
+    // A command of the workload's own that leaves the server's default:
+    // not reserved, and said.
+    let c =
+        ok("command = [\"/opt/llama-server\", \"-m\", \"/m/l.gguf\", \"--port\", \"${PORT}\"]\n");
+    assert_eq!(c.workloads["l"].spec.footprint("ram"), 1_000_000_000);
+    assert!(
+        c.warnings
+            .iter()
+            .any(|w| w.contains("workload[l].memory.ram.overhead") && w.contains("--cache-ram")),
+        "{:?}",
+        c.warnings
+    );
+    let c = ok(
+        "command = [\"/opt/llama-server\", \"-m\", \"/m/l.gguf\", \"--port\", \"${PORT}\", \"--cache-ram\", \"100\"]\n",
+    );
+    assert_eq!(
+        c.workloads["l"].spec.footprint("ram"),
+        1_000_000_000 + 100 * MIB
+    );
+    assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+
+    // No bound, or not a number: refused, naming where it was written.
+    for (rest, key) in [
+        ("args = [\"--cache-ram\", \"-1\"]\n", "workload[l].args"),
+        ("args = [\"-cram\", \"lots\"]\n", "workload[l].args"),
+        (
+            "env = { LLAMA_ARG_CACHE_RAM = \"-1\" }\n",
+            "workload[l].env.LLAMA_ARG_CACHE_RAM",
+        ),
+    ] {
+        let e = config(rest).expect_err(rest);
+        assert!(
+            e.contains(key) && e.contains("--cache-ram") && e.starts_with("flavors.toml:"),
+            "{rest}: {e}"
+        );
+    }
 }
 
 #[test]

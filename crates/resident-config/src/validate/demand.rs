@@ -189,6 +189,22 @@ pub(super) fn demand(
         }
         (None, None) => (0, "none declared".to_string()),
     };
+    // The server's prompt cache, in the host table: reserved when sized;
+    // a declared overhead is the workload's own figure and stands.
+    let (overhead, why) = match (dem.prompt_cache, &dem.overhead) {
+        (Some(raw::PromptCache::Bytes(b)), None) => (
+            overhead.saturating_add(b),
+            format!("{why} + the prompt cache {} (--cache-ram)", mb(b)),
+        ),
+        (Some(raw::PromptCache::ServerDefault), None) => {
+            warnings.push(format!(
+                "{}: the command leaves llama-server's prompt cache at its default, up to 8 GiB of host memory beside the model, which is not reserved: pass --cache-ram 0 (off) or its size in MiB (reserved)",
+                k("overhead")
+            ));
+            (overhead, why)
+        }
+        _ => (overhead, why),
+    };
     let source = if dem.from_gguf.is_some() {
         format!(
             "weights {} ({}) + kv {} ({})",

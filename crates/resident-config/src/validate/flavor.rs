@@ -3,7 +3,9 @@
 //! (`model`, `ctx`, `kv_type`, `parallel`, extra `args`, and `program`
 //! for the executable): the argv, bound to loopback on `${PORT}`; the
 //! readiness path; the stop grace; and, for GGUF models, the memory from
-//! the file. Anything the workload sets itself stands: a flavor only fills
+//! the file; llama-server's prompt cache (`--cache-ram`) off, or reserved
+//! in host memory when the workload sizes it. Anything the workload sets
+//! itself stands: a flavor only fills
 //! in what is missing. This runs on the raw workload, before the rules
 //! every workload obeys, so a flavored workload is checked like any other.
 
@@ -174,6 +176,72 @@ fn process_overhead(flavor: &str) -> Option<u64> {
 /// MiB), more after a long prompt than after a short one: the largest,
 /// rounded up.
 pub(super) const LLAMA_SERVER_PROCESS: u64 = 27_000_000;
+
+/// The flags that size llama-server's prompt cache, and its environment
+/// variable (`common/arg.cpp`; a flag wins over the variable).
+const CACHE_RAM_FLAGS: [&str; 2] = ["--cache-ram", "-cram"];
+const CACHE_RAM_ENV: &str = "LLAMA_ARG_CACHE_RAM";
+
+/// The prompt cache a llama-server workload asks for, in MiB
+/// (`--cache-ram N` in its args or command, else `LLAMA_ARG_CACHE_RAM`),
+/// or `None` when nothing sets it (the server's default: 8192 MiB). The
+/// server keeps up to that much of earlier prompts' states in host
+/// memory; -1 lifts the bound, which no reservation can hold.
+fn cache_ram(
+    src: &Source<'_>,
+    w: &raw::Workload,
+    key: &dyn Fn(&str) -> String,
+) -> Result<Option<u64>> {
+    // (value, where it was written, the key that names it)
+    let mut found: Option<(String, Range<usize>, String)> = None;
+    let mut scan = |argv: &[(&str, Range<usize>)], at: &str| {
+        for (i, (a, span)) in argv.iter().enumerate() {
+            let value = if CACHE_RAM_FLAGS.contains(a) {
+                argv.get(i + 1).map(|(v, _)| v.to_string())
+            } else {
+                CACHE_RAM_FLAGS
+                    .iter()
+                    .find_map(|f| a.strip_prefix(f)?.strip_prefix('='))
+                    .map(str::to_string)
+            };
+            if let Some(v) = value {
+                found = Some((v, span.clone(), key(at)));
+            }
+        }
+    };
+    if let Some(c) = &w.command {
+        let argv: Vec<_> = c.get_ref().iter().map(|a| (a.as_str(), c.span())).collect();
+        scan(&argv, "command");
+    }
+    let argv: Vec<_> = w
+        .args
+        .iter()
+        .map(|a| (a.get_ref().as_str(), a.span()))
+        .collect();
+    scan(&argv, "args");
+    let (value, span, at) = match (found, w.env.get(CACHE_RAM_ENV)) {
+        (Some(f), _) => f,
+        (None, Some(v)) => (
+            v.get_ref().clone(),
+            v.span(),
+            key(&format!("env.{CACHE_RAM_ENV}")),
+        ),
+        (None, None) => return Ok(None),
+    };
+    match value.trim().parse::<i64>() {
+        Ok(mib) if mib >= 0 => Ok(Some(mib as u64)),
+        Ok(-1) => Err(src.err(
+            span,
+            at,
+            "llama-server's prompt cache without a bound (--cache-ram -1) cannot be reserved: give its size in MiB, or 0 to turn it off",
+        )),
+        _ => Err(src.err(
+            span,
+            at,
+            format!("--cache-ram takes the prompt cache's size in MiB (0: off), not {value:?}"),
+        )),
+    }
+}
 
 /// How a flavor's server runs a GGUF model, as far as its memory goes.
 /// llama-server (tools/server/server.cpp): without `--parallel`, 4
@@ -402,8 +470,33 @@ pub(super) fn apply(
         }
         _ => None,
     };
+    // llama-server's prompt cache lives in host memory beside the model:
+    // reserved when the workload sizes it, off when the flavor writes the
+    // command and nothing asks for it (8 GiB by default, never measured
+    // until it has grown).
+    let cache = if f == "llama-server" {
+        cache_ram(src, w, &key)?
+    } else {
+        None
+    };
+    let prompt_cache = match cache {
+        Some(0) => None,
+        Some(mib) => Some(raw::PromptCache::Bytes(mib.saturating_mul(1 << 20))),
+        None if f == "llama-server" && out.command.is_some() => {
+            Some(raw::PromptCache::ServerDefault)
+        }
+        None => None,
+    };
+    if let Some(table) = prompt_cache.and_then(|_| host_table(&out, pools))
+        && let Some(d) = out.memory.get_mut(&table)
+    {
+        d.get_mut().prompt_cache = prompt_cache;
+    }
     if out.command.is_none() {
         let mut argv = d.argv;
+        if f == "llama-server" && cache.is_none() {
+            argv.extend(["--cache-ram", "0"].map(String::from));
+        }
         if sleeps {
             argv.push("--enable-sleep-mode".to_string());
         }
@@ -436,6 +529,20 @@ pub(super) fn apply(
         out.stop_grace = Some(spanned(&span, d.stop_grace.into()));
     }
     Ok(out)
+}
+
+/// The workload's table of host memory: the first that names a pool
+/// bound to no device.
+fn host_table(w: &raw::Workload, pools: &[PoolDef]) -> Option<String> {
+    w.memory
+        .iter()
+        .find(|(name, d)| {
+            d.get_ref().any_of.is_none()
+                && pools.iter().any(|p| {
+                    p.pool.name.as_str() == name.as_str() && p.device.is_none() && p.index.is_none()
+                })
+        })
+        .map(|(name, _)| name.clone())
 }
 
 /// The share of its device pool's budget a workload declares, when it

@@ -43,7 +43,7 @@ pub(super) fn sleep(
         .as_ref()
         .is_some_and(|f| f.get_ref() == "llama-server")
     {
-        return llama_server(src, spec, pools, table, &k, host).map(Some);
+        return llama_server(src, w, spec, pools, &k, host).map(Some);
     }
     let level = match &t.level {
         Some(l) if !vllm => {
@@ -105,16 +105,19 @@ pub(super) fn sleep(
 /// llama-server sleeps by itself after `idle` unused (the flavor passes
 /// `--sleep-idle-seconds`), says so in `/props` (`is_sleeping`), and wakes
 /// by itself at the next request: no calls. Asleep it keeps its process
-/// (its runtime, without the model) in each pool it holds, unless tables
-/// say otherwise.
+/// (its runtime, without the model) in each pool it holds, and a prompt
+/// cache it was given stays reserved in the host table (whether the
+/// server frees it asleep is not measured here), unless tables say
+/// otherwise.
 fn llama_server(
     src: &Source<'_>,
+    w: &raw::Workload,
     spec: &Spec,
     pools: &[PoolDef],
-    table: &Spanned<raw::Sleep>,
     k: &dyn Fn(&str) -> String,
     host: Lookups,
 ) -> Result<(Sleep, Asleep)> {
+    let table = w.sleep.as_ref().expect("the caller found the sleep table");
     let t = table.get_ref();
     for (name, given) in [("sleep", &t.sleep), ("wake", &t.wake)] {
         if let Some(c) = given {
@@ -143,8 +146,26 @@ fn llama_server(
             overhead: super::flavor::LLAMA_SERVER_PROCESS,
             ..Demand::default()
         };
+        let cache = |pool: &PoolName| match w
+            .memory
+            .get(pool.as_str())
+            .and_then(|d| d.get_ref().prompt_cache)
+        {
+            Some(raw::PromptCache::Bytes(b)) => b,
+            _ => 0,
+        };
         Asleep {
-            demand: spec.demand.keys().map(|p| (p.clone(), process)).collect(),
+            demand: spec
+                .demand
+                .keys()
+                .map(|p| {
+                    let held = Demand {
+                        overhead: process.overhead.saturating_add(cache(p)),
+                        ..process
+                    };
+                    (p.clone(), held)
+                })
+                .collect(),
             any_of: spec.any_of.iter().map(|_| process).collect(),
             by_itself: true,
         }

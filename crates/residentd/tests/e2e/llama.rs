@@ -479,6 +479,7 @@ async fn a_real_llama_server_is_reserved_what_it_holds_and_runs_as_its_flavor_sa
         "--cache-type-v",
         "--verbosity",
         "--mmproj",
+        "--cache-ram",
     ] {
         assert!(help.contains(flag), "llama-server --help has no {flag}");
     }
