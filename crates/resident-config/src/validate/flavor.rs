@@ -5,9 +5,9 @@
 //! readiness path; the stop grace; and, for GGUF models, the memory from
 //! the file; llama-server's prompt cache (`--cache-ram`) off, or reserved
 //! in host memory when the workload sizes it. Anything the workload sets
-//! itself stands: a flavor only fills
-//! in what is missing. This runs on the raw workload, before the rules
-//! every workload obeys, so a flavored workload is checked like any other.
+//! itself stands: a flavor only fills in what is missing. This runs on the
+//! raw workload, before the rules every workload obeys, so a flavored
+//! workload is checked like any other.
 
 use std::ops::Range;
 
