@@ -724,3 +724,121 @@ async fn footprint_matrix_reserves_what_each_server_holds_on_its_first_start() {
     }
     assert!(rows.iter().all(Row::within), "outside the window:\n{table}");
 }
+
+/// llama-server's prompt cache (`--cache-ram`, 8 GiB by default) keeps
+/// the state of each earlier conversation in host memory, growing far
+/// beyond what a first measurement sees (25 MB per 1,500-token prompt of
+/// this model at ctx 2048). The flavor turns it off unless the workload
+/// sizes it; a size is reserved and the server stays within it; a
+/// command of the workload's own that leaves the default is warned about
+/// at check, and overruns once used.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn llama_servers_prompt_cache_is_off_or_reserved_and_the_default_overruns() {
+    let (Some(python), Some(bin)) = (python(), llama_server_bin()) else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = dir.path().join("mid.gguf");
+    make_model(&python, &model, 1024, 8);
+    let (server, model) = (bin.join("llama-server"), model.display().to_string());
+    let flavored = |name: &str, rest: &str| {
+        format!(
+            "[[workload]]\nname = \"{name}\"\nflavor = \"llama-server\"\nprogram = \"{}\"\nmodel = \"{model}\"\nctx = 2048\nparallel = 1\n{rest}\n",
+            server.display()
+        )
+    };
+    let own_command = format!(
+        "[[workload]]\nname = \"own\"\nflavor = \"llama-server\"\nmodel = \"{model}\"\nctx = 2048\nparallel = 1\ncommand = [\"{}\", \"--model\", \"{model}\", \"--host\", \"127.0.0.1\", \"--port\", \"${{PORT}}\", \"--ctx-size\", \"2048\", \"--parallel\", \"1\"]\n",
+        server.display()
+    );
+    let config = format!(
+        "[[pool]]\nname = \"ram\"\nbudget = \"4GB\"\nhost = true\n\n{}{}{}",
+        flavored("off", ""),
+        flavored("sized", "args = [\"--cache-ram\", \"64\"]"),
+        own_command,
+    );
+    let said = checked(dir.path(), &config);
+    assert!(
+        said.contains("the prompt cache 67.1 MB (--cache-ram)"),
+        "{said}"
+    );
+    // The warnings go to stderr.
+    let out = Command::new(RESIDENTD)
+        .arg("--check-config")
+        .arg(dir.path().join("residentd.toml"))
+        .output()
+        .expect("check-config");
+    let warned = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        warned.matches("prompt cache at its default").count(),
+        1,
+        "one warning, for the command of its own: {warned}"
+    );
+    assert!(
+        warned.contains("warning: workload[own].memory.ram.overhead"),
+        "{warned}"
+    );
+    let mut d = Daemon::start_in(dir).await;
+    // Eight conversations, each its own 1,500 tokens from the first.
+    let letters: Vec<char> = ('a'..='z').collect();
+    let prompt = |k: usize| {
+        (0..1500)
+            .map(|i| letters[(i * 7 + k * 3) % letters.len()].to_string())
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    for id in ["off", "sized", "own"] {
+        let started = d
+            .client
+            .start(pb::StartRequest {
+                wait_ready: true,
+                ..start_req(id, id)
+            })
+            .await
+            .unwrap_or_else(|e| panic!("{id} starts: {e:?}"))
+            .into_inner()
+            .instance
+            .expect("an instance");
+        let reserved = started.reserved_bytes;
+        let mut first = 0;
+        for k in 0..8 {
+            let (port, p) = (started.port, prompt(k));
+            let status = tokio::task::spawn_blocking(move || complete_with(port, &p)).await;
+            assert_eq!(status.expect("joined"), 200, "{id} completes prompt {k}");
+            if k == 0 {
+                first = settled(&mut d, id).await;
+            }
+        }
+        let held = settled(&mut d, id).await;
+        println!(
+            "{id}: reserved {reserved} bytes; held {first} after one prompt, {held} after eight"
+        );
+        match id {
+            // Within the footprint window's margin under (max(3%, 16 MB)),
+            // as every first reservation of the matrix.
+            "off" => assert!(
+                held < first + 8 * MB && held <= reserved + (reserved / 100 * 3).max(16 * MB),
+                "{id}: nothing kept beside the model: {first} then {held} of {reserved}"
+            ),
+            "sized" => assert!(
+                held > first + 32 * MB && held <= reserved + (reserved / 100 * 3).max(16 * MB),
+                "{id}: the cache fills and stays within its reservation: {first} then {held} of {reserved}"
+            ),
+            _ => {
+                assert!(
+                    held > reserved + 100 * MB,
+                    "{id}: the default cache outgrows the reservation: {first} then {held} of {reserved}"
+                );
+                let told = until(async || {
+                    let i = d.get(id).await;
+                    (i.overrun_bytes > 0).then_some(i)
+                })
+                .await
+                .expect("the overrun is told");
+                assert!(told.message.contains("OVERRUN"), "{told:?}");
+            }
+        }
+        d.stopped(id).await;
+    }
+    assert_eq!(d.used().await, 0);
+}
