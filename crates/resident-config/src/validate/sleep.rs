@@ -43,7 +43,7 @@ pub(super) fn sleep(
         .as_ref()
         .is_some_and(|f| f.get_ref() == "llama-server")
     {
-        return llama_server(src, w, spec, pools, &k, host).map(Some);
+        return llama_server(src, w, table, spec, pools, &k, host).map(Some);
     }
     let level = match &t.level {
         Some(l) if !vllm => {
@@ -112,12 +112,12 @@ pub(super) fn sleep(
 fn llama_server(
     src: &Source<'_>,
     w: &raw::Workload,
+    table: &Spanned<raw::Sleep>,
     spec: &Spec,
     pools: &[PoolDef],
     k: &dyn Fn(&str) -> String,
     host: Lookups,
 ) -> Result<(Sleep, Asleep)> {
-    let table = w.sleep.as_ref().expect("the caller found the sleep table");
     let t = table.get_ref();
     for (name, given) in [("sleep", &t.sleep), ("wake", &t.wake)] {
         if let Some(c) = given {
