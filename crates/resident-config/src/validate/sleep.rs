@@ -105,10 +105,10 @@ pub(super) fn sleep(
 /// llama-server sleeps by itself after `idle` unused (the flavor passes
 /// `--sleep-idle-seconds`), says so in `/props` (`is_sleeping`), and wakes
 /// by itself at the next request: no calls. Asleep it keeps its process
-/// (its runtime, without the model) in each pool it holds, and a prompt
-/// cache it was given stays reserved in the host table (whether the
-/// server frees it asleep is not measured here), unless tables say
-/// otherwise.
+/// (its runtime, without the model) in each pool it holds, and the
+/// prompt cache it was given in the host table (it keeps the cache
+/// asleep: the e2e test `llama::llama_servers_prompt_cache_...`), unless
+/// tables say otherwise.
 fn llama_server(
     src: &Source<'_>,
     w: &raw::Workload,

@@ -729,9 +729,10 @@ async fn footprint_matrix_reserves_what_each_server_holds_on_its_first_start() {
 /// the state of each earlier conversation in host memory, growing far
 /// beyond what a first measurement sees (25 MB per 1,500-token prompt of
 /// this model at ctx 2048). The flavor turns it off unless the workload
-/// sizes it; a size is reserved and the server stays within it; a
-/// command of the workload's own that leaves the default is warned about
-/// at check, and overruns once used.
+/// sizes it; a size is reserved and the server stays within it, awake and
+/// asleep (it keeps the cache asleep); a command of the workload's own
+/// that leaves the default is warned about at check, and overruns once
+/// used.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn llama_servers_prompt_cache_is_off_or_reserved_and_the_default_overruns() {
     let (Some(python), Some(bin)) = (python(), llama_server_bin()) else {
@@ -754,7 +755,10 @@ async fn llama_servers_prompt_cache_is_off_or_reserved_and_the_default_overruns(
     let config = format!(
         "[[pool]]\nname = \"ram\"\nbudget = \"4GB\"\nhost = true\n\n{}{}{}",
         flavored("off", ""),
-        flavored("sized", "args = [\"--cache-ram\", \"64\"]"),
+        flavored(
+            "sized",
+            "args = [\"--cache-ram\", \"64\"]\n[workload.sleep]\nidle = \"10s\""
+        ),
         own_command,
     );
     let said = checked(dir.path(), &config);
@@ -820,10 +824,26 @@ async fn llama_servers_prompt_cache_is_off_or_reserved_and_the_default_overruns(
                 held < first + 8 * MB && held <= reserved + (reserved / 100 * 3).max(16 * MB),
                 "{id}: nothing kept beside the model: {first} then {held} of {reserved}"
             ),
-            "sized" => assert!(
-                held > first + 32 * MB && held <= reserved + (reserved / 100 * 3).max(16 * MB),
-                "{id}: the cache fills and stays within its reservation: {first} then {held} of {reserved}"
-            ),
+            "sized" => {
+                assert!(
+                    held > first + 32 * MB && held <= reserved + (reserved / 100 * 3).max(16 * MB),
+                    "{id}: the cache fills and stays within its reservation: {first} then {held} of {reserved}"
+                );
+                // Asleep (after 10 s unused) the server frees the model and
+                // keeps the cache (27 MB asleep without one), which its
+                // asleep reservation holds.
+                let asleep = d.wait_state(id, pb::State::Sleeping).await;
+                let kept = settled(&mut d, id).await;
+                println!(
+                    "{id} asleep: reserved {} bytes, held {kept}",
+                    asleep.reserved_bytes
+                );
+                assert!(
+                    kept > 27 * MB + 32 * MB && kept <= asleep.reserved_bytes,
+                    "{id} asleep keeps its cache within its reservation: {kept} of {}",
+                    asleep.reserved_bytes
+                );
+            }
             _ => {
                 assert!(
                     held > reserved + 100 * MB,
