@@ -327,17 +327,7 @@ async fn a_server_declared_by_its_flavor_starts_answers_and_stops_as_the_flavor_
         "--check-config says what is reserved and why: {said}"
     );
     let mut d = Daemon::start_in(dir).await;
-    let started = d
-        .client
-        .start(pb::StartRequest {
-            wait_ready: true,
-            ..start_req("flavored", "f")
-        })
-        .await
-        .expect("starts")
-        .into_inner()
-        .instance
-        .expect("an instance");
+    let started = d.ready("flavored", "f").await;
     assert_eq!(started.state, pb::State::Ready as i32);
     let gguf: u64 = started
         .demand
@@ -509,17 +499,7 @@ async fn a_real_llama_server_is_reserved_what_it_holds_and_runs_as_its_flavor_sa
     );
     let mut d = Daemon::start_in(dir).await;
     for (id, workload) in [("s", "small"), ("m", "mid")] {
-        let started = d
-            .client
-            .start(pb::StartRequest {
-                wait_ready: true,
-                ..start_req(workload, id)
-            })
-            .await
-            .expect("starts")
-            .into_inner()
-            .instance
-            .expect("an instance");
+        let started = d.ready(workload, id).await;
         assert_eq!(started.state, pb::State::Ready as i32, "{started:?}");
         assert_eq!(completes(started.port).await, 200);
         let reserved = started.reserved_bytes;
@@ -684,17 +664,7 @@ async fn footprint_matrix_reserves_what_each_server_holds_on_its_first_start() {
     let mut rows = Vec::new();
     for (n, (server, model, ctx, kv_type, name)) in cells.into_iter().enumerate() {
         let id = format!("m{n}");
-        let started = d
-            .client
-            .start(pb::StartRequest {
-                wait_ready: true,
-                ..start_req(&name, &id)
-            })
-            .await
-            .unwrap_or_else(|e| panic!("{name} starts: {e:?}"))
-            .into_inner()
-            .instance
-            .expect("an instance");
+        let started = d.ready(&name, &id).await;
         // One completion whose prompt fills nine tenths of the context
         // (a lone letter is one token of the test vocabulary): the KV
         // cache and the compute buffer are used as a full context uses
@@ -792,17 +762,7 @@ async fn llama_servers_prompt_cache_is_off_or_reserved_and_the_default_overruns(
             .join(" ")
     };
     for id in ["off", "sized", "own"] {
-        let started = d
-            .client
-            .start(pb::StartRequest {
-                wait_ready: true,
-                ..start_req(id, id)
-            })
-            .await
-            .unwrap_or_else(|e| panic!("{id} starts: {e:?}"))
-            .into_inner()
-            .instance
-            .expect("an instance");
+        let started = d.ready(id, id).await;
         let reserved = started.reserved_bytes;
         let mut first = 0;
         for k in 0..8 {

@@ -148,6 +148,20 @@ impl Daemon {
             .expect("an instance")
     }
 
+    /// Starts `workload` as `id` and waits until it is READY (or failed);
+    /// returns the instance (panics on error).
+    pub async fn ready(&mut self, workload: &str, id: &str) -> pb::Instance {
+        let req = pb::StartRequest {
+            wait_ready: true,
+            ..start_req(workload, id)
+        };
+        let r = self.client.start(req).await;
+        r.unwrap_or_else(|e| panic!("{workload} as {id} starts: {e:?}"))
+            .into_inner()
+            .instance
+            .expect("an instance")
+    }
+
     /// Stops `id` with its own grace; returns the instance (panics on error).
     pub async fn stopped(&mut self, id: &str) -> pb::Instance {
         let req = pb::StopRequest {
