@@ -354,7 +354,7 @@ fn llama_servers_prompt_cache_is_off_or_reserved_in_host_memory() {
     for (rest, mib) in [
         ("args = [\"--cache-ram\", \"512\"]\n", 512),
         ("args = [\"-cram\", \"256\"]\n", 256),
-        ("args = [\"--cache-ram=128\"]\n", 128),
+        ("args = [\"--cache_ram\", \"128\"]\n", 128),
         ("env = { LLAMA_ARG_CACHE_RAM = \"64\" }\n", 64),
     ] {
         let c = ok(rest);
@@ -364,7 +364,7 @@ fn llama_servers_prompt_cache_is_off_or_reserved_in_host_memory() {
         assert_eq!(
             l.argv
                 .iter()
-                .filter(|a| a.contains("cache-ram") || *a == "-cram")
+                .filter(|a| a.contains("cache-ram") || a.contains("cache_ram") || *a == "-cram")
                 .count(),
             usize::from(!rest.starts_with("env")),
             "{rest}: {:?}",
@@ -382,6 +382,14 @@ fn llama_servers_prompt_cache_is_off_or_reserved_in_host_memory() {
     let l = &c.workloads["l"];
     assert_eq!(l.spec.asleep_footprint("ram"), 27_000_000 + 512 * MIB);
     assert_eq!(l.spec.asleep_footprint("gpu0"), 27_000_000);
+    // A declared overhead stands as the whole figure, asleep as awake.
+    let c = parse(&format!(
+        "{pools}[[workload]]\nname = \"l\"\nflavor = \"llama-server\"\nmodel = \"/m/l.gguf\"\nargs = [\"--cache-ram\", \"512\"]\n[workload.memory.gpu0]\nweights = \"4GB\"\n[workload.memory.ram]\nweights = \"1GB\"\noverhead = \"100MB\"\n[workload.sleep]\nidle = \"90s\"\n"
+    ))
+    .unwrap_or_else(|e| panic!("{e}"));
+    let l = &c.workloads["l"];
+    assert_eq!(l.spec.footprint("ram"), 1_100_000_000);
+    assert_eq!(l.spec.asleep_footprint("ram"), 27_000_000);
 
     // A command of the workload's own that leaves the server's default:
     // not reserved, and said.
@@ -408,6 +416,8 @@ fn llama_servers_prompt_cache_is_off_or_reserved_in_host_memory() {
     for (rest, key) in [
         ("args = [\"--cache-ram\", \"-1\"]\n", "workload[l].args"),
         ("args = [\"-cram\", \"lots\"]\n", "workload[l].args"),
+        // The server refuses the joined form ("invalid argument").
+        ("args = [\"--cache-ram=128\"]\n", "workload[l].args"),
         (
             "env = { LLAMA_ARG_CACHE_RAM = \"-1\" }\n",
             "workload[l].env.LLAMA_ARG_CACHE_RAM",

@@ -194,18 +194,25 @@ fn cache_ram(
 ) -> Result<Option<u64>> {
     // (value, where it was written, the key that names it)
     let mut found: Option<(String, Range<usize>, String)> = None;
+    // `--cache-ram=N`, which the server refuses ("invalid argument").
+    let mut joined: Option<(Range<usize>, String, String)> = None;
     let mut scan = |argv: &[(&str, Range<usize>)], at: &str| {
         for (i, (a, span)) in argv.iter().enumerate() {
-            let value = if CACHE_RAM_FLAGS.contains(a) {
-                argv.get(i + 1).map(|(v, _)| v.to_string())
+            // The server reads `_` as `-` in a long flag (`--cache_ram`).
+            let a = if a.starts_with("--") {
+                a.replace('_', "-")
             } else {
-                CACHE_RAM_FLAGS
-                    .iter()
-                    .find_map(|f| a.strip_prefix(f)?.strip_prefix('='))
-                    .map(str::to_string)
+                a.to_string()
             };
-            if let Some(v) = value {
-                found = Some((v, span.clone(), key(at)));
+            if CACHE_RAM_FLAGS.contains(&a.as_str()) {
+                if let Some((v, _)) = argv.get(i + 1) {
+                    found = Some((v.to_string(), span.clone(), key(at)));
+                }
+            } else if CACHE_RAM_FLAGS
+                .iter()
+                .any(|f| a.strip_prefix(f).is_some_and(|r| r.starts_with('=')))
+            {
+                joined.get_or_insert((span.clone(), key(at), a));
             }
         }
     };
@@ -219,6 +226,14 @@ fn cache_ram(
         .map(|a| (a.get_ref().as_str(), a.span()))
         .collect();
     scan(&argv, "args");
+    if let Some((span, at, arg)) = joined {
+        let flag = arg.split_once('=').map_or(arg.as_str(), |(f, _)| f);
+        return Err(src.err(
+            span,
+            at,
+            format!("llama-server refuses {arg:?} (invalid argument): write it as two arguments, \"{flag}\", then the size in MiB"),
+        ));
+    }
     let (value, span, at) = match (found, w.env.get(CACHE_RAM_ENV)) {
         (Some(f), _) => f,
         (None, Some(v)) => (

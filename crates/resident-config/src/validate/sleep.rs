@@ -146,9 +146,12 @@ fn llama_server(
             overhead: super::flavor::LLAMA_SERVER_PROCESS,
             ..Demand::default()
         };
+        // As awake: a declared overhead is the workload's own figure and
+        // stands (the cache is not added to it).
         let cache = |pool: &PoolName| match w
             .memory
             .get(pool.as_str())
+            .filter(|d| d.get_ref().overhead.is_none())
             .and_then(|d| d.get_ref().prompt_cache)
         {
             Some(raw::PromptCache::Bytes(b)) => b,
