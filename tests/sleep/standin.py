@@ -7,7 +7,9 @@ awake or asleep. The memory is real: MB megabytes touched page by page at
 start and at each wake, freed at each sleep (a large bytearray is its own
 mapping, so freeing it returns it to the kernel).
 
-Usage: standin.py PORT MB [--fail-sleep] [--fail-wake] [--hang-wake]
+Usage: standin.py PORT MB [--fail-sleep] [--fail-wake] [--hang-wake] [--slow-sleep]
+
+--slow-sleep: the sleep call takes a second before it answers.
 """
 
 import json
@@ -57,6 +59,9 @@ class Handler(BaseHTTPRequestHandler):
             if "--fail-sleep" in FLAGS:
                 self.answer(500, {"error": "sleep failed"})
                 return
+            if "--slow-sleep" in FLAGS:
+                import time
+                time.sleep(1)
             state["model"] = None
             state["sleeping"] = True
             state["level"] = 2 if "level=2" in self.path else 1

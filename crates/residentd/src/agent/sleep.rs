@@ -41,7 +41,12 @@ impl Agent {
             )));
         }
         let sleeper = self.books.begin_sleep(id, None)?;
-        self.fall_asleep(&sleeper, "asked").await?;
+        // On a task of its own: a caller that goes away mid-call (a
+        // deadline, Ctrl-C) must not leave the instance half asleep.
+        let me = self.clone();
+        tokio::spawn(async move { me.fall_asleep(&sleeper, "asked").await })
+            .await
+            .map_err(|e| ApiError::Internal(format!("the sleep task failed: {e}")))??;
         match self.books.record(id) {
             Some(record) => Ok(self.view(id, &record)),
             None => Err(ApiError::NotFound(format!("no instance '{id}'"))),

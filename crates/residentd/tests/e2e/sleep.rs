@@ -247,6 +247,46 @@ async fn a_failed_wake_stops_the_instance_and_releases_what_it_held() {
 }
 
 #[tokio::test]
+async fn a_sleep_whose_caller_goes_away_mid_call_still_ends_asleep() {
+    let (mut d, awake) = big_ready("--slow-sleep").await;
+    let mut req = tonic::Request::new(pb::SleepRequest {
+        instance_id: "b".into(),
+    });
+    // The server takes a second to answer its sleep call; the caller
+    // gives up long before.
+    req.set_timeout(Duration::from_millis(200));
+    let gone = d
+        .client
+        .sleep(req)
+        .await
+        .expect_err("the caller's deadline");
+    // (tonic's client says Cancelled when its own timeout expires.)
+    assert!(
+        matches!(
+            gone.code(),
+            tonic::Code::Cancelled | tonic::Code::DeadlineExceeded
+        ),
+        "{gone:?}"
+    );
+    // The call carries on without it: asleep, its asleep demand held.
+    let asleep = d.wait_state("b", pb::State::Sleeping).await;
+    assert_eq!(asleep.pid, awake.pid);
+    assert_eq!(used(&mut d).await, (GB / 2, 3 * GB));
+    // And a Start wakes it, rather than waiting on a sleep that never ends.
+    let woken = d
+        .client
+        .start(start("big", "b", false))
+        .await
+        .expect("woken")
+        .into_inner();
+    assert_eq!(
+        woken.instance.map(|i| i.state),
+        Some(pb::State::Ready as i32)
+    );
+    assert_eq!(used(&mut d).await, (3 * GB, 0));
+}
+
+#[tokio::test]
 async fn a_failed_sleep_stops_the_instance() {
     let (mut d, _) = big_ready("--fail-sleep").await;
     let status = sleep(&mut d, "b").await.expect_err("the sleep call fails");
