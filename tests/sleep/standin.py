@@ -10,6 +10,7 @@ mapping, so freeing it returns it to the kernel).
 Usage: standin.py PORT MB [--fail-sleep] [--fail-wake] [--hang-wake] [--slow-sleep]
 
 --slow-sleep: the sleep call takes a second before it answers.
+--slow-load: it loads for 3 s before it listens (not ready meanwhile).
 """
 
 import json
@@ -30,6 +31,9 @@ def allocate():
 
 
 state = {"model": allocate(), "sleeping": False, "level": 0}
+if "--slow-load" in FLAGS:
+    import time
+    time.sleep(3)
 
 
 class Handler(BaseHTTPRequestHandler):

@@ -251,8 +251,17 @@ impl Agent {
         w: &Workload,
         a: &Admitted,
     ) -> (Vec<String>, Vec<String>) {
-        let evicted: Vec<String> = a.evictions.iter().map(|v| v.id.clone()).collect();
-        let slept: Vec<String> = a.sleepers.iter().map(|s| s.id.clone()).collect();
+        let mut evicted: Vec<String> = a.evictions.iter().map(|v| v.id.clone()).collect();
+        // A sleeper must be serving to take its sleep call. One chosen
+        // while it was still loading (or not yet spawned) is stopped
+        // instead: that frees all its sleep would have, and more.
+        let (sleepers, unready): (Vec<_>, Vec<_>) = a.sleepers.iter().partition(|s| {
+            self.sup
+                .status(&s.id)
+                .is_some_and(|st| st.generation == s.generation && st.state == State::Ready)
+        });
+        evicted.extend(unready.iter().map(|s| s.id.clone()));
+        let slept: Vec<String> = sleepers.iter().map(|s| s.id.clone()).collect();
         if !slept.is_empty() {
             tracing::info!(instance_id = %id, sleepers = ?slept, "putting to sleep to make room");
         }
@@ -272,7 +281,18 @@ impl Agent {
             let cause = Some((pb::Cause::Evicted, victim.cause.clone()));
             stops.spawn(async move { me.stop_because(&vid, run, None, cause).await.map(|_| ()) });
         }
-        for sleeper in &a.sleepers {
+        for s in unready {
+            self.metrics.evicted(w.spec.workload.as_str(), &s.workload);
+            let me = self.clone();
+            let (vid, run) = (s.id.clone(), Some(s.generation));
+            let why = format!(
+                "to make room for '{}' (instance '{id}'): chosen to sleep, but not serving yet",
+                w.spec.workload
+            );
+            let cause = Some((pb::Cause::Evicted, why));
+            stops.spawn(async move { me.stop_because(&vid, run, None, cause).await.map(|_| ()) });
+        }
+        for sleeper in sleepers {
             let me = self.clone();
             let sleeper = sleeper.clone();
             let why = format!("to make room for '{}' (instance '{id}')", w.spec.workload);

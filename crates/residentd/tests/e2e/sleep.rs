@@ -233,6 +233,34 @@ async fn the_planner_puts_residents_to_sleep_before_it_evicts_and_a_wake_makes_r
 }
 
 #[tokio::test]
+async fn a_resident_still_loading_is_evicted_rather_than_put_to_sleep() {
+    let mut d = Daemon::start(&config("--slow-load")).await;
+    // `b` is spawned but loads for 3 s: not serving, so no sleep call
+    // can reach it.
+    let req = pb::StartRequest {
+        wait_ready: false,
+        ..start("big", "b", false)
+    };
+    d.client.start(req).await.expect("admitted");
+    let loading = d.wait_state("b", pb::State::Starting).await;
+    // The plan frees the gpu by putting `b` to sleep; the agent stops it
+    // instead, and says so.
+    let started = d
+        .client
+        .start(start("other", "o", true))
+        .await
+        .expect("admitted")
+        .into_inner();
+    assert_eq!(started.evicted, ["b"], "{started:?}");
+    assert!(started.slept.is_empty(), "{started:?}");
+    let b = d.wait_state("b", pb::State::Exited).await;
+    assert_eq!(b.cause, pb::Cause::Evicted as i32, "{b:?}");
+    assert!(b.message.contains("not serving yet"), "{}", b.message);
+    assert!(eventually(async || !alive(loading.pid as i32)).await);
+    assert_eq!(used(&mut d).await, (3 * GB, 0));
+}
+
+#[tokio::test]
 async fn a_failed_wake_stops_the_instance_and_releases_what_it_held() {
     let (mut d, awake) = big_ready("--fail-wake").await;
     sleep(&mut d, "b").await.expect("asleep");
