@@ -167,6 +167,45 @@ async fn an_adopted_server_is_counted_never_signalled_and_adopted_again() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adoption_without_manage_is_never_put_to_sleep() {
+    // A workload that sleeps after a second unused, and by a call.
+    let config = pool("ram", "10GB")
+        + "[[workload]]\nname = \"sleepy\"\ncommand = [\"/bin/sleep\", \"3600\"]\n[workload.readiness]\nhttp = \"/health\"\n[workload.memory.ram]\nweights = \"4GB\"\n[workload.sleep]\nsleep = \"POST /sleep\"\nwake = \"POST /wake\"\nidle = \"1s\"\n";
+    let mut d = Daemon::start(&config).await;
+    let (mut srv, port) = server("127.0.0.1");
+    listening(port).await;
+    d.client
+        .adopt(adopt_req(srv.id(), "sleepy", "hand", false))
+        .await
+        .expect("adopted");
+    d.wait_state("hand", pb::State::Ready).await;
+    // Asked: refused, and asked again, refused for the same reason (a
+    // call that was made and failed would leave it half asleep: its
+    // owner's process cannot be stopped).
+    for _ in 0..2 {
+        let e = d
+            .client
+            .sleep(pb::SleepRequest {
+                instance_id: "hand".into(),
+            })
+            .await
+            .expect_err("not managed");
+        assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+        assert!(e.message().contains("without manage"), "{}", e.message());
+    }
+    // Unused for three times its idle time (the agent's idle tick is a
+    // second): watched throughout, it stays awake and READY.
+    let watched_until = std::time::Instant::now() + std::time::Duration::from_secs(3);
+    while std::time::Instant::now() < watched_until {
+        let i = d.get("hand").await;
+        assert_eq!(i.state, pb::State::Ready as i32, "{i:?}");
+        assert!(!i.message.contains("sleep"), "{}", i.message);
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    kill(&mut srv);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_managed_adoption_is_stopped_and_an_exposed_one_only_reported() {
     let mut d = Daemon::start(&config()).await;
     // Managed, through residentctl: a Stop ends it with SIGTERM.
