@@ -412,6 +412,17 @@ fn llama_servers_prompt_cache_is_off_or_reserved_in_host_memory() {
     );
     assert!(c.warnings.is_empty(), "{:?}", c.warnings);
 
+    // Sized, with no table in the node's host-memory pool to hold it:
+    // refused, naming the workload's memory.
+    let e = parse(&format!(
+        "{pools}[[workload]]\nname = \"l\"\nflavor = \"llama-server\"\nmodel = \"/m/l.gguf\"\nargs = [\"--cache-ram\", \"512\"]\n[workload.memory.gpu0]\nweights = \"4GB\"\n"
+    ))
+    .expect_err("no host table");
+    assert!(
+        e.contains("workload[l].memory") && e.contains("--cache-ram"),
+        "{e}"
+    );
+
     // No bound, or not a number: refused, naming where it was written.
     for (rest, key) in [
         ("args = [\"--cache-ram\", \"-1\"]\n", "workload[l].args"),

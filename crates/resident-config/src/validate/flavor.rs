@@ -502,10 +502,25 @@ pub(super) fn apply(
         }
         None => None,
     };
-    if let Some(table) = prompt_cache.and_then(|_| host_table(&out, pools))
-        && let Some(d) = out.memory.get_mut(&table)
-    {
-        d.get_mut().prompt_cache = prompt_cache;
+    let host_pool = pools
+        .iter()
+        .any(|p| p.device.is_none() && p.index.is_none());
+    match prompt_cache.map(|c| (c, host_table(&out, pools))) {
+        Some((c, Some(table))) => {
+            if let Some(d) = out.memory.get_mut(&table) {
+                d.get_mut().prompt_cache = Some(c);
+            }
+        }
+        // A sized cache on a node that budgets host memory, with no table
+        // there to reserve it in, would grow outside the books.
+        Some((raw::PromptCache::Bytes(_), None)) if host_pool => {
+            return Err(src.err(
+                span,
+                key("memory"),
+                "llama-server's prompt cache (--cache-ram) lives in host memory, and this workload has no table for a pool bound to no device to reserve it in: add one, or pass --cache-ram 0",
+            ));
+        }
+        _ => {}
     }
     if out.command.is_none() {
         let mut argv = d.argv;
