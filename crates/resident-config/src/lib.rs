@@ -214,6 +214,14 @@ pub struct PoolDef {
     pub index: Option<u32>,
 }
 
+impl PoolDef {
+    /// Bound to no device (no probe, no index): host memory, or a budget
+    /// of the operator's own.
+    pub fn device_free(&self) -> bool {
+        self.device.is_none() && self.index.is_none()
+    }
+}
+
 /// What the agent does with an instance measured above its reservation
 /// (`on_overrun`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -502,9 +502,7 @@ pub(super) fn apply(
         }
         None => None,
     };
-    let host_pool = pools
-        .iter()
-        .any(|p| p.device.is_none() && p.index.is_none());
+    let host_pool = pools.iter().any(PoolDef::device_free);
     match prompt_cache.map(|c| (c, host_table(&out, pools))) {
         Some((c, Some(table))) => {
             if let Some(d) = out.memory.get_mut(&table) {
@@ -568,9 +566,9 @@ fn host_table(w: &raw::Workload, pools: &[PoolDef]) -> Option<String> {
         .iter()
         .find(|(name, d)| {
             d.get_ref().any_of.is_none()
-                && pools.iter().any(|p| {
-                    p.pool.name.as_str() == name.as_str() && p.device.is_none() && p.index.is_none()
-                })
+                && pools
+                    .iter()
+                    .any(|p| p.pool.name.as_str() == name.as_str() && p.device_free())
         })
         .map(|(name, _)| name.clone())
 }

@@ -266,11 +266,7 @@ fn vllm_asleep(spec: &Spec, pools: &[PoolDef], level: u8, residue: u64) -> Aslee
     let host_pool = pools
         .iter()
         .find(|p| p.host)
-        .or_else(|| {
-            pools
-                .iter()
-                .find(|p| p.device.is_none() && p.index.is_none())
-        })
+        .or_else(|| pools.iter().find(|p| p.device_free()))
         .map(|p| p.pool.name.clone());
     let residue = Demand {
         overhead: residue,

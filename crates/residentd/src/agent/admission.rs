@@ -273,22 +273,19 @@ impl Agent {
         // runs under its id now); each keeps its memory in the books until
         // its run's terminal event. Sleepers fall asleep beside them.
         let mut stops = tokio::task::JoinSet::new();
-        for victim in &a.evictions {
-            self.metrics
-                .evicted(w.spec.workload.as_str(), &victim.workload);
-            let me = self.clone();
-            let (vid, run) = (victim.id.clone(), Some(victim.generation));
-            let cause = Some((pb::Cause::Evicted, victim.cause.clone()));
-            stops.spawn(async move { me.stop_because(&vid, run, None, cause).await.map(|_| ()) });
-        }
-        for s in unready {
-            self.metrics.evicted(w.spec.workload.as_str(), &s.workload);
-            let me = self.clone();
-            let (vid, run) = (s.id.clone(), Some(s.generation));
-            let why = format!(
-                "to make room for '{}' (instance '{id}'): chosen to sleep, but not serving yet",
-                w.spec.workload
+        let not_serving = format!(
+            "to make room for '{}' (instance '{id}'): chosen to sleep, but not serving yet",
+            w.spec.workload
+        );
+        let victims = (a.evictions.iter())
+            .map(|v| (&v.id, v.generation, &v.workload, v.cause.clone()))
+            .chain(
+                (unready.iter()).map(|s| (&s.id, s.generation, &s.workload, not_serving.clone())),
             );
+        for (vid, generation, workload, why) in victims {
+            self.metrics.evicted(w.spec.workload.as_str(), workload);
+            let me = self.clone();
+            let (vid, run) = (vid.clone(), Some(generation));
             let cause = Some((pb::Cause::Evicted, why));
             stops.spawn(async move { me.stop_because(&vid, run, None, cause).await.map(|_| ()) });
         }

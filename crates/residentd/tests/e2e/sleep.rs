@@ -81,6 +81,12 @@ async fn sleep(d: &mut Daemon, id: &str) -> Result<pb::Instance, tonic::Status> 
     d.client.sleep(req).await.map(|r| r.into_inner())
 }
 
+/// The answer to `req`, which must be admitted (`what` says why it is).
+async fn started(d: &mut Daemon, req: pb::StartRequest, what: &str) -> pb::StartResponse {
+    let answer = d.client.start(req).await;
+    answer.expect(what).into_inner()
+}
+
 fn start(workload: &str, id: &str, evict: bool) -> pb::StartRequest {
     let policy = if evict {
         pb::Policy::Evict
@@ -137,12 +143,7 @@ async fn a_sleeping_instance_keeps_its_process_and_port_and_a_start_wakes_it() {
     // A Start wakes it: the same process, not created.
     let woken = d.client.start(start("b-again", "b", false)).await;
     assert!(woken.is_err(), "another workload's id is refused");
-    let woken = d
-        .client
-        .start(start("big", "b", false))
-        .await
-        .expect("woken")
-        .into_inner();
+    let woken = started(&mut d, start("big", "b", false), "woken").await;
     assert!(!woken.created);
     let i = woken.instance.expect("the instance");
     assert_eq!(i.state, pb::State::Ready as i32, "{i:?}");
@@ -196,14 +197,9 @@ async fn the_planner_puts_residents_to_sleep_before_it_evicts_and_a_wake_makes_r
     assert_eq!(d.get("b").await.state, pb::State::Ready as i32);
 
     // Under evict, `b` sleeps and nobody is evicted.
-    let started = d
-        .client
-        .start(start("other", "o", true))
-        .await
-        .expect("admitted")
-        .into_inner();
-    assert_eq!(started.slept, ["b"]);
-    assert!(started.evicted.is_empty(), "{started:?}");
+    let admitted = started(&mut d, start("other", "o", true), "admitted").await;
+    assert_eq!(admitted.slept, ["b"]);
+    assert!(admitted.evicted.is_empty(), "{admitted:?}");
     let b = d.get("b").await;
     assert_eq!(b.state, pb::State::Sleeping as i32, "{b:?}");
     assert_eq!(b.pid, awake.pid);
@@ -219,12 +215,7 @@ async fn the_planner_puts_residents_to_sleep_before_it_evicts_and_a_wake_makes_r
     assert_eq!(used(&mut d).await, (3 * GB + GB / 2, 3 * GB));
 
     // Under evict the wake evicts `other` (it cannot sleep).
-    let woken = d
-        .client
-        .start(start("big", "b", true))
-        .await
-        .expect("woken")
-        .into_inner();
+    let woken = started(&mut d, start("big", "b", true), "woken").await;
     assert_eq!(woken.evicted, ["o"]);
     assert!(!woken.created);
     let b = woken.instance.expect("b");
@@ -245,14 +236,9 @@ async fn a_resident_still_loading_is_evicted_rather_than_put_to_sleep() {
     let loading = d.wait_state("b", pb::State::Starting).await;
     // The plan frees the gpu by putting `b` to sleep; the agent stops it
     // instead, and says so.
-    let started = d
-        .client
-        .start(start("other", "o", true))
-        .await
-        .expect("admitted")
-        .into_inner();
-    assert_eq!(started.evicted, ["b"], "{started:?}");
-    assert!(started.slept.is_empty(), "{started:?}");
+    let admitted = started(&mut d, start("other", "o", true), "admitted").await;
+    assert_eq!(admitted.evicted, ["b"], "{admitted:?}");
+    assert!(admitted.slept.is_empty(), "{admitted:?}");
     let b = d.wait_state("b", pb::State::Exited).await;
     assert_eq!(b.cause, pb::Cause::Evicted as i32, "{b:?}");
     assert!(b.message.contains("not serving yet"), "{}", b.message);
@@ -301,12 +287,7 @@ async fn a_sleep_whose_caller_goes_away_mid_call_still_ends_asleep() {
     assert_eq!(asleep.pid, awake.pid);
     assert_eq!(used(&mut d).await, (GB / 2, 3 * GB));
     // And a Start wakes it, rather than waiting on a sleep that never ends.
-    let woken = d
-        .client
-        .start(start("big", "b", false))
-        .await
-        .expect("woken")
-        .into_inner();
+    let woken = started(&mut d, start("big", "b", false), "woken").await;
     assert_eq!(
         woken.instance.map(|i| i.state),
         Some(pb::State::Ready as i32)

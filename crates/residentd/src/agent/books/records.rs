@@ -86,6 +86,12 @@ pub(in crate::agent) struct OverrunChange {
 }
 
 impl Record {
+    /// Whether the agent may act on this run's process (stop it, put it
+    /// to sleep): not cancelled, and not adopted without `manage`.
+    pub(in crate::agent) fn stoppable(&self) -> bool {
+        !self.cancelled && self.adopted.is_none_or(|a| a.manage)
+    }
+
     /// Run `generation` of `w` holding `spec`: not cancelled, no lease, no
     /// devices, not adopted, no note.
     pub(super) fn run(w: &Arc<Workload>, spec: Arc<Spec>, generation: u64) -> Self {

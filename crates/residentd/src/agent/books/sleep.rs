@@ -47,7 +47,7 @@ impl Books {
                 "that run of instance '{id}' has ended"
             )));
         };
-        if record.adopted.as_ref().is_some_and(|a| !a.manage) {
+        if record.adopted.is_some_and(|a| !a.manage) {
             // Its owner runs it: a failed call could not be answered by
             // stopping it.
             return Err(ApiError::FailedPrecondition(format!(
@@ -111,7 +111,7 @@ impl Books {
         let b = self.lock();
         b.records
             .iter()
-            .filter(|(_, rec)| !rec.cancelled && rec.adopted.as_ref().is_none_or(|a| a.manage))
+            .filter(|(_, rec)| rec.stoppable())
             .filter(|(id, rec)| {
                 let Some(idle) = rec.workload.sleep.as_ref().and_then(|s| s.idle) else {
                     return false;

@@ -120,7 +120,7 @@ impl Books {
                     id: id.clone(),
                     generation: r.generation,
                     overrun: r.overrun.clone(),
-                    stoppable: !r.cancelled && r.adopted.is_none_or(|a| a.manage),
+                    stoppable: r.stoppable(),
                     on_overrun: r.workload.on_overrun.unwrap_or(node_default),
                 });
             }
@@ -242,7 +242,7 @@ impl Books {
         let b = self.lock();
         b.records
             .iter()
-            .filter(|(_, rec)| !rec.cancelled && rec.adopted.is_none_or(|a| a.manage))
+            .filter(|(_, rec)| rec.stoppable())
             .filter(|(id, rec)| {
                 let Some(ttl) = rec.workload.idle_ttl else {
                     return false;
