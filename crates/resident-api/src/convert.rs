@@ -202,10 +202,8 @@ pub fn instance(id: &str, spec: &Spec, status: Option<&Status>) -> pb::Instance 
         out.measured_bytes = s.measured_bytes;
         out.message = s.reason.clone();
         out.oom_killed = s.oom_killed;
-        out.started_unix_ms = s
-            .started_at
-            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        out.started_unix_ms = unix_ms(s.started_at);
+        out.measured_unix_ms = unix_ms(s.measured_at);
         if let Some(exit) = s.exit {
             out.exit_code = exit.code();
             out.exit_signal = match exit {
@@ -215,4 +213,10 @@ pub fn instance(id: &str, spec: &Spec, status: Option<&Status>) -> pb::Instance 
         }
     }
     out
+}
+
+/// Milliseconds since the Unix epoch, 0 for none (or before the epoch).
+fn unix_ms(at: Option<std::time::SystemTime>) -> u64 {
+    at.and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }

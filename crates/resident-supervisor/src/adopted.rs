@@ -214,6 +214,7 @@ impl AdoptActor {
             s.pid = None;
             s.start_ticks = None;
             s.measured_bytes = 0;
+            s.measured_at = None;
         });
     }
 }

@@ -640,6 +640,7 @@ impl Actor {
             s.pid = None;
             s.start_ticks = None;
             s.measured_bytes = 0;
+            s.measured_at = None;
             if exit.is_some() {
                 s.exit = exit;
             }

@@ -134,6 +134,10 @@ pub struct Status {
     pub exit: Option<Exit>,
     /// Resident bytes of the whole process group, last sample.
     pub measured_bytes: u64,
+    /// When `measured_bytes` was last sampled (`None` before the first
+    /// sample of this run). Updated on every sample, but watchers are
+    /// woken only when the bytes change.
+    pub measured_at: Option<std::time::SystemTime>,
     /// Why it is in this state, for people.
     pub reason: String,
     /// The `generation` of the spec this run was started from.

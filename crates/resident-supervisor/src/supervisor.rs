@@ -391,6 +391,7 @@ impl Supervisor {
             restarts: 0,
             exit: None,
             measured_bytes: 0,
+            measured_at: None,
             reason: "accepted".into(),
             generation: spec.generation,
             started_at: None,
@@ -658,9 +659,11 @@ async fn sample_memory(inner: Weak<Inner>, every: Duration) {
             let bytes = sums.get(&pgid).copied().unwrap_or(0);
             // The group may have ended during the scan; keep 0 then.
             if shared.pgid.load(Ordering::Relaxed) == pgid {
+                let at = std::time::SystemTime::now();
                 shared.status.send_if_modified(|s| {
                     let changed = s.measured_bytes != bytes;
                     s.measured_bytes = bytes;
+                    s.measured_at = Some(at);
                     changed
                 });
             }

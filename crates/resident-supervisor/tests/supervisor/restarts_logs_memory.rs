@@ -166,6 +166,7 @@ async fn measured_bytes_track_the_group_resident_memory() {
         ..SupervisorConfig::default()
     };
     let h = Harness::with(config);
+    let before = std::time::SystemTime::now();
     h.sup
         .start(child("hog", &["alloc=200", "forever"]))
         .await
@@ -184,8 +185,27 @@ async fn measured_bytes_track_the_group_resident_memory() {
         measured.abs_diff(target) <= target / 10,
         "measured {measured}"
     );
+    let at = status.measured_at.expect("a sample says when it was taken");
+    assert!(
+        at >= before,
+        "sampled at {at:?}, before the start {before:?}"
+    );
+    // Samples go on while the bytes stay the same: the time moves on.
+    let later = async {
+        loop {
+            let now = h.sup.status("hog").expect("known").measured_at;
+            if now.is_some_and(|t| t > at) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(PATIENCE, later)
+        .await
+        .expect("sampled again in time");
     let stopped = h.sup.stop("hog", None).await.expect("stops");
     assert_eq!(stopped.measured_bytes, 0, "an ended instance holds nothing");
+    assert_eq!(stopped.measured_at, None, "nor was it measured to");
 }
 
 #[tokio::test]

@@ -401,15 +401,25 @@ fn checked(dir: &Path, config: &str) -> String {
     said
 }
 
-/// What instance `id` holds once settled: two readings in a row, one
-/// sample apart, within 1 MB of each other.
+/// What instance `id` holds once settled: two samples in a row, both
+/// taken after this is called, within 1 MB of each other. (Two readings
+/// of one sample are not two samples: the readings come every 10 ms, the
+/// samples every 200 ms, and a sample taken while the server was still
+/// loading once read "settled" at half its weights.)
 async fn settled(d: &mut Daemon, id: &str) -> u64 {
-    let mut last = 0u64;
+    let asked = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |t| t.as_millis() as u64);
+    let mut last: Option<(u64, u64)> = None;
     until(async || {
-        let now = d.get(id).await.measured_bytes;
-        let settled = now > 0 && now.abs_diff(last) < MB;
-        last = now;
-        settled.then_some(now)
+        let i = d.get(id).await;
+        let now = (i.measured_unix_ms, i.measured_bytes);
+        if now.0 <= asked || now.1 == 0 || last.is_some_and(|l| l.0 == now.0) {
+            return None;
+        }
+        let settled = last.is_some_and(|l| l.1.abs_diff(now.1) < MB);
+        last = Some(now);
+        settled.then_some(now.1)
     })
     .await
     .expect("the server's memory settles")

@@ -54,6 +54,7 @@ fn instance_json(i: &pb::Instance) -> Value {
         "restarts": i.restarts,
         "declared_bytes": declared(i),
         "measured_bytes": i.measured_bytes,
+        "measured_unix_ms": i.measured_unix_ms,
         "reserved_bytes": i.reserved_bytes,
         "overrun_bytes": i.overrun_bytes,
         "started_unix_ms": i.started_unix_ms,
