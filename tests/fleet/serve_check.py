@@ -176,6 +176,18 @@ def replicas():
             if a["name"].startswith(f"SERVE_REPLICA::{APP}#")]
 
 
+def resident_model_of(replica):
+    """The pid of the one live ResidentModel actor the replica (an actor
+    handle) owns, from the GCS's actor table (every node of this cluster
+    runs on this host)."""
+    table = ray._private.state.actors(actor_state_name="ALIVE")
+    owner = table[replica._actor_id.hex()]["Address"]
+    [pid] = [a["Pid"] for a in table.values()
+             if a["ActorClassName"] == "ResidentModel"
+             and (a["OwnerAddress"]["IPAddress"], a["OwnerAddress"]["Port"]) == (owner["IPAddress"], owner["Port"])]
+    return pid
+
+
 def the_python_api(agents, pids, name_of, http):
     start_serve(http)
     deployment = example.ResidentChat.options(num_replicas=1, health_check_period_s=1, health_check_timeout_s=5)
@@ -203,12 +215,21 @@ def the_python_api(agents, pids, name_of, http):
         assert "LEASE_EXPIRED" not in i.message, i.message
     reaches(agents, http, set(counts(agents)))
 
-    # A replica killed outright runs no __del__: its ResidentModel actor
-    # dies with it, nothing renews the lease, and the agent stops the model.
+    # A replica killed outright runs no __del__, and its ResidentModel
+    # actor, killed outright with it (as the OOM killer or a lost host
+    # would), renews nothing: the lease lapses and the agent stops the
+    # model. The actor is frozen before the replica goes, since Ray ends
+    # an actor whose owner died either at once or gracefully (as it goes
+    # out of scope), and a graceful exit runs its atexit stop first: that
+    # once stopped the model cleanly here, and left the lease untested.
     # Serve starts another replica, placed anew.
     [replica] = until(lambda: (lambda r: r if len(r) == 1 else None)(replicas()), "the scaled-down replica gone")
     before = flat(chats(agents))
-    ray.kill(ray.get_actor(replica["name"], namespace=replica["namespace"]), no_restart=True)
+    handle = ray.get_actor(replica["name"], namespace=replica["namespace"])
+    model_pid = resident_model_of(handle)
+    os.kill(model_pid, signal.SIGSTOP)
+    ray.kill(handle, no_restart=True)
+    os.kill(model_pid, signal.SIGKILL)
     for i in ended(agents, before, within=LEASE_MS / 1000 + 15).values():
         assert "LEASE_EXPIRED" in i.message, i.message
     until(lambda: len(flat(chats(agents)).keys() - before.keys()) == 1, "a replacement model", within=60)
