@@ -9,7 +9,8 @@ mapping, so freeing it returns it to the kernel).
 
 Usage: standin.py PORT MB [--fail-sleep] [--fail-wake] [--hang-wake] [--slow-sleep]
 
---slow-sleep: the sleep call takes a second before it answers.
+--slow-sleep: the sleep call frees the model at once, then takes a second
+before it answers (a request meanwhile finds it asleep).
 --slow-load: it loads for 3 s before it listens (not ready meanwhile).
 """
 
@@ -63,12 +64,12 @@ class Handler(BaseHTTPRequestHandler):
             if "--fail-sleep" in FLAGS:
                 self.answer(500, {"error": "sleep failed"})
                 return
-            if "--slow-sleep" in FLAGS:
-                import time
-                time.sleep(1)
             state["model"] = None
             state["sleeping"] = True
             state["level"] = 2 if "level=2" in self.path else 1
+            if "--slow-sleep" in FLAGS:
+                import time
+                time.sleep(1)
             print("standin: asleep", flush=True)
             self.answer(200, {})
         elif self.path == "/wake_up":

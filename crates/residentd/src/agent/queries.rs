@@ -38,19 +38,28 @@ impl Agent {
             out.managed = a.manage;
         }
         let ended = [pb::State::Exited as i32, pb::State::Failed as i32].contains(&out.state);
+        // Falling asleep and waking show SLEEPING too: its server is not
+        // serving (a request then would find it mid-sleep, or asleep), and
+        // a Start waits for the call under way and then wakes it.
         if out.state == pb::State::Ready as i32 {
-            match record.sleep {
+            let asleep = match record.sleep {
                 Some(Sleepy::Asleep(since)) => {
-                    out.state = pb::State::Sleeping as i32;
                     let secs = self.now_ms().saturating_sub(since) / 1000;
-                    out.message = format!("SLEEPING: asleep for {secs} s; a Start wakes it");
+                    Some(format!("asleep for {secs} s; a Start wakes it"))
                 }
-                Some(Sleepy::Falling) => out.message = format!("{}; falling asleep", out.message),
-                Some(Sleepy::Waking) => out.message = format!("{}; waking", out.message),
+                Some(Sleepy::Falling) => {
+                    Some("falling asleep; a Start wakes it once it is asleep".to_string())
+                }
+                Some(Sleepy::Waking) => Some("waking".to_string()),
                 Some(Sleepy::Woken(ms)) => {
-                    out.message = format!("{}; WOKEN in {ms} ms", out.message)
+                    out.message = format!("{}; WOKEN in {ms} ms", out.message);
+                    None
                 }
-                None => {}
+                None => None,
+            };
+            if let Some(text) = asleep {
+                out.state = pb::State::Sleeping as i32;
+                out.message = format!("SLEEPING: {text}");
             }
         }
         if let Some(note) = record.note.as_ref().filter(|_| !ended) {

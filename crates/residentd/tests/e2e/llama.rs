@@ -802,7 +802,7 @@ async fn llama_servers_prompt_cache_is_off_or_reserved_and_the_default_overruns(
                 // Asleep (after 10 s unused) the server frees the model and
                 // keeps the cache (27 MB asleep without one), which its
                 // asleep reservation holds.
-                let asleep = d.wait_state(id, pb::State::Sleeping).await;
+                let asleep = d.asleep(id).await;
                 let kept = settled(&mut d, id).await;
                 println!(
                     "{id} asleep: reserved {} bytes, held {kept}",

@@ -659,17 +659,26 @@ async fn the_router_serves_through_an_agent_reached_over_mutual_tls() {
     }
 }
 
+/// Pools `gpu` and `ram`; workload `big`, the sleep stand-in (20 MB,
+/// with `flags`), 3 GB of `gpu` awake and 3 GB of `ram` asleep.
+fn sleepy_big(flags: &str) -> String {
+    let script = workspace().join("tests/sleep/standin.py");
+    let flags: String = flags
+        .split_whitespace()
+        .map(|f| format!(", \"{f}\""))
+        .collect();
+    format!(
+        "[[pool]]\nname = \"gpu\"\nbudget = \"4GB\"\n\n[[pool]]\nname = \"ram\"\nbudget = \"8GB\"\n\n[[workload]]\nname = \"big\"\ncommand = [\"python3\", \"-u\", \"{}\", \"${{PORT}}\", \"20\"{flags}]\nstop_grace = \"2s\"\n[workload.memory.gpu]\nweights = \"3GB\"\n[workload.readiness]\nhttp = \"/health\"\n[workload.sleep]\nsleep = \"POST /sleep?level=1\"\nwake = \"POST /wake_up\"\n[workload.sleep.memory.ram]\nweights = \"3GB\"\n",
+        script.display()
+    )
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_for_a_sleeping_model_wakes_it_through_the_router() {
     let Some(python) = venv_python("the router test's openai client") else {
         return;
     };
-    let script = workspace().join("tests/sleep/standin.py");
-    let config = format!(
-        "[[pool]]\nname = \"gpu\"\nbudget = \"4GB\"\n\n[[pool]]\nname = \"ram\"\nbudget = \"8GB\"\n\n[[workload]]\nname = \"big\"\ncommand = [\"python3\", \"-u\", \"{}\", \"${{PORT}}\", \"20\"]\nstop_grace = \"2s\"\n[workload.memory.gpu]\nweights = \"3GB\"\n[workload.readiness]\nhttp = \"/health\"\n[workload.sleep]\nsleep = \"POST /sleep?level=1\"\nwake = \"POST /wake_up\"\n[workload.sleep.memory.ram]\nweights = \"3GB\"\n",
-        script.display()
-    );
-    let mut d = Daemon::start(&config).await;
+    let mut d = Daemon::start(&sleepy_big("")).await;
     let r = router(&d.socket, Duration::from_secs(20)).await;
     let first = client(&python, &["chat", &r.base, "big"]).await;
     ok(&first, "started on demand");
@@ -703,6 +712,50 @@ async fn a_request_for_a_sleeping_model_wakes_it_through_the_router() {
     drop(r);
 }
 
+/// A request that arrives while its model falls asleep (its sleep call
+/// under way: the server has let its weights go) is not sent to the
+/// server mid-sleep: the instance shows SLEEPING, and the router's Start
+/// waits for the sleep, wakes it and is answered by it awake.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_while_its_model_falls_asleep_waits_for_it_and_wakes_it() {
+    let mut d = Daemon::start(&sleepy_big("--slow-sleep")).await;
+    let r = router(&d.socket, Duration::from_secs(20)).await;
+    let chat = r#"{"model": "big", "messages": [{"role": "user", "content": "hi"}]}"#;
+    let (status, _, body) = raw(r.port, &post("/v1/chat/completions", chat)).await;
+    assert_eq!(status, 200, "started on demand: {body}");
+    let awake = d.wait_state("big", pb::State::Ready).await;
+    // The sleep call takes a second to answer, its weights gone at once.
+    let mut client = d.client.clone();
+    let sleeping = tokio::spawn(async move {
+        let req = pb::SleepRequest {
+            instance_id: "big".into(),
+        };
+        client.sleep(req).await.map(|r| r.into_inner())
+    });
+    let falling = until(async || {
+        let i = d.get("big").await;
+        i.message.contains("falling asleep").then_some(i)
+    })
+    .await
+    .expect("falling asleep");
+    let (status, _, body) = raw(r.port, &post("/v1/chat/completions", chat)).await;
+    assert_eq!(
+        status, 200,
+        "answered, not sent to a server mid-sleep: {body}"
+    );
+    assert!(body.contains("awake"), "{body}");
+    assert_eq!(falling.state, pb::State::Sleeping as i32, "{falling:?}");
+    // (Its answer may already show it woken by the request.)
+    sleeping.await.expect("joined").expect("the sleep call");
+    let i = d.get("big").await;
+    assert_eq!(
+        (i.state, i.pid),
+        (pb::State::Ready as i32, awake.pid),
+        "woken, the same process: {i:?}"
+    );
+    assert!(i.message.contains("WOKEN"), "{}", i.message);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_real_llama_server_sleeps_by_itself_and_a_request_through_the_router_wakes_it() {
     let (Some(python), Some(bin)) = (python(), llama_server_bin()) else {
@@ -727,7 +780,7 @@ async fn a_real_llama_server_sleeps_by_itself_and_a_request_through_the_router_w
     assert_eq!(awake.state, pb::State::Ready as i32);
     // Idle for 2 s, the server sleeps by itself; the agent reads it from
     // /props and holds its asleep demand (its process, 27 MB) instead.
-    let asleep = d.wait_state("tiny", pb::State::Sleeping).await;
+    let asleep = d.asleep("tiny").await;
     assert_eq!(asleep.pid, awake.pid);
     assert!(
         asleep.reserved_bytes < awake.reserved_bytes,

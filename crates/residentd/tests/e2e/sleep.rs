@@ -283,7 +283,7 @@ async fn a_sleep_whose_caller_goes_away_mid_call_still_ends_asleep() {
         "{gone:?}"
     );
     // The call carries on without it: asleep, its asleep demand held.
-    let asleep = d.wait_state("b", pb::State::Sleeping).await;
+    let asleep = d.asleep("b").await;
     assert_eq!(asleep.pid, awake.pid);
     assert_eq!(used(&mut d).await, (GB / 2, 3 * GB));
     // And a Start wakes it, rather than waiting on a sleep that never ends.
@@ -328,7 +328,7 @@ async fn an_agent_killed_and_started_again_takes_a_sleeping_instance_over_asleep
     sleep(&mut d, "b").await.expect("asleep");
     d.kill();
     let mut d = d.restart().await;
-    let b = d.wait_state("b", pb::State::Sleeping).await;
+    let b = d.asleep("b").await;
     assert_eq!((b.pid, b.port), (awake.pid, awake.port));
     assert_eq!(used(&mut d).await, (GB / 2, 3 * GB));
     let woken = d
@@ -395,7 +395,7 @@ async fn an_instance_unused_for_its_sleep_idle_is_put_to_sleep_unless_held() {
         release_hold: true,
     };
     d.client.touch(release).await.expect("released");
-    let asleep = d.wait_state("b", pb::State::Sleeping).await;
+    let asleep = d.asleep("b").await;
     assert_eq!(asleep.pid, awake.pid);
     assert_eq!(used(&mut d).await, (GB / 2, 3 * GB));
 }

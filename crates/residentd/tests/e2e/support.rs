@@ -230,6 +230,22 @@ impl Daemon {
         reached.unwrap_or_else(|| panic!("{id} never reached {state:?}: {last:?}"))
     }
 
+    /// Waits until `id` is asleep, its sleep settled: SLEEPING, and no
+    /// longer falling asleep or waking (which show SLEEPING too, while
+    /// the books still hold both demands).
+    pub async fn asleep(&mut self, id: &str) -> pb::Instance {
+        let mut last = None;
+        let reached = until(async || {
+            let i = self.get(id).await;
+            let done =
+                i.state == pb::State::Sleeping as i32 && i.message.starts_with("SLEEPING: asleep");
+            last = Some(i.clone());
+            done.then_some(i)
+        })
+        .await;
+        reached.unwrap_or_else(|| panic!("{id} never fell asleep: {last:?}"))
+    }
+
     /// kill -9 of the agent; returns once it is reaped. Its instances run
     /// on (`instances_outlive_agent`, the default) for the next agent to
     /// take over, or die with it when the config turns that off.
