@@ -8,9 +8,12 @@ start and at each wake, freed at each sleep (a large bytearray is its own
 mapping, so freeing it returns it to the kernel).
 
 Usage: standin.py PORT MB [--fail-sleep] [--fail-wake] [--hang-wake] [--slow-sleep]
+    [--slow-wake] [--slow-load]
 
 --slow-sleep: the sleep call frees the model at once, then takes a second
 before it answers (a request meanwhile finds it asleep).
+--slow-wake: the wake call takes its memory back, then takes a second
+before it answers.
 --slow-load: it loads for 3 s before it listens (not ready meanwhile).
 """
 
@@ -64,6 +67,10 @@ class Handler(BaseHTTPRequestHandler):
             if "--fail-sleep" in FLAGS:
                 self.answer(500, {"error": "sleep failed"})
                 return
+            if state["sleeping"]:
+                # As vLLM does: asleep already, the call is done.
+                self.answer(200, {})
+                return
             state["model"] = None
             state["sleeping"] = True
             state["level"] = 2 if "level=2" in self.path else 1
@@ -79,8 +86,15 @@ class Handler(BaseHTTPRequestHandler):
             if "--hang-wake" in FLAGS:
                 import time
                 time.sleep(3600)
+            if not state["sleeping"]:
+                # As vLLM does: awake already, the call is done.
+                self.answer(200, {})
+                return
             state["model"] = allocate()
             state["sleeping"] = False
+            if "--slow-wake" in FLAGS:
+                import time
+                time.sleep(1)
             print("standin: awake", flush=True)
             self.answer(200, {})
         elif self.path in ("/v1/completions", "/v1/chat/completions"):

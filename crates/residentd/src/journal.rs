@@ -4,7 +4,7 @@
 //! previous run left behind, and starts the rest again, in their original
 //! order.
 //!
-//! Format: a header line `# residentd journal 6`, then one line per change,
+//! Format: a header line `# residentd journal 7`, then one line per change,
 //! tab-separated. An instance's line (put, or replace in place):
 //! `instance_id  workload  pgid  start_ticks  lease_ms [adopted port |
 //! run port restarts [choice]]` (pgid 0: not spawned yet; lease 0: none; a
@@ -14,7 +14,9 @@
 //! without them, from before format 5, is never taken over; `choice`: the
 //! pools chosen for its any-of demands, `a,b;c` for two labels, which a
 //! takeover keeps; `run-asleep` in place of `run` (format 6): the run
-//! was asleep, and a takeover keeps it so);
+//! was asleep, and a takeover keeps it so; `run-falling` or `run-waking`
+//! (format 7): its sleep or wake call was under way, and a takeover makes
+//! it again);
 //! its removal: `-  instance_id`. A workload's learned footprint
 //! (`learn_footprints`): `@  workload  key  pool=bytes ...` (the key a
 //! hex digest of what it was learned for, `Workload::footprint_key`; one
@@ -72,8 +74,48 @@ pub struct Entry {
     /// The pools chosen for each any-of demand, in label order (a spawned
     /// run's; empty when it has none).
     pub chosen: Vec<Vec<String>>,
-    /// The run was asleep (`[workload.sleep]`): a takeover keeps it so.
-    pub asleep: bool,
+    /// Where the run stood in its sleep (`[workload.sleep]`).
+    pub sleep: Slumber,
+}
+
+/// Where a journaled run stood in its sleep (`[workload.sleep]`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Slumber {
+    /// Awake (`run`).
+    #[default]
+    Awake,
+    /// Asleep (`run-asleep`): a takeover keeps it so.
+    Asleep,
+    /// Its sleep call was under way (`run-falling`): the server may be
+    /// awake or asleep, and a takeover makes the call again.
+    Falling,
+    /// Its wake was admitted and under way (`run-waking`): a takeover
+    /// makes the wake call again.
+    Waking,
+}
+
+impl Slumber {
+    /// The run's token in a line.
+    fn token(self) -> &'static str {
+        match self {
+            Slumber::Awake => "run",
+            Slumber::Asleep => "run-asleep",
+            Slumber::Falling => "run-falling",
+            Slumber::Waking => "run-waking",
+        }
+    }
+
+    /// The sleep a run token says; `None` for another token.
+    fn of(token: &str) -> Option<Slumber> {
+        [
+            Slumber::Awake,
+            Slumber::Asleep,
+            Slumber::Falling,
+            Slumber::Waking,
+        ]
+        .into_iter()
+        .find(|s| s.token() == token)
+    }
 }
 
 /// An adopted instance's terms.
@@ -100,7 +142,7 @@ pub struct Learned {
 
 /// The format this agent writes; a header with a higher one is from a
 /// newer agent.
-const FORMAT: u32 = 6;
+const FORMAT: u32 = 7;
 
 /// Lines appended since the journal was last written whole, beyond twice
 /// the instances it holds, after which it is written whole again.
@@ -375,7 +417,7 @@ fn put_line(text: &mut String, e: &Entry) {
             writeln!(text, "\t{how}\t{}", a.port)
         }
         None if e.port != 0 && e.pgid > 0 => {
-            let run = if e.asleep { "run-asleep" } else { "run" };
+            let run = e.sleep.token();
             let _ = write!(text, "\t{run}\t{}\t{}", e.port, e.restarts);
             if !e.chosen.is_empty() {
                 let choice: Vec<String> = e.chosen.iter().map(|pools| pools.join(",")).collect();
@@ -515,17 +557,17 @@ fn parse(line: &str) -> Option<Line> {
         port: 0,
         restarts: 0,
         chosen: Vec::new(),
-        asleep: false,
+        sleep: Slumber::Awake,
     };
     // An adopted instance has two more: how, and its port; a spawned run
     // may have `run`, its port, the restarts so far, and its choice.
     let mut restarts = 0;
     let mut chosen = Vec::new();
-    let mut asleep = false;
+    let mut sleep = Slumber::Awake;
     let (adopted, port) = match (fields.next(), fields.next()) {
         (None, _) => (None, 0),
-        (Some(run @ ("run" | "run-asleep")), Some(port)) => {
-            asleep = run == "run-asleep";
+        (Some(run), Some(port)) if Slumber::of(run).is_some() => {
+            sleep = Slumber::of(run)?;
             restarts = fields.next()?.parse().ok()?;
             if let Some(choice) = fields.next() {
                 chosen = choice
@@ -551,7 +593,7 @@ fn parse(line: &str) -> Option<Line> {
         port,
         restarts,
         chosen,
-        asleep,
+        sleep,
         ..entry
     };
     fields.next().is_none().then_some(Line::Put(entry))
@@ -628,7 +670,7 @@ mod tests {
                 port: 8081,
                 restarts: 2,
                 chosen: vec![vec!["gpu1".into(), "gpu3".into()], vec!["host".into()]],
-                asleep: true,
+                sleep: Slumber::Asleep,
             },
             Entry {
                 instance: "c".into(),
@@ -643,7 +685,7 @@ mod tests {
                 port: 8080,
                 restarts: 0,
                 chosen: Vec::new(),
-                asleep: false,
+                sleep: Slumber::Awake,
             },
             Entry {
                 instance: "a".into(),
@@ -655,7 +697,7 @@ mod tests {
                 port: 0,
                 restarts: 0,
                 chosen: Vec::new(),
-                asleep: false,
+                sleep: Slumber::Awake,
             },
         ];
         j.write(entries.clone(), Vec::new()).expect("write");
@@ -680,6 +722,20 @@ mod tests {
             panic!("a line with its run's port and restarts");
         };
         assert_eq!((run.port, run.restarts, run.adopted), (8090, 3, None));
+        // A sleep or wake under way (format 7).
+        for (token, sleep) in [
+            ("run-falling", Slumber::Falling),
+            ("run-waking", Slumber::Waking),
+        ] {
+            let Some(Line::Put(moving)) = parse(&format!("a\tb\t1\t2\t0\t{token}\t8090\t0")) else {
+                panic!("a line with {token}");
+            };
+            assert_eq!(moving.sleep, sleep);
+            let mut text = String::new();
+            put_line(&mut text, &moving);
+            assert!(text.contains(&format!("\t{token}\t")), "{text}");
+        }
+        assert_eq!(parse("a\tb\t1\t2\t0\trun-dozing\t8090\t0"), None);
         assert_eq!(parse("a\tb\t1\t2\t0\trun\tx\t0"), None);
         assert_eq!(parse("a\tb\t1\t2\t0\trun\t8090"), None);
         assert_eq!(parse("-\ta"), Some(Line::Remove("a".into())));
@@ -697,7 +753,7 @@ mod tests {
             port: 0,
             restarts: 0,
             chosen: Vec::new(),
-            asleep: false,
+            sleep: Slumber::Awake,
         }
     }
 
@@ -716,7 +772,7 @@ mod tests {
         j.write(live.clone(), Vec::new()).expect("write");
         assert_eq!(
             text(),
-            "# residentd journal 6\na\tw\t0\t7\t0\nb\tw\t0\t7\t0\n"
+            "# residentd journal 7\na\tw\t0\t7\t0\nb\tw\t0\t7\t0\n"
         );
         let first = inode(&path);
         // A change in place, a removal and an addition are appended.
@@ -777,7 +833,7 @@ mod tests {
         j.write(live.clone(), known.clone()).expect("write");
         assert_eq!(
             text(),
-            "# residentd journal 6\na\tw\t5\t7\t0\n@\tw\t0000000000000abc\tgpu=7\thost=120000000\n"
+            "# residentd journal 7\na\tw\t5\t7\t0\n@\tw\t0000000000000abc\tgpu=7\thost=120000000\n"
         );
         assert_eq!(j.peek().learned, known);
         // A higher figure replaces the line (appended); another workload

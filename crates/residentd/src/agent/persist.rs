@@ -70,7 +70,7 @@ impl Agent {
             // agent to renew it with.
             let answer = super::admission::Answer::Prompt;
             let process = taken_over(&e).filter(|_| outlive);
-            if process.is_some() && e.asleep {
+            if process.is_some() && e.sleep == journal::Slumber::Asleep {
                 // Its process sleeps on: it is admitted with its asleep
                 // demand, and stays SLEEPING.
                 self.books.expect_asleep(&e.instance, self.now_ms());
@@ -135,7 +135,7 @@ impl Agent {
             let mut launches = tokio::task::JoinSet::new();
             for (e, request, a, _) in first {
                 let me = me.clone();
-                launches.spawn(async move { me.restored(e, request, a).await });
+                launches.spawn(async move { me.restored(e, request, a, true).await });
             }
             while launches.join_next().await.is_some() {}
             me.sup.clear_dead_agents();
@@ -151,21 +151,27 @@ impl Agent {
             }
             for (e, request, a, _) in rest {
                 let me = me.clone();
-                tokio::spawn(async move { me.restored(e, request, a).await });
+                tokio::spawn(async move { me.restored(e, request, a, false).await });
             }
         });
     }
 
-    /// Carries out one restored admission, saying how it went.
+    /// Carries out one restored admission, saying how it went. A run
+    /// `taken` over whose sleep or wake was under way has that finished.
     async fn restored(
         self: Arc<Self>,
         e: journal::Entry,
         request: super::admission::Request,
         a: super::books::Admitted,
+        taken: bool,
     ) {
-        match self.carry_out(request, a).await {
+        let generation = a.generation;
+        match self.clone().carry_out(request, a).await {
             Ok(_) => {
-                tracing::info!(instance_id = %e.instance, workload = %e.workload, pid = e.pgid, "restored")
+                tracing::info!(instance_id = %e.instance, workload = %e.workload, pid = e.pgid, "restored");
+                if taken {
+                    self.finish_move(&e.instance, generation, e.sleep).await;
+                }
             }
             Err(err) => tracing::warn!(
                 instance_id = %e.instance, workload = %e.workload, error = %err,
@@ -361,7 +367,7 @@ impl Agent {
                         port: a.port,
                         restarts: 0,
                         chosen: Vec::new(),
-                        asleep: false,
+                        sleep: journal::Slumber::Awake,
                     },
                     None => journal::Entry {
                         instance: id,
@@ -373,7 +379,7 @@ impl Agent {
                         port,
                         restarts,
                         chosen: row.chosen,
-                        asleep: row.asleep,
+                        sleep: row.sleep,
                     },
                 }
             })

@@ -17,6 +17,7 @@ use tokio::net::TcpStream;
 
 use super::Agent;
 use super::books::{Sleeper, Sleepy};
+use crate::journal::Slumber;
 
 /// Most of a sleep or wake call's answer read.
 const MAX_ANSWER: usize = 64 * 1024;
@@ -54,13 +55,17 @@ impl Agent {
     }
 
     /// Makes the sleep call of `s`, marked falling asleep in the books,
-    /// and settles it asleep; a failed call stops it.
+    /// and settles it asleep; a failed call stops it. The journal says
+    /// falling asleep before the call is made, and asleep before this
+    /// returns (with `durable_answers`): a crash at any point leaves the
+    /// next agent knowing where it stood.
     pub(super) async fn fall_asleep(
         self: &Arc<Self>,
         s: &Sleeper,
         why: &str,
     ) -> Result<(), ApiError> {
         self.publish_view(&s.id);
+        self.journal_move(&s.id).await;
         let Some((call, timeout, port)) = self.sleep_call(&s.id, s.generation, true) else {
             return Err(ApiError::NotFound(format!(
                 "that run of instance '{}' has ended",
@@ -92,9 +97,8 @@ impl Agent {
                     )));
                 }
                 self.metrics.slept(&s.workload);
-                self.persist();
                 self.publish_view(&s.id);
-                Ok(())
+                self.journal_now().await
             }
             Err(e) => {
                 let text = format!("SLEEP_FAILED: its sleep call ({call}) {e}");
@@ -115,6 +119,7 @@ impl Agent {
     ) -> Result<(), ApiError> {
         let began = Instant::now();
         self.publish_view(id);
+        self.journal_move(id).await;
         let Some((call, timeout, port)) = self.sleep_call(id, generation, false) else {
             return Err(ApiError::NotFound(format!(
                 "that run of instance '{id}' has ended"
@@ -154,9 +159,8 @@ impl Agent {
                     )));
                 }
                 self.metrics.woke(workload, began.elapsed().as_secs_f64());
-                self.persist();
                 self.publish_view(id);
-                Ok(())
+                self.journal_now().await
             }
             Err(e) => {
                 let call = call.map_or_else(String::new, |c| c.to_string());
@@ -164,6 +168,26 @@ impl Agent {
                 self.sleep_failed(id, generation, text.clone()).await;
                 Err(ApiError::Internal(format!("instance '{id}': {text}")))
             }
+        }
+    }
+
+    /// Has the journal written as the books stand now and, with
+    /// `durable_answers`, waits until it is on disk (the answer that
+    /// follows is then a promise a crash keeps).
+    async fn journal_now(&self) -> Result<(), ApiError> {
+        let change = self.persist();
+        if self.config().node.durable_answers {
+            self.durable(change).await?;
+        }
+        Ok(())
+    }
+
+    /// The journal written with `id` falling asleep or waking, before its
+    /// call is made; a failed write is said, and the call made anyway (the
+    /// journal's state is reported as failing meanwhile).
+    async fn journal_move(&self, id: &str) {
+        if let Err(e) = self.journal_now().await {
+            tracing::warn!(instance_id = id, error = %e, "the journal does not say the sleep or wake under way");
         }
     }
 
@@ -198,6 +222,47 @@ impl Agent {
         let cause = Some((pb::Cause::SleepFailed, text));
         if let Err(e) = self.stop_because(id, Some(generation), None, cause).await {
             tracing::warn!(instance_id = id, error = %e, "stopping after a failed sleep call");
+        }
+    }
+
+    /// Finishes, on run `generation` of `id` taken over from an agent that
+    /// ended mid-way, the sleep or wake that agent was making (`to`, as
+    /// journaled): the call is made again once the run is READY (vLLM
+    /// answers a sleep while asleep, or a wake while awake, as done), so
+    /// the server and the books agree again. Nothing for a run that was
+    /// awake or asleep.
+    pub(super) async fn finish_move(self: &Arc<Self>, id: &str, generation: u64, to: Slumber) {
+        if !matches!(to, Slumber::Falling | Slumber::Waking) {
+            return;
+        }
+        let ready = self
+            .sup
+            .wait_for(id, |s| {
+                s.generation != generation || s.state == State::Ready || s.state.is_terminal()
+            })
+            .await
+            .is_some_and(|s| s.generation == generation && s.state == State::Ready);
+        if !ready {
+            return;
+        }
+        let done = match to {
+            Slumber::Falling => match self.books.begin_sleep(id, Some(generation)) {
+                Ok(sleeper) => {
+                    self.fall_asleep(&sleeper, "taken over falling asleep")
+                        .await
+                }
+                Err(e) => Err(e),
+            },
+            _ => match self.books.begin_wake_again(id, generation) {
+                Ok(workload) => self.wake_up(id, generation, &workload).await,
+                Err(e) => Err(e),
+            },
+        };
+        match done {
+            Ok(()) => tracing::info!(instance_id = id, ?to, "finished the move taken over"),
+            Err(e) => {
+                tracing::warn!(instance_id = id, ?to, error = %e, "the move taken over did not finish")
+            }
         }
     }
 

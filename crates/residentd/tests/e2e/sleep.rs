@@ -340,6 +340,63 @@ async fn an_agent_killed_and_started_again_takes_a_sleeping_instance_over_asleep
     assert_eq!((b.state, b.pid), (pb::State::Ready as i32, awake.pid));
 }
 
+/// An agent killed while its sleep call runs (the server has let its
+/// model go, the answer not yet given): the journal says the instance was
+/// falling asleep, and the next agent makes the call again (asleep
+/// already, the server answers it done): asleep, the same process, its
+/// asleep demand held.
+#[tokio::test]
+async fn an_agent_killed_mid_sleep_is_followed_by_one_that_finishes_the_sleep() {
+    let (mut d, awake) = big_ready("--slow-sleep").await;
+    let mut client = d.client.clone();
+    let call = tokio::spawn(async move {
+        let req = pb::SleepRequest {
+            instance_id: "b".into(),
+        };
+        client.sleep(req).await.map(drop)
+    });
+    let asleep = async || get(awake.port, "/is_sleeping").await.contains("true");
+    assert!(
+        eventually(asleep).await,
+        "the sleep call reached the server"
+    );
+    d.kill();
+    assert!(
+        call.await.expect("joined").is_err(),
+        "no answer from a killed agent"
+    );
+    let mut d = d.restart().await;
+    let b = d.asleep("b").await;
+    assert_eq!((b.pid, b.port), (awake.pid, awake.port));
+    assert_eq!(used(&mut d).await, (GB / 2, 3 * GB));
+    assert!(get(awake.port, "/is_sleeping").await.contains("true"));
+}
+
+/// An agent killed while a wake call runs (the server has its memory
+/// back, the answer not yet given): the journal says the instance was
+/// waking, and the next agent makes the wake call again (awake already,
+/// the server answers it done): READY, the same process, its awake demand
+/// held.
+#[tokio::test]
+async fn an_agent_killed_mid_wake_is_followed_by_one_that_finishes_the_wake() {
+    let (mut d, awake) = big_ready("--slow-wake").await;
+    sleep(&mut d, "b").await.expect("asleep");
+    let mut client = d.client.clone();
+    let call = tokio::spawn(async move { client.start(start("big", "b", false)).await.map(drop) });
+    let woken = async || get(awake.port, "/is_sleeping").await.contains("false");
+    assert!(eventually(woken).await, "the wake call reached the server");
+    d.kill();
+    assert!(
+        call.await.expect("joined").is_err(),
+        "no answer from a killed agent"
+    );
+    let mut d = d.restart().await;
+    let b = d.wait_state("b", pb::State::Ready).await;
+    assert_eq!((b.pid, b.port), (awake.pid, awake.port));
+    assert!(b.message.contains("WOKEN"), "{}", b.message);
+    assert_eq!(used(&mut d).await, (3 * GB, 0));
+}
+
 #[tokio::test]
 async fn residentctl_puts_to_sleep_says_whom_place_would_put_to_sleep_and_wakes() {
     let (mut d, _) = big_ready("").await;

@@ -64,6 +64,34 @@ impl Books {
         Ok(sleeper)
     }
 
+    /// Marks run `generation` of `id`, held awake, waking again: a run
+    /// taken over whose wake was under way when its agent ended, whose
+    /// wake call is made again. Its workload's name.
+    pub(in crate::agent) fn begin_wake_again(
+        &self,
+        id: &str,
+        generation: u64,
+    ) -> Result<String, ApiError> {
+        let mut b = self.lock();
+        if b.ledger
+            .resident(id)
+            .is_none_or(|r| r.leaving() || r.tier != Tier::Awake)
+        {
+            return Err(ApiError::FailedPrecondition(format!(
+                "instance '{id}' is not held awake"
+            )));
+        }
+        let Some(record) = b.records.get_mut(id).filter(|r| r.generation == generation) else {
+            return Err(ApiError::NotFound(format!(
+                "that run of instance '{id}' has ended"
+            )));
+        };
+        record.sleep = Some(Sleepy::Waking);
+        let workload = record.workload.spec.workload.to_string();
+        b.ledger.set_tier(id, Tier::Moving);
+        Ok(workload)
+    }
+
     /// Settles run `generation` of `id` asleep (`asleep`, at `now`) or
     /// awake (`Woken(ms)`) after its call; tells whoever waits on it.
     /// False when that run holds nothing any more.

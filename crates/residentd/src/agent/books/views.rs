@@ -9,6 +9,8 @@ use resident_config::Config;
 use resident_core::{Charge, PoolName};
 use resident_supervisor::Adoption;
 
+use crate::journal::Slumber;
+
 use super::*;
 
 impl Books {
@@ -272,7 +274,12 @@ impl Books {
             })
             .filter(|(_, r, _)| !r.cancelled)
             .map(|(id, r, tier)| JournalRow {
-                asleep: tier == resident_core::Tier::Asleep,
+                sleep: match (tier, r.sleep) {
+                    (resident_core::Tier::Asleep, _) => Slumber::Asleep,
+                    (resident_core::Tier::Moving, Some(Sleepy::Waking)) => Slumber::Waking,
+                    (resident_core::Tier::Moving, _) => Slumber::Falling,
+                    (resident_core::Tier::Awake, _) => Slumber::Awake,
+                },
                 id: id.to_string(),
                 workload: r.workload.spec.workload.to_string(),
                 generation: r.generation,
@@ -316,8 +323,8 @@ pub(in crate::agent) struct JournalRow {
     pub(in crate::agent) adopted: Option<Adoption>,
     /// The pools chosen for each any-of demand, in label order.
     pub(in crate::agent) chosen: Vec<Vec<String>>,
-    /// Asleep (`[workload.sleep]`).
-    pub(in crate::agent) asleep: bool,
+    /// Where it stands in its sleep (`[workload.sleep]`).
+    pub(in crate::agent) sleep: Slumber,
 }
 
 /// Probe readings for [`Books::set_readings`].
