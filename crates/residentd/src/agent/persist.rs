@@ -81,7 +81,7 @@ impl Agent {
             } else {
                 &[]
             };
-            match self
+            let restored = self
                 .admit_start(
                     workload,
                     Some(id),
@@ -91,8 +91,11 @@ impl Agent {
                     answer,
                     pinned,
                 )
-                .await
-            {
+                .await;
+            // Whatever came of it, a later admission of this id is no
+            // restore: an unrestored sleeper started again starts awake.
+            self.books.expect_awake(&e.instance);
+            match restored {
                 Ok(super::admission::Admission::New(request, a)) => {
                     let request = match process {
                         Some(p) => request.taking_over(p),

@@ -397,6 +397,34 @@ async fn an_agent_killed_mid_wake_is_followed_by_one_that_finishes_the_wake() {
     assert_eq!(used(&mut d).await, (3 * GB, 0));
 }
 
+/// A sleeping instance the next agent cannot restore (its node now takes
+/// one instance, held by another restored first) is stopped, and nothing
+/// of its sleep is left behind: started again later, it runs awake,
+/// holding its awake demand.
+#[tokio::test]
+async fn a_sleeper_the_next_agent_could_not_restore_is_started_later_awake() {
+    let rest = format!("{}{}", config(""), sleeper("small", "ram", 1, ""));
+    let mut d = Daemon::start(&rest).await;
+    started(&mut d, start("small", "s", false), "small").await;
+    started(&mut d, start("big", "b", false), "big").await;
+    sleep(&mut d, "b").await.expect("asleep");
+    d.kill();
+    write_config(d.dir.path(), &format!("max_instances = 1\n{rest}"));
+    let mut d = d.restart().await;
+    d.wait_state("s", pb::State::Ready).await;
+    assert_eq!(
+        d.ids().await,
+        ["s"],
+        "b is not restored: one instance at most"
+    );
+    d.stopped("s").await;
+    let b = started(&mut d, start("big", "b", false), "b again").await;
+    let b = b.instance.expect("b");
+    assert_eq!(b.state, pb::State::Ready as i32, "{b:?}");
+    assert_eq!(used(&mut d).await, (3 * GB, 0));
+    assert!(get(b.port, "/is_sleeping").await.contains("false"));
+}
+
 #[tokio::test]
 async fn residentctl_puts_to_sleep_says_whom_place_would_put_to_sleep_and_wakes() {
     let (mut d, _) = big_ready("").await;

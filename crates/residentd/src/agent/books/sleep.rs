@@ -125,6 +125,12 @@ impl Books {
         self.lock().restore_asleep.insert(id.to_string(), now);
     }
 
+    /// Undoes [`Books::expect_asleep`] once the restore of `id` has been
+    /// decided (admitted, refused or failed).
+    pub(in crate::agent) fn expect_awake(&self, id: &str) {
+        self.lock().restore_asleep.remove(id);
+    }
+
     /// Whether `id` is resident, not held, and unused for `ms` at `now`.
     pub(in crate::agent) fn quiet(&self, id: &str, now: u64, ms: u64) -> bool {
         let b = self.lock();
