@@ -223,7 +223,17 @@ impl Agent {
         a: Admitted,
     ) -> Result<Started, ApiError> {
         let config = self.config();
-        let w = workload_of(&config, workload)?;
+        // The workload the run was started from: a reload since may have
+        // changed or removed it, and the wake admitted must still be made
+        // (or it would be left waking for good).
+        let w = self
+            .books
+            .record(id.as_str())
+            .filter(|r| r.generation == a.generation)
+            .map(|r| r.workload.clone())
+            .ok_or_else(|| {
+                ApiError::Aborted(format!("instance '{id}' was stopped before it woke"))
+            })?;
         let (evicted, slept) = self.make_room(id.as_str(), &config, &w, &a).await;
         self.wake_up(id.as_str(), a.generation, workload).await?;
         let record = self
