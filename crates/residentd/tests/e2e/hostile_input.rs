@@ -134,14 +134,16 @@ async fn books(c: &mut Client) -> Books {
     let list = c.list(pb::ListRequest {}).await.expect("list").into_inner();
     let node = c.node(pb::NodeRequest {}).await.expect("node").into_inner();
     let mut timers = Vec::new();
-    // The transient fields of a live instance (sampled memory) may move on
-    // their own; what an invalid call must not change is the rest.
+    // The transient fields of a live instance (sampled memory, and when it
+    // was sampled) may move on their own; what an invalid call must not
+    // change is the rest.
     let stable = list
         .instances
         .into_iter()
         .map(|mut i| {
             timers.push((i.instance_id.clone(), i.hold_left_ms, i.lease_left_ms));
             i.measured_bytes = 0;
+            i.measured_unix_ms = 0;
             i.hold_left_ms = 0;
             i.lease_left_ms = 0;
             i
