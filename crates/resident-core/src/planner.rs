@@ -358,6 +358,21 @@ pub(crate) fn plan_present(
     if let Some(plan) = existing(state, id, spec)? {
         return Ok(plan);
     }
+    plan_beside(state, None, spec, policy, now, present)
+}
+
+/// [`plan_present`] of `spec` for what resident `waking` (when given)
+/// adds to what it holds already: it stays in `state`, counted as it
+/// stands, and is no conflict of its own (the caller keeps it from being
+/// a victim).
+pub(crate) fn plan_beside(
+    state: &NodeState,
+    waking: Option<&InstanceId>,
+    spec: &Spec,
+    policy: Policy,
+    now: u64,
+    present: &BTreeMap<PoolName, u64>,
+) -> Result<Plan, PlanError> {
     let mut pools = Vec::with_capacity(spec.demand.len());
     for (name, demand) in &spec.demand {
         let Some(pool) = state.pools.get(name) else {
@@ -382,6 +397,9 @@ pub(crate) fn plan_present(
     let mut conflicts = Vec::new();
     let mut wait_for = Vec::new();
     for r in state.residents.values() {
+        if Some(&r.id) == waking {
+            continue;
+        }
         let Some(reason) = conflict(state, spec, target_group, r) else {
             continue;
         };

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use crate::name::{InstanceId, PoolName};
 use crate::planner::{self, Plan, PlanError, Policy};
 use crate::reason::{Holder, Refusal};
-use crate::spec::{Choice, GpuChoice, Groups, Spec};
+use crate::spec::{Choice, Demand, GpuChoice, Groups, Spec};
 
 /// A pool as configured.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -421,9 +421,14 @@ impl NodeState {
         }
     }
 
-    /// The dry run of waking `id`, asleep: its awake demand planned as
-    /// if it were not resident, the bytes it is measured to hold counted
-    /// as its own (`Plan::Existing` when it is not asleep).
+    /// The dry run of waking `id`, asleep (`Plan::Existing` when it is
+    /// not): what waking adds in each pool, planned beside it as it
+    /// stands. Waking holds both its demands until the call is done (the
+    /// larger in each pool, [`Tier::Moving`]), so what it holds asleep
+    /// stays counted: a vLLM level-1 sleeper's weights stay in host
+    /// memory until it wakes, and a resident put to sleep to make room
+    /// must find room for its own weights there beside them. It is no
+    /// conflict, and no victim, of its own wake.
     pub fn plan_wake(&self, id: &InstanceId, policy: Policy, now: u64) -> Result<Plan, PlanError> {
         let Some(r) = self.residents.get(id) else {
             return Err(PlanError::NotResident { id: id.clone() });
@@ -431,9 +436,35 @@ impl NodeState {
         if r.tier != Tier::Asleep {
             return Ok(Plan::Existing);
         }
-        let mut without = self.clone();
-        let r = without.residents.remove(id).expect("resident");
-        planner::plan_present(&without, None, &r.spec, policy, now, &r.measured)
+        let mut moving = r.clone();
+        moving.tier = Tier::Moving;
+        let adds: BTreeMap<PoolName, Demand> = r
+            .spec
+            .demand
+            .keys()
+            .filter_map(|pool| {
+                let more = (moving.charge(pool.as_str()).counted())
+                    .saturating_sub(r.charge(pool.as_str()).counted());
+                (more > 0).then(|| {
+                    (
+                        pool.clone(),
+                        Demand {
+                            weights: more,
+                            ..Demand::default()
+                        },
+                    )
+                })
+            })
+            .collect();
+        let adds = Spec {
+            demand: adds,
+            ..(*r.spec).clone()
+        };
+        let mut beside = self.clone();
+        if let Some(r) = beside.residents.get_mut(id) {
+            r.evictable = false;
+        }
+        planner::plan_beside(&beside, Some(id), &adds, policy, now, &BTreeMap::new())
     }
 
     /// Wakes `id`, asleep: plans its awake demand ([`NodeState::plan_wake`])

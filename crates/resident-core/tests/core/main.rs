@@ -10,3 +10,4 @@ mod figures;
 mod planner;
 mod properties;
 mod reference;
+mod sleep;

@@ -438,6 +438,26 @@ proptest! {
                             without.release(iid.as_str());
                             check_moves(&without, &r.spec, now, &a.sleep, &a.evict);
                             prop_assert_eq!(n.resident(iid.as_str()).expect("waking").tier, Tier::Moving);
+                            // It holds both its demands until its call is
+                            // done, and its sleepers their asleep ones once
+                            // asleep: no pool that was within its budget is
+                            // taken past it (a sleeper's weights moving into
+                            // host memory beside the waking one's among them).
+                            for p in POOLS {
+                                let Some(eff) = n.effective_budget(p) else { continue };
+                                if pre.used(p) > eff {
+                                    continue;
+                                }
+                                let committed: u64 = n.residents().filter(|r| !r.leaving()).map(|r| {
+                                    if a.sleep.contains(&r.id) {
+                                        let was = pre.resident(r.id.as_str()).expect("was resident");
+                                        (i128::from(was.charge(p).counted()) + sleep_delta(was, p)) as u64
+                                    } else {
+                                        r.charge(p).counted()
+                                    }
+                                }).sum();
+                                prop_assert!(committed <= eff, "waking {}: pool {} holds {} of {}", iid, p, committed, eff);
+                            }
                             waking.insert(iid.to_string());
                         }
                         Ok(a) => prop_assert!(a.evict.is_empty() && a.sleep.is_empty(), "waking an awake resident moves nothing"),
