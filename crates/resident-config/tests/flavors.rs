@@ -241,6 +241,39 @@ fn gpu_and_host(workload: &str) -> Result<Config, String> {
     ))
 }
 
+/// A model sized from its GGUF file in two tables (a flavor fills every
+/// table without weights with its model) would be reserved twice: refused,
+/// naming the second table; the way out the message gives is taken.
+#[test]
+fn a_model_file_sized_in_two_tables_is_refused() {
+    let head = "name = \"l\"\nflavor = \"llama-server\"\nmodel = \"/m/l.gguf\"\nargs = [\"--cache-ram\", \"512\"]\n[workload.memory.gpu0]\n";
+    let twice = gpu_and_host(&format!(
+        "{head}[workload.memory.ram]\noverhead = \"100MB\"\n"
+    ))
+    .expect_err("the model counted in both tables");
+    assert!(
+        twice.contains("workload[l].memory.ram.from_gguf"),
+        "{twice}"
+    );
+    assert!(twice.contains("reserved twice"), "{twice}");
+    assert!(twice.contains("flavors.toml:"), "{twice}");
+    let written = gpu_and_host(&format!(
+        "{head}from_gguf = \"/m/l.gguf\"\n[workload.memory.ram]\nfrom_gguf = \"/m/l.gguf\"\n"
+    ))
+    .expect_err("written twice");
+    assert!(written.contains("memory.ram.from_gguf"), "{written}");
+    let once = gpu_and_host(&format!(
+        "{head}[workload.memory.ram]\nweights = \"0\"\noverhead = \"100MB\"\n"
+    ))
+    .unwrap_or_else(|e| panic!("{e}"));
+    let ram = &once.workloads["l"].spec.demand[&resident_core::PoolName::new("ram").expect("name")];
+    assert_eq!(ram.weights, 0);
+    assert_eq!(
+        ram.overhead, 100_000_000,
+        "a declared overhead stands whole"
+    );
+}
+
 #[test]
 fn vllm_sleeps_at_level_1_with_its_weights_in_the_host_pool() {
     let c = gpu_and_host(

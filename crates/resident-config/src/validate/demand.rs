@@ -33,6 +33,23 @@ pub(super) fn memory(
     key: &dyn Fn(&str) -> String,
     host: Lookups,
 ) -> Result<Memory> {
+    // One model file sized in two tables would reserve its weights in
+    // both (a flavor fills every table that declares no weights with its
+    // model): the server holds them once.
+    let mut sized: BTreeMap<&str, &str> = BTreeMap::new();
+    for (label, d) in raw {
+        let Some(path) = &d.get_ref().from_gguf else {
+            continue;
+        };
+        if let Some(first) = sized.insert(path.get_ref().as_str(), label.as_str()) {
+            let msg = format!(
+                "{:?} is sized in memory.{first} as well: its weights would be reserved twice. Size the model in one table, and give this one what it holds beside it (weights = \"0\" and its overhead, say)",
+                path.get_ref()
+            );
+            let key = key(&format!("memory.{label}.from_gguf"));
+            return Err(src.err(path.span(), key, msg));
+        }
+    }
     let mut fixed = BTreeMap::new();
     let mut any_of = Vec::new();
     let mut notes = Vec::new();
