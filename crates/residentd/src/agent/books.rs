@@ -69,9 +69,10 @@ struct Inner {
     /// The config the ledger is set up for: an admission decided on
     /// another snapshot (a reload between) is decided again.
     config: Arc<Config>,
-    /// Instances a restore takes over asleep: admitted with their asleep
-    /// demand (the value: since when, for their view).
-    restore_asleep: HashMap<String, u64>,
+    /// Instances a restore takes over asleep, or falling asleep or waking:
+    /// admitted with their asleep demand, and entered in that state (a
+    /// moving one holding both its demands, as before the restart).
+    restore_asleep: HashMap<String, Sleepy>,
 }
 
 impl Inner {

@@ -17,6 +17,7 @@ use resident_api::ApiError;
 use resident_core::{InstanceId, Policy};
 
 use super::Agent;
+use super::books::Sleepy;
 use crate::journal;
 
 impl Agent {
@@ -70,10 +71,17 @@ impl Agent {
             // agent to renew it with.
             let answer = super::admission::Answer::Prompt;
             let process = taken_over(&e).filter(|_| outlive);
-            if process.is_some() && e.sleep == journal::Slumber::Asleep {
-                // Its process sleeps on: it is admitted with its asleep
-                // demand, and stays SLEEPING.
-                self.books.expect_asleep(&e.instance, self.now_ms());
+            // Its process sleeps on (admitted with its asleep demand, it
+            // stays SLEEPING), or its sleep or wake was under way (it holds
+            // both demands until `finish_moves` makes the call again).
+            let as_it_was = match e.sleep {
+                journal::Slumber::Awake => None,
+                journal::Slumber::Asleep => Some(Sleepy::Asleep(self.now_ms())),
+                journal::Slumber::Falling => Some(Sleepy::Falling),
+                journal::Slumber::Waking => Some(Sleepy::Waking),
+            };
+            if let Some(as_it_was) = as_it_was.filter(|_| process.is_some()) {
+                self.books.expect_restored(&e.instance, as_it_was);
             }
             // A run taken over holds the pools it was given.
             let pinned = if process.is_some() {
@@ -138,9 +146,16 @@ impl Agent {
             let mut launches = tokio::task::JoinSet::new();
             for (e, request, a, _) in first {
                 let me = me.clone();
-                launches.spawn(async move { me.restored(e, request, a, true).await });
+                launches.spawn(async move { me.restored(e, request, a).await });
             }
-            while launches.join_next().await.is_some() {}
+            let mut moves = Vec::new();
+            while let Some(launched) = launches.join_next().await {
+                moves.extend(launched.ok().flatten());
+            }
+            // Sleeps and wakes that were under way are made again on a
+            // task of their own: the rest of the restore goes on.
+            let mover = me.clone();
+            tokio::spawn(async move { mover.finish_moves(moves).await });
             me.sup.clear_dead_agents();
             let deadline = Instant::now() + Duration::from_secs(5);
             while !groups.is_empty() && Instant::now() < deadline {
@@ -154,32 +169,39 @@ impl Agent {
             }
             for (e, request, a, _) in rest {
                 let me = me.clone();
-                tokio::spawn(async move { me.restored(e, request, a, false).await });
+                tokio::spawn(async move { me.restored(e, request, a).await });
             }
         });
     }
 
     /// Carries out one restored admission, saying how it went. A run
-    /// `taken` over whose sleep or wake was under way has that finished.
+    /// taken over whose sleep or wake was under way (admitted so) comes
+    /// back as a move to make again: its id, run and which.
     async fn restored(
         self: Arc<Self>,
         e: journal::Entry,
         request: super::admission::Request,
         a: super::books::Admitted,
-        taken: bool,
-    ) {
+    ) -> Option<(String, u64, Sleepy)> {
         let generation = a.generation;
         match self.clone().carry_out(request, a).await {
             Ok(_) => {
                 tracing::info!(instance_id = %e.instance, workload = %e.workload, pid = e.pgid, "restored");
-                if taken {
-                    self.finish_move(&e.instance, generation, e.sleep).await;
-                }
+                let moving = self.books.record(&e.instance).and_then(|r| {
+                    (r.generation == generation)
+                        .then_some(r.sleep)
+                        .flatten()
+                        .filter(|s| matches!(s, Sleepy::Falling | Sleepy::Waking))
+                });
+                moving.map(|s| (e.instance, generation, s))
             }
-            Err(err) => tracing::warn!(
-                instance_id = %e.instance, workload = %e.workload, error = %err,
-                "a journaled instance could not be restored"
-            ),
+            Err(err) => {
+                tracing::warn!(
+                    instance_id = %e.instance, workload = %e.workload, error = %err,
+                    "a journaled instance could not be restored"
+                );
+                None
+            }
         }
     }
 

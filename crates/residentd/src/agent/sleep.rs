@@ -1,6 +1,7 @@
 //! Putting servers to sleep and waking them (`[workload.sleep]`): the
 //! Sleep RPC, the planner's sleeps (a Start that makes room), idle sleeps,
-//! and wakes (a Start of a SLEEPING instance). Each is an HTTP call on the
+//! wakes (a Start of a SLEEPING instance), and the sleeps and wakes a run
+//! taken over was in the middle of (made again). Each is an HTTP call on the
 //! instance's port, with the workload's timeout; the books hold the larger
 //! of the two demands while it runs (`books/sleep.rs`). A call that fails,
 //! times out or leaves the server not ready stops the instance
@@ -17,7 +18,6 @@ use tokio::net::TcpStream;
 
 use super::Agent;
 use super::books::{Sleeper, Sleepy};
-use crate::journal::Slumber;
 
 /// Most of a sleep or wake call's answer read.
 const MAX_ANSWER: usize = 64 * 1024;
@@ -98,7 +98,12 @@ impl Agent {
                 }
                 self.metrics.slept(&s.workload);
                 self.publish_view(&s.id);
-                self.journal_now().await
+                self.journal_now().await.map_err(|e| {
+                    ApiError::Unavailable(format!(
+                        "instance '{}' is asleep, but the journal does not say so: {e}",
+                        s.id
+                    ))
+                })
             }
             Err(e) => {
                 let text = format!("SLEEP_FAILED: its sleep call ({call}) {e}");
@@ -160,7 +165,11 @@ impl Agent {
                 }
                 self.metrics.woke(workload, began.elapsed().as_secs_f64());
                 self.publish_view(id);
-                self.journal_now().await
+                self.journal_now().await.map_err(|e| {
+                    ApiError::Unavailable(format!(
+                        "instance '{id}' is awake, but the journal does not say so: {e}"
+                    ))
+                })
             }
             Err(e) => {
                 let call = call.map_or_else(String::new, |c| c.to_string());
@@ -225,16 +234,30 @@ impl Agent {
         }
     }
 
-    /// Finishes, on run `generation` of `id` taken over from an agent that
-    /// ended mid-way, the sleep or wake that agent was making (`to`, as
-    /// journaled): the call is made again once the run is READY (vLLM
-    /// answers a sleep while asleep, or a wake while awake, as done), so
-    /// the server and the books agree again. Nothing for a run that was
-    /// awake or asleep.
-    pub(super) async fn finish_move(self: &Arc<Self>, id: &str, generation: u64, to: Slumber) {
-        if !matches!(to, Slumber::Falling | Slumber::Waking) {
-            return;
+    /// Makes again, on runs taken over from an agent that ended mid-way,
+    /// the sleeps and wakes it was making (each `(id, run, Falling or
+    /// Waking)`, admitted so: holding both demands): the sleeps first, side
+    /// by side, then the wakes, so no wake takes memory back before a
+    /// sleeper it made room with has let it go. Each call waits for its
+    /// run to be READY; vLLM answers a sleep while asleep, or a wake while
+    /// awake, as done, so the server and the books agree again. A run that
+    /// ends first is stopped by its end (`died_asleep`); one whose workload
+    /// no longer sleeps, or whose call fails, is stopped (SLEEP_FAILED).
+    pub(super) async fn finish_moves(self: Arc<Self>, moves: Vec<(String, u64, Sleepy)>) {
+        let (falls, wakes): (Vec<_>, Vec<_>) = moves
+            .into_iter()
+            .partition(|(_, _, s)| matches!(s, Sleepy::Falling));
+        for batch in [falls, wakes] {
+            let mut calls = tokio::task::JoinSet::new();
+            for (id, generation, to) in batch {
+                let me = self.clone();
+                calls.spawn(async move { me.finish_move(&id, generation, to).await });
+            }
+            while calls.join_next().await.is_some() {}
         }
+    }
+
+    async fn finish_move(self: &Arc<Self>, id: &str, generation: u64, to: Sleepy) {
         let ready = self
             .sup
             .wait_for(id, |s| {
@@ -242,21 +265,27 @@ impl Agent {
             })
             .await
             .is_some_and(|s| s.generation == generation && s.state == State::Ready);
+        let Some(record) = self.books.record(id).filter(|r| r.generation == generation) else {
+            return;
+        };
         if !ready {
             return;
         }
-        let done = match to {
-            Slumber::Falling => match self.books.begin_sleep(id, Some(generation)) {
-                Ok(sleeper) => {
-                    self.fall_asleep(&sleeper, "taken over falling asleep")
-                        .await
-                }
-                Err(e) => Err(e),
-            },
-            _ => match self.books.begin_wake_again(id, generation) {
-                Ok(workload) => self.wake_up(id, generation, &workload).await,
-                Err(e) => Err(e),
-            },
+        let workload = record.workload.spec.workload.to_string();
+        let done = if record.workload.sleep.is_none() {
+            let text = "SLEEP_FAILED: its sleep or wake was under way when the agent ended, and its workload no longer sleeps".to_string();
+            self.sleep_failed(id, generation, text).await;
+            return;
+        } else if matches!(to, Sleepy::Falling) {
+            let sleeper = Sleeper {
+                id: id.to_string(),
+                generation,
+                workload,
+            };
+            self.fall_asleep(&sleeper, "taken over falling asleep")
+                .await
+        } else {
+            self.wake_up(id, generation, &workload).await
         };
         match done {
             Ok(()) => tracing::info!(instance_id = id, ?to, "finished the move taken over"),

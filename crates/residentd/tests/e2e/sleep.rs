@@ -397,6 +397,77 @@ async fn an_agent_killed_mid_wake_is_followed_by_one_that_finishes_the_wake() {
     assert_eq!(used(&mut d).await, (3 * GB, 0));
 }
 
+/// An agent killed in the middle of a swap: `a` waking, `b` put to sleep
+/// to make room for it, its sleep call under way. Awake, the two do not
+/// fit together; the next agent takes both over as they were (both
+/// demands held) and makes the calls again, the sleep first: `b` asleep,
+/// `a` awake, the same processes; neither is refused or killed.
+#[tokio::test]
+async fn an_agent_killed_mid_swap_is_followed_by_one_that_finishes_it() {
+    let mut d = Daemon::start(&config("--slow-sleep")).await;
+    let a = started(&mut d, start("big", "a", false), "a").await;
+    let a = a.instance.expect("a");
+    sleep(&mut d, "a").await.expect("a asleep");
+    let b = started(&mut d, start("big", "b", false), "b").await;
+    let b = b.instance.expect("b");
+    let mut client = d.client.clone();
+    let swap = tokio::spawn(async move { client.start(start("big", "a", true)).await.map(drop) });
+    let falling = async || get(b.port, "/is_sleeping").await.contains("true");
+    assert!(eventually(falling).await, "b's sleep call reached it");
+    d.kill();
+    assert!(
+        swap.await.expect("joined").is_err(),
+        "no answer from a killed agent"
+    );
+    let mut d = d.restart().await;
+    let b_now = d.asleep("b").await;
+    let a_now = d.wait_state("a", pb::State::Ready).await;
+    assert_eq!((a_now.pid, b_now.pid), (a.pid, b.pid), "the same processes");
+    assert!(a_now.message.contains("WOKEN"), "{}", a_now.message);
+    assert!(get(a.port, "/is_sleeping").await.contains("false"));
+    assert_eq!(used(&mut d).await, (3 * GB + GB / 2, 3 * GB));
+}
+
+/// An agent killed mid-sleep, and the workload's `[workload.sleep]`
+/// taken out of the config before the next one starts: the sleep cannot
+/// be finished, nor the server woken, so the instance is stopped
+/// (SLEEP_FAILED), its memory released, rather than left half asleep.
+#[tokio::test]
+async fn a_sleep_under_way_whose_workload_no_longer_sleeps_is_stopped() {
+    let (mut d, awake) = big_ready("--slow-sleep").await;
+    let mut client = d.client.clone();
+    let call = tokio::spawn(async move {
+        let req = pb::SleepRequest {
+            instance_id: "b".into(),
+        };
+        client.sleep(req).await.map(drop)
+    });
+    let asleep = async || get(awake.port, "/is_sleeping").await.contains("true");
+    assert!(
+        eventually(asleep).await,
+        "the sleep call reached the server"
+    );
+    d.kill();
+    assert!(
+        call.await.expect("joined").is_err(),
+        "no answer from a killed agent"
+    );
+    let table = "[workload.sleep]\nsleep = \"POST /sleep?level=1\"\nwake = \"POST /wake_up\"\ntimeout = \"3s\"\n[workload.sleep.memory.gpu]\noverhead = \"0.5GB\"\n[workload.sleep.memory.ram]\nweights = \"3GB\"\n";
+    let sleepless = config("--slow-sleep");
+    assert!(sleepless.contains(table), "{sleepless}");
+    write_config(d.dir.path(), &sleepless.replace(table, ""));
+    let mut d = d.restart().await;
+    let ended = d.wait_state("b", pb::State::Exited).await;
+    assert_eq!(ended.cause, pb::Cause::SleepFailed as i32, "{ended:?}");
+    assert!(
+        ended.message.contains("no longer sleeps"),
+        "{}",
+        ended.message
+    );
+    assert_eq!(used(&mut d).await, (0, 0));
+    assert!(eventually(async || !alive(awake.pid as i32)).await);
+}
+
 /// A sleeping instance the next agent cannot restore (its node now takes
 /// one instance, held by another restored first) is stopped, and nothing
 /// of its sleep is left behind: started again later, it runs awake,

@@ -105,8 +105,8 @@ impl Books {
         }
         let max = config.node.max_instances;
         room(&b, id, max)?;
-        let asleep_since = b.restore_asleep.remove(id.as_str());
-        let admitted = match asleep_since {
+        let restored = b.restore_asleep.remove(id.as_str());
+        let admitted = match restored {
             Some(_) => b.ledger.admit_asleep(id, asked.clone(), now),
             None => b.ledger.admit(id, asked.clone(), policy, now),
         };
@@ -126,6 +126,11 @@ impl Books {
             }
             Ok(a) => a,
         };
+        if matches!(restored, Some(Sleepy::Falling | Sleepy::Waking)) {
+            // Mid-way when its agent ended: it holds both demands again
+            // until its call is made again, as it did then.
+            b.ledger.set_tier(id.as_str(), Tier::Moving);
+        }
         let spec = b
             .ledger
             .resident(id.as_str())
@@ -140,7 +145,7 @@ impl Books {
             chosen: a.chosen.clone(),
             lease: Lease::new(lease_ms, now),
             footprint_key: key,
-            sleep: asleep_since.map(Sleepy::Asleep),
+            sleep: restored,
             ..Record::run(w, spec, generation)
         };
         b.enter(id, record);

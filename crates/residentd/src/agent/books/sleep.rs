@@ -64,34 +64,6 @@ impl Books {
         Ok(sleeper)
     }
 
-    /// Marks run `generation` of `id`, held awake, waking again: a run
-    /// taken over whose wake was under way when its agent ended, whose
-    /// wake call is made again. Its workload's name.
-    pub(in crate::agent) fn begin_wake_again(
-        &self,
-        id: &str,
-        generation: u64,
-    ) -> Result<String, ApiError> {
-        let mut b = self.lock();
-        if b.ledger
-            .resident(id)
-            .is_none_or(|r| r.leaving() || r.tier != Tier::Awake)
-        {
-            return Err(ApiError::FailedPrecondition(format!(
-                "instance '{id}' is not held awake"
-            )));
-        }
-        let Some(record) = b.records.get_mut(id).filter(|r| r.generation == generation) else {
-            return Err(ApiError::NotFound(format!(
-                "that run of instance '{id}' has ended"
-            )));
-        };
-        record.sleep = Some(Sleepy::Waking);
-        let workload = record.workload.spec.workload.to_string();
-        b.ledger.set_tier(id, Tier::Moving);
-        Ok(workload)
-    }
-
     /// Settles run `generation` of `id` asleep (`asleep`, at `now`) or
     /// awake (`Woken(ms)`) after its call; tells whoever waits on it.
     /// False when that run holds nothing any more.
@@ -120,12 +92,15 @@ impl Books {
     }
 
     /// The next admission of `id` (a restore taking over its process,
-    /// which a previous agent put to sleep) enters it asleep, since `now`.
-    pub(in crate::agent) fn expect_asleep(&self, id: &str, now: u64) {
-        self.lock().restore_asleep.insert(id.to_string(), now);
+    /// which a previous agent put to sleep, or was putting to sleep or
+    /// waking) enters it `as_it_was`: `Asleep` holding its asleep demand,
+    /// `Falling` or `Waking` both its demands, its call to be made again
+    /// (`Agent::finish_moves`).
+    pub(in crate::agent) fn expect_restored(&self, id: &str, as_it_was: Sleepy) {
+        self.lock().restore_asleep.insert(id.to_string(), as_it_was);
     }
 
-    /// Undoes [`Books::expect_asleep`] once the restore of `id` has been
+    /// Undoes [`Books::expect_restored`] once the restore of `id` has been
     /// decided (admitted, refused or failed).
     pub(in crate::agent) fn expect_awake(&self, id: &str) {
         self.lock().restore_asleep.remove(id);
