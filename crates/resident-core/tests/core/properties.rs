@@ -257,6 +257,22 @@ fn sleep_delta(r: &Resident, p: &str) -> i128 {
     i128::from(asleep) - i128::from(r.charge(p).counted())
 }
 
+/// What pool `p` of `n` holds for residents that stay, once the sleepers
+/// `sleep` (residents of `pre`) are asleep.
+fn committed(n: &NodeState, pre: &NodeState, sleep: &[InstanceId], p: &str) -> u64 {
+    n.residents()
+        .filter(|r| !r.leaving())
+        .map(|r| {
+            if sleep.contains(&r.id) {
+                let was = pre.resident(r.id.as_str()).expect("was resident");
+                (i128::from(was.charge(p).counted()) + sleep_delta(was, p)) as u64
+            } else {
+                r.charge(p).counted()
+            }
+        })
+        .sum()
+}
+
 /// Checks the moves of an evict-plan: sleepers permitted, able to sleep
 /// and not evicted, their asleep demand fitting wherever it goes; victims
 /// permitted, conflicts first, then least-recently-used, each helping a
@@ -390,15 +406,7 @@ proptest! {
                             // never takes a pool it draws on past its budget,
                             // once its sleepers sleep.
                             for p in POOLS.iter().filter(|p| target.footprint(p) > 0) {
-                                let committed: u64 = n.residents().filter(|r| !r.leaving()).map(|r| {
-                                    if a.sleep.contains(&r.id) {
-                                        // What it holds once asleep.
-                                        let was = pre.resident(r.id.as_str()).expect("was resident");
-                                        (i128::from(was.charge(p).counted()) + sleep_delta(was, p)) as u64
-                                    } else {
-                                        r.charge(p).counted()
-                                    }
-                                }).sum();
+                                let committed = committed(&n, &pre, &a.sleep, p);
                                 if let Some(eff) = n.effective_budget(p) {
                                     prop_assert!(committed <= eff, "pool {} holds {} of {}", p, committed, eff);
                                 }
@@ -448,14 +456,7 @@ proptest! {
                                 if pre.used(p) > eff {
                                     continue;
                                 }
-                                let committed: u64 = n.residents().filter(|r| !r.leaving()).map(|r| {
-                                    if a.sleep.contains(&r.id) {
-                                        let was = pre.resident(r.id.as_str()).expect("was resident");
-                                        (i128::from(was.charge(p).counted()) + sleep_delta(was, p)) as u64
-                                    } else {
-                                        r.charge(p).counted()
-                                    }
-                                }).sum();
+                                let committed = committed(&n, &pre, &a.sleep, p);
                                 prop_assert!(committed <= eff, "waking {}: pool {} holds {} of {}", iid, p, committed, eff);
                             }
                             waking.insert(iid.to_string());

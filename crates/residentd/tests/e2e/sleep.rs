@@ -87,6 +87,23 @@ async fn started(d: &mut Daemon, req: pb::StartRequest, what: &str) -> pb::Start
     answer.expect(what).into_inner()
 }
 
+/// Kills the agent once `call` (a Sleep or Start in flight) has reached
+/// the stand-in on `port`: once it says it is `sleeping` (or not); the
+/// call then gets no answer.
+async fn killed_once_reached(
+    d: &mut Daemon,
+    call: tokio::task::JoinHandle<Result<(), tonic::Status>>,
+    port: u32,
+    sleeping: bool,
+) {
+    let said = format!("{sleeping}");
+    let reached = async || get(port, "/is_sleeping").await.contains(&said);
+    assert!(eventually(reached).await, "the call reached the server");
+    d.kill();
+    let answer = call.await.expect("joined");
+    assert!(answer.is_err(), "no answer from a killed agent");
+}
+
 fn start(workload: &str, id: &str, evict: bool) -> pb::StartRequest {
     let policy = if evict {
         pb::Policy::Evict
@@ -349,22 +366,11 @@ async fn an_agent_killed_and_started_again_takes_a_sleeping_instance_over_asleep
 async fn an_agent_killed_mid_sleep_is_followed_by_one_that_finishes_the_sleep() {
     let (mut d, awake) = big_ready("--slow-sleep").await;
     let mut client = d.client.clone();
-    let call = tokio::spawn(async move {
-        let req = pb::SleepRequest {
-            instance_id: "b".into(),
-        };
-        client.sleep(req).await.map(drop)
-    });
-    let asleep = async || get(awake.port, "/is_sleeping").await.contains("true");
-    assert!(
-        eventually(asleep).await,
-        "the sleep call reached the server"
-    );
-    d.kill();
-    assert!(
-        call.await.expect("joined").is_err(),
-        "no answer from a killed agent"
-    );
+    let req = pb::SleepRequest {
+        instance_id: "b".into(),
+    };
+    let call = tokio::spawn(async move { client.sleep(req).await.map(drop) });
+    killed_once_reached(&mut d, call, awake.port, true).await;
     let mut d = d.restart().await;
     let b = d.asleep("b").await;
     assert_eq!((b.pid, b.port), (awake.pid, awake.port));
@@ -383,13 +389,7 @@ async fn an_agent_killed_mid_wake_is_followed_by_one_that_finishes_the_wake() {
     sleep(&mut d, "b").await.expect("asleep");
     let mut client = d.client.clone();
     let call = tokio::spawn(async move { client.start(start("big", "b", false)).await.map(drop) });
-    let woken = async || get(awake.port, "/is_sleeping").await.contains("false");
-    assert!(eventually(woken).await, "the wake call reached the server");
-    d.kill();
-    assert!(
-        call.await.expect("joined").is_err(),
-        "no answer from a killed agent"
-    );
+    killed_once_reached(&mut d, call, awake.port, false).await;
     let mut d = d.restart().await;
     let b = d.wait_state("b", pb::State::Ready).await;
     assert_eq!((b.pid, b.port), (awake.pid, awake.port));
@@ -412,13 +412,7 @@ async fn an_agent_killed_mid_swap_is_followed_by_one_that_finishes_it() {
     let b = b.instance.expect("b");
     let mut client = d.client.clone();
     let swap = tokio::spawn(async move { client.start(start("big", "a", true)).await.map(drop) });
-    let falling = async || get(b.port, "/is_sleeping").await.contains("true");
-    assert!(eventually(falling).await, "b's sleep call reached it");
-    d.kill();
-    assert!(
-        swap.await.expect("joined").is_err(),
-        "no answer from a killed agent"
-    );
+    killed_once_reached(&mut d, swap, b.port, true).await;
     let mut d = d.restart().await;
     let b_now = d.asleep("b").await;
     let a_now = d.wait_state("a", pb::State::Ready).await;
@@ -436,22 +430,11 @@ async fn an_agent_killed_mid_swap_is_followed_by_one_that_finishes_it() {
 async fn a_sleep_under_way_whose_workload_no_longer_sleeps_is_stopped() {
     let (mut d, awake) = big_ready("--slow-sleep").await;
     let mut client = d.client.clone();
-    let call = tokio::spawn(async move {
-        let req = pb::SleepRequest {
-            instance_id: "b".into(),
-        };
-        client.sleep(req).await.map(drop)
-    });
-    let asleep = async || get(awake.port, "/is_sleeping").await.contains("true");
-    assert!(
-        eventually(asleep).await,
-        "the sleep call reached the server"
-    );
-    d.kill();
-    assert!(
-        call.await.expect("joined").is_err(),
-        "no answer from a killed agent"
-    );
+    let req = pb::SleepRequest {
+        instance_id: "b".into(),
+    };
+    let call = tokio::spawn(async move { client.sleep(req).await.map(drop) });
+    killed_once_reached(&mut d, call, awake.port, true).await;
     let table = "[workload.sleep]\nsleep = \"POST /sleep?level=1\"\nwake = \"POST /wake_up\"\ntimeout = \"3s\"\n[workload.sleep.memory.gpu]\noverhead = \"0.5GB\"\n[workload.sleep.memory.ram]\nweights = \"3GB\"\n";
     let sleepless = config("--slow-sleep");
     assert!(sleepless.contains(table), "{sleepless}");
