@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use resident_core::{
-    Demand, GB, Groups, InstanceId, NodeState, Plan, Policy, PoolConfig, PoolName, Spec,
+    Demand, Entry, GB, Groups, InstanceId, NodeState, Plan, Policy, PoolConfig, PoolName, Spec,
     WorkloadName,
 };
 
@@ -41,7 +41,7 @@ fn full_node(n: u64) -> NodeState {
         let s = Arc::new(spec(&format!("w{}", i % 50), [2 + i % 3, 3, 1 + i % 2]));
         let last_used = (i * 7919) % n;
         state
-            .admit(&id, s, Policy::Refuse, last_used)
+            .admit(&id, Entry::Start(s), Policy::Refuse, last_used)
             .expect("no budget yet");
     }
     let full = POOLS.map(|p| pool(p, Some(state.used(p))));

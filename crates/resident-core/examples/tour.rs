@@ -7,8 +7,8 @@
 use std::sync::Arc;
 
 use resident_core::{
-    AdmitError, Demand, GB, Gb, Groups, InstanceId, NodeState, Policy, PoolConfig, PoolName, Spec,
-    WorkloadName,
+    AdmitError, Demand, Entry, GB, Gb, Groups, InstanceId, NodeState, Policy, PoolConfig, PoolName,
+    Spec, WorkloadName,
 };
 
 fn spec(name: &str, gb: u64, excludes: &[&str]) -> Arc<Spec> {
@@ -28,7 +28,7 @@ fn spec(name: &str, gb: u64, excludes: &[&str]) -> Arc<Spec> {
 
 fn start(node: &mut NodeState, id: &str, s: Arc<Spec>, policy: Policy, now: u64) {
     let iid = InstanceId::new(id).expect("tour ids are valid");
-    match node.admit(&iid, s, policy, now) {
+    match node.admit(&iid, Entry::Start(s), policy, now) {
         Ok(a) if a.evict.is_empty() => println!("start {id:<12} {policy:?}: admitted"),
         Ok(a) => {
             let victims: Vec<&str> = a.evict.iter().map(InstanceId::as_str).collect();

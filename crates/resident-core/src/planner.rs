@@ -20,11 +20,12 @@
 //! choice is, with the reasons of all of them.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
+use crate::ledger::{NodeState, Pool, PoolFigures, Resident, Tier};
 use crate::name::{GroupName, InstanceId, PoolName, Role, WorkloadName};
 use crate::reason::{GroupRule, Reason, Refusal};
 use crate::spec::{Choice, GpuChoice, GroupPolicy, Spec};
-use crate::state::{NodeState, Pool, Resident, Tier, Totals};
 
 /// What to do when a constraint fails.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -100,6 +101,12 @@ pub enum PlanError {
         /// The instance.
         id: InstanceId,
     },
+    /// The instance to put to sleep belongs to a workload that cannot sleep.
+    #[error("instance '{id}' cannot sleep: its workload has no [workload.sleep]")]
+    CannotSleep {
+        /// The instance.
+        id: InstanceId,
+    },
     /// The id belongs to an instance that is being evicted.
     #[error("instance '{id}' is being evicted; start it again once it has exited")]
     Evicting {
@@ -108,72 +115,90 @@ pub enum PlanError {
     },
 }
 
-/// A pool's budget arithmetic at one moment.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct PoolFigures {
-    budget: Option<u64>,
-    /// Counted bytes of every entry (the larger of reserved and measured).
-    used: u128,
-    live: Option<Live>,
+/// Every way a charge of the ledger goes up. The planner plans each
+/// (`plan_entry`) and `NodeState::admit` makes it: temporary refusals,
+/// any-of choices, conflicts and budgets are decided in one place for all
+/// of them. What lowers a charge (a release, a sleep or wake settled, a
+/// server that fell asleep by itself) needs no plan.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Entry {
+    /// A new instance of this spec, to be spawned awake (a Start).
+    Start(Arc<Spec>),
+    /// A process that already runs (an adoption, or a run an earlier agent
+    /// left): planned under refuse, since nothing is evicted for a process
+    /// already there.
+    Running(Running),
+    /// The resident, asleep, waking: planned for what waking adds beside
+    /// what it holds asleep, which stays counted until its call is done.
+    Wake,
+    /// The resident, awake, falling asleep: planned for what its asleep
+    /// demand adds beside what it holds awake (a vLLM level-1 sleeper's
+    /// weights moving into host memory).
+    Sleep,
 }
 
-#[derive(Debug, Clone, Copy)]
-struct Live {
-    available: u64,
-    reserve: u64,
-    /// Measured bytes of every entry: already missing from `available`.
-    measured: u128,
+/// A process that already runs, as [`Entry::Running`] enters it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Running {
+    /// What it is an instance of.
+    pub spec: Arc<Spec>,
+    /// Which of its demands it holds: awake, asleep, or (a run taken over
+    /// mid-call) both.
+    pub tier: Tier,
+    /// Bytes it already holds per pool (an adoption's, counted as
+    /// measured: a live reading shows them as taken already).
+    pub present: BTreeMap<PoolName, u64>,
+    /// Whether it may later be chosen as a victim.
+    pub evictable: bool,
 }
 
-impl PoolFigures {
-    pub(crate) fn of(state: &NodeState, pool: &Pool) -> Self {
-        let name = pool.config.name.as_str();
-        let mut totals = Totals::default();
-        for r in state.residents.values() {
-            totals.add(r.charge(name));
+/// Plans `entry` for instance `id`: the one planner of every way into the
+/// ledger. `Plan::Existing`: nothing to do (the same instance is resident
+/// with the same workload; a wake of one that is not asleep; a sleep of
+/// one that is not awake).
+pub fn plan_entry(
+    state: &NodeState,
+    id: &InstanceId,
+    entry: &Entry,
+    policy: Policy,
+    now: u64,
+) -> Result<Plan, PlanError> {
+    match entry {
+        Entry::Start(spec) => plan(state, Some(id), spec, policy, now),
+        Entry::Running(run) => {
+            if let Some(r) = state.residents.get(id) {
+                return Err(PlanError::AlreadyExists {
+                    id: id.clone(),
+                    existing: r.spec.workload.clone(),
+                });
+            }
+            per_choice(state, &run.spec, |concrete| {
+                let held = in_tier(concrete, run.tier);
+                plan_beside(state, None, &held, Policy::Refuse, now, &run.present)
+            })
         }
-        Self::new(pool, totals)
-    }
-
-    /// The figures of `pool` whose residents' charges sum to `totals`.
-    pub(crate) fn new(pool: &Pool, totals: Totals) -> Self {
-        let live = match (pool.config.live, pool.available) {
-            (true, Some(available)) => Some(Live {
-                available,
-                reserve: pool.config.reserve,
-                measured: totals.measured,
-            }),
-            _ => None,
-        };
-        Self {
-            budget: pool.config.budget,
-            used: totals.used,
-            live,
-        }
-    }
-
-    /// The live ceiling in budget terms: what the probe shows available
-    /// plus what our residents are measured to hold, less the reserve.
-    fn ceiling(&self) -> Option<u128> {
-        self.live
-            .map(|l| (u128::from(l.available) + l.measured).saturating_sub(u128::from(l.reserve)))
-    }
-
-    /// The configured budget tightened by the ceiling; a reading never
-    /// raises it.
-    pub(crate) fn effective(&self) -> Option<u64> {
-        let limit = match (self.budget.map(u128::from), self.ceiling()) {
-            (Some(b), Some(c)) => Some(b.min(c)),
-            (b, c) => b.or(c),
-        };
-        limit.map(|l| u64::try_from(l).unwrap_or(u64::MAX))
-    }
-
-    /// How far `used + need` exceeds the effective budget (negative: room).
-    fn excess(&self, need: u64) -> i128 {
-        match self.effective() {
-            Some(e) => (self.used + u128::from(need)) as i128 - i128::from(e),
-            None => i128::MIN / 2,
+        Entry::Wake | Entry::Sleep => {
+            let Some(r) = state.residents.get(id) else {
+                return Err(PlanError::NotResident { id: id.clone() });
+            };
+            if r.leaving() {
+                return Err(PlanError::Evicting { id: id.clone() });
+            }
+            let from = if *entry == Entry::Wake {
+                Tier::Asleep
+            } else {
+                if r.spec.asleep.is_none() {
+                    return Err(PlanError::CannotSleep { id: id.clone() });
+                }
+                Tier::Awake
+            };
+            if r.tier != from {
+                return Ok(Plan::Existing);
+            }
+            let adds = moving_adds(r);
+            marked(policy, now, |at| {
+                plan_beside(state, Some(id), &adds, policy, at, &BTreeMap::new())
+            })
         }
     }
 }
@@ -187,11 +212,85 @@ pub fn plan(
     policy: Policy,
     now: u64,
 ) -> Result<Plan, PlanError> {
-    if spec.any_of.is_empty() {
-        return plan_concrete(state, id, spec, policy, now);
-    }
     if let Some(plan) = existing(state, id, spec)? {
         return Ok(plan);
+    }
+    per_choice(state, spec, |concrete| {
+        marked(policy, now, |at| {
+            plan_beside(state, None, concrete, policy, at, &BTreeMap::new())
+        })
+    })
+}
+
+/// What `r` holds in `tier` as a concrete spec of its own: its awake
+/// demand, its asleep one, or (moving) the larger of the two per pool.
+fn in_tier(spec: &Spec, tier: Tier) -> Spec {
+    let asleep = || {
+        spec.asleep
+            .as_ref()
+            .map(|a| a.demand.clone())
+            .unwrap_or_default()
+    };
+    let demand = match tier {
+        Tier::Awake => return spec.clone(),
+        Tier::Asleep => asleep(),
+        Tier::Moving => spec
+            .pools()
+            .map(|pool| {
+                let bytes = spec
+                    .footprint(pool.as_str())
+                    .max(spec.asleep_footprint(pool.as_str()));
+                let weights = crate::spec::Demand {
+                    weights: bytes,
+                    ..Default::default()
+                };
+                (pool.clone(), weights)
+            })
+            .collect(),
+    };
+    Spec {
+        demand,
+        ..spec.clone()
+    }
+}
+
+/// What `r` adds in each pool once it moves (falls asleep or wakes): it
+/// then holds both its demands, the larger in each pool, beside what it
+/// is counted as holding now.
+fn moving_adds(r: &Resident) -> Spec {
+    let mut moving = r.clone();
+    moving.tier = Tier::Moving;
+    let demand = r
+        .spec
+        .pools()
+        .filter_map(|pool| {
+            let more = (moving.charge(pool.as_str()).counted())
+                .saturating_sub(r.charge(pool.as_str()).counted());
+            let weights = crate::spec::Demand {
+                weights: more,
+                ..Default::default()
+            };
+            (more > 0).then(|| (pool.clone(), weights))
+        })
+        .collect();
+    Spec {
+        demand,
+        ..(*r.spec).clone()
+    }
+}
+
+/// Plans `spec` through `one`, once per concrete choice of its any-of
+/// demands (once, as it is, when it has none): a choice that fits without
+/// a move wins over one that sleeps, which wins over one that evicts, then
+/// the node's `GpuChoice`, then the pool names. Refused only when every
+/// choice is, with every choice's reasons.
+fn per_choice(
+    state: &NodeState,
+    spec: &Spec,
+    mut one: impl FnMut(&Spec) -> Result<Plan, PlanError>,
+) -> Result<Plan, PlanError> {
+    if spec.any_of.is_empty() {
+        return one(spec);
     }
     if let Some(a) = spec
         .any_of
@@ -211,7 +310,7 @@ pub fn plan(
     let mut temporary = false;
     for (n, choice) in choices.iter().enumerate() {
         let concrete = spec.concrete(choice);
-        match plan_concrete(state, id, &concrete, policy, now)? {
+        match one(&concrete)? {
             Plan::Admit {
                 sleep,
                 evict,
@@ -283,25 +382,17 @@ fn room(state: &NodeState, choice: &[Vec<PoolName>]) -> i128 {
     }
 }
 
-/// A concrete spec's plan, temporary refusals told apart.
-fn plan_concrete(
-    state: &NodeState,
-    id: Option<&InstanceId>,
-    spec: &Spec,
+/// `plan_at(now)`, its refusal marked temporary when, under evict, the
+/// same plan with every hold lapsed (`now` at the end of time) admits:
+/// only held residents stand in the way, so waiting may help.
+fn marked(
     policy: Policy,
     now: u64,
+    plan_at: impl Fn(u64) -> Result<Plan, PlanError>,
 ) -> Result<Plan, PlanError> {
-    let plan = plan_at(state, id, spec, policy, now)?;
-    // A refusal under evict is temporary when the same start, with every
-    // hold lapsed (`now` at the end of time), would be admitted: only held
-    // residents stand in the way, so waiting may help.
-    Ok(match plan {
+    Ok(match plan_at(now)? {
         Plan::Refuse(refusal)
-            if policy == Policy::Evict
-                && matches!(
-                    plan_at(state, id, spec, policy, u64::MAX)?,
-                    Plan::Admit { .. }
-                ) =>
+            if policy == Policy::Evict && matches!(plan_at(u64::MAX)?, Plan::Admit { .. }) =>
         {
             Plan::Refuse(refusal.mark_temporary())
         }
@@ -332,42 +423,16 @@ fn existing(
     Ok(Some(Plan::Existing))
 }
 
-/// [`plan_concrete`] at `now`, without telling temporary refusals apart.
-fn plan_at(
+/// Plans a concrete `spec` beside what the ledger holds. `beside`: a
+/// resident whose own move this is (a wake, a sleep): it stays counted as
+/// it stands, and is neither a conflict nor a victim of its own move.
+/// `present`: bytes the target's process holds already (an adoption): a
+/// live pool's reading shows them as taken, so they count as measured for
+/// the target, like a resident's, and it needs the larger of its demand
+/// and those bytes.
+fn plan_beside(
     state: &NodeState,
-    id: Option<&InstanceId>,
-    spec: &Spec,
-    policy: Policy,
-    now: u64,
-) -> Result<Plan, PlanError> {
-    plan_present(state, id, spec, policy, now, &BTreeMap::new())
-}
-
-/// Plans a target whose process already runs and already holds `present`
-/// bytes per pool (an adoption): a live pool's reading shows that memory
-/// as taken, so it counts as measured for the target, like a resident's,
-/// and the target needs the larger of its demand and those bytes.
-pub(crate) fn plan_present(
-    state: &NodeState,
-    id: Option<&InstanceId>,
-    spec: &Spec,
-    policy: Policy,
-    now: u64,
-    present: &BTreeMap<PoolName, u64>,
-) -> Result<Plan, PlanError> {
-    if let Some(plan) = existing(state, id, spec)? {
-        return Ok(plan);
-    }
-    plan_beside(state, None, spec, policy, now, present)
-}
-
-/// [`plan_present`] of `spec` for what resident `waking` (when given)
-/// adds to what it holds already: it stays in `state`, counted as it
-/// stands, and is no conflict of its own (the caller keeps it from being
-/// a victim).
-pub(crate) fn plan_beside(
-    state: &NodeState,
-    waking: Option<&InstanceId>,
+    beside: Option<&InstanceId>,
     spec: &Spec,
     policy: Policy,
     now: u64,
@@ -397,7 +462,7 @@ pub(crate) fn plan_beside(
     let mut conflicts = Vec::new();
     let mut wait_for = Vec::new();
     for r in state.residents.values() {
-        if Some(&r.id) == waking {
+        if Some(&r.id) == beside {
             continue;
         }
         let Some(reason) = conflict(state, spec, target_group, r) else {
@@ -422,7 +487,8 @@ pub(crate) fn plan_beside(
     }
     if policy == Policy::Evict {
         let conflicting: Vec<&Resident> = conflicts.iter().map(|(r, _)| *r).collect();
-        if let Some(moves) = victims(state, spec, now, &conflicting, &pools) {
+        let mover = Mover { spec, now, beside };
+        if let Some(moves) = victims(state, &mover, &conflicting, &pools) {
             return Ok(Plan::Admit {
                 sleep: moves.sleep,
                 evict: moves.evict,
@@ -438,6 +504,14 @@ pub(crate) fn plan_beside(
     }
     let refusal = Refusal::new(reasons).expect("a conflict or a short pool gives a reason");
     Ok(Plan::Refuse(refusal))
+}
+
+/// Who makes room: the target's spec, at `now`, and the resident whose own
+/// move it is (never moved for itself).
+struct Mover<'a> {
+    spec: &'a Spec,
+    now: u64,
+    beside: Option<&'a InstanceId>,
 }
 
 /// The co-residency rule, if any, that keeps `spec` from sitting beside `r`.
@@ -516,14 +590,15 @@ fn memory_reasons(
     }
 }
 
-/// Whether policy lets `r` be evicted (or put to sleep) for `spec` at
-/// `now`.
-fn permitted(state: &NodeState, spec: &Spec, now: u64, r: &Resident) -> bool {
+/// Whether policy lets `r` be evicted (or put to sleep) for `m`'s target
+/// at its `now`: never the resident whose own move it is.
+fn permitted(state: &NodeState, m: &Mover, r: &Resident) -> bool {
     r.evictable
+        && Some(&r.id) != m.beside
         && !r.leaving()
         && r.tier != Tier::Moving
-        && !r.held(now)
-        && r.spec.priority <= spec.priority
+        && !r.held(m.now)
+        && r.spec.priority <= m.spec.priority
         && !state.groups.is_persistent(r.spec.workload.as_str())
 }
 
@@ -599,12 +674,11 @@ fn sleep_delta(r: &Resident, pool: &str) -> i128 {
 /// them) are evicted. Sleeps that the evictions made needless are dropped.
 fn victims(
     state: &NodeState,
-    spec: &Spec,
-    now: u64,
+    m: &Mover,
     conflicting: &[&Resident],
     pools: &[(&Pool, PoolFigures, u64)],
 ) -> Option<Moves> {
-    if !conflicting.iter().all(|r| permitted(state, spec, now, r)) {
+    if !conflicting.iter().all(|r| permitted(state, m, r)) {
         return None;
     }
     let mut excess = Excess::new(state, pools);
@@ -624,7 +698,7 @@ fn victims(
     let mut candidates: Vec<&Resident> = state
         .residents
         .values()
-        .filter(|r| permitted(state, spec, now, r) && !chosen.contains(&r.seq))
+        .filter(|r| permitted(state, m, r) && !chosen.contains(&r.seq))
         .collect();
     candidates.sort_by_key(|r| (r.last_used, r.seq));
     // Sleep first.

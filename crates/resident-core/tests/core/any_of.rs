@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use crate::support::*;
-use resident_core::{AnyOf, Demand, GB, GpuChoice, NodeState, Plan, Policy, Reason, Spec};
+use resident_core::{AnyOf, Demand, Entry, GB, GpuChoice, NodeState, Plan, Policy, Reason, Spec};
 
 /// A spec asking `gb` on any `count` of `candidates`.
 fn any(name: &str, candidates: &[&str], count: usize, gb: u64) -> Spec {
@@ -118,7 +118,7 @@ fn admission_reserves_the_chosen_pools_and_says_which() {
     let mut n = gpus(GpuChoice::Spread, &[("a", "gpu0", 10)]);
     let target = Arc::new(any("t", &["gpu0", "gpu1"], 1, 8));
     let a = n
-        .admit(&id("t"), target.clone(), Policy::Refuse, 5)
+        .admit(&id("t"), Entry::Start(target.clone()), Policy::Refuse, 5)
         .expect("fits");
     assert!(a.created);
     assert_eq!(a.chosen, vec![vec![pool("gpu1")]]);
@@ -129,7 +129,7 @@ fn admission_reserves_the_chosen_pools_and_says_which() {
     assert_eq!(n.used("gpu0"), 10 * GB);
     // A repeat of the same instance is idempotent and reserves nothing.
     let again = n
-        .admit(&id("t"), target, Policy::Refuse, 6)
+        .admit(&id("t"), Entry::Start(target), Policy::Refuse, 6)
         .expect("existing");
     assert!(!again.created && again.chosen.is_empty());
     assert_eq!(n.used("gpu1"), 8 * GB);

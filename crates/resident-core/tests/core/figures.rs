@@ -4,7 +4,7 @@
 //! resident does not ask of.
 
 use crate::support::*;
-use resident_core::{AdmitError, Charge, GB, Groups, NodeState, Policy, Reason};
+use resident_core::{AdmitError, Charge, Entry, GB, Groups, NodeState, Policy, Reason};
 use std::sync::Arc;
 
 /// A pool's figures as (name, effective budget, used, free).
@@ -73,7 +73,7 @@ fn an_overrun_counts_what_was_measured_in_every_figure_and_admission() {
     // refused, naming what `a` really holds.
     let refused = n.admit(
         &id("b"),
-        Arc::new(spec("b", &[("ram", 8)])),
+        Entry::Start(Arc::new(spec("b", &[("ram", 8)]))),
         Policy::Refuse,
         0,
     );

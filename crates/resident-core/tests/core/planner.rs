@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use crate::support::*;
-use resident_core::{GB, GroupPolicy, NodeState, Plan, Policy, Reason, Spec};
+use resident_core::{Entry, GB, GroupPolicy, NodeState, Plan, Policy, Reason, Spec};
 
 /// Renders a plan compactly: `admit []`, `admit [a, b]`, `refuse OVER_BUDGET`.
 fn show(plan: &Plan) -> String {
@@ -389,7 +389,12 @@ fn priority_and_holds_protect_residents() {
 fn evicting_marks_victims_that_keep_their_memory_until_released() {
     let mut n = one_pool(10, None, &[("a", 5), ("b", 5)]);
     let got = n
-        .admit(&id("c"), Arc::new(unified("c", 5)), Policy::Evict, 100)
+        .admit(
+            &id("c"),
+            Entry::Start(Arc::new(unified("c", 5))),
+            Policy::Evict,
+            100,
+        )
         .expect("fits");
     assert_eq!(ids(&got.evict), ["a"]);
     assert!(n.resident("a").is_some_and(|r| r.leaving()));
@@ -407,8 +412,13 @@ fn evicting_marks_victims_that_keep_their_memory_until_released() {
     n.release("a");
     assert_eq!(n.used("unified"), 10 * GB);
     // A start of an id that is on its way out is told so.
-    n.admit(&id("c2"), Arc::new(unified("c2", 5)), Policy::Evict, 101)
-        .expect("evicts b");
+    n.admit(
+        &id("c2"),
+        Entry::Start(Arc::new(unified("c2", 5))),
+        Policy::Evict,
+        101,
+    )
+    .expect("evicts b");
     let again = n.plan(&id("b"), &unified("b", 5), Policy::Evict, 102);
     assert!(
         matches!(again, Err(resident_core::PlanError::Evicting { .. })),
@@ -421,7 +431,12 @@ fn conflicts_with_an_instance_already_leaving_wait_for_it() {
     let mut n = groups_node(&[("g", &["x", "y", "z"], SWAP)]);
     put_unchecked(&mut n, "x");
     let y = n
-        .admit(&id("y"), Arc::new(unified("y", 1)), Policy::Evict, 1)
+        .admit(
+            &id("y"),
+            Entry::Start(Arc::new(unified("y", 1))),
+            Policy::Evict,
+            1,
+        )
         .expect("evicts x");
     assert_eq!(ids(&y.evict), ["x"]);
     // z conflicts with x (leaving: wait for it) and y (evict it).

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use crate::support::*;
 use proptest::prelude::*;
 use resident_core::{
-    AdmitError, AnyOf, Asleep, Demand, GB, GpuChoice, GroupPolicy, InstanceId, NodeState, Plan,
-    Policy, Reason, Resident, Spec, Tier,
+    AdmitError, AnyOf, Asleep, Demand, Entry, GB, GpuChoice, GroupPolicy, InstanceId, NodeState,
+    Plan, Policy, Reason, Resident, Spec, Tier,
 };
 
 const POOLS: [&str; 3] = ["p0", "p1", "p2"];
@@ -364,7 +364,7 @@ proptest! {
                     let planned = n.plan(&iid, &target, policy, now);
                     let could_fit = fits_after_all_evictions(&n, &target, now);
                     let pre = n.clone();
-                    match n.admit(&iid, target.clone(), policy, now) {
+                    match n.admit(&iid, Entry::Start(target.clone()), policy, now) {
                         Err(AdmitError::Refused(refusal)) => {
                             prop_assert_eq!(snapshot(&n), before, "a refusal changes nothing");
                             prop_assert!(matches!(planned, Ok(Plan::Refuse(_))));
@@ -424,7 +424,7 @@ proptest! {
                     let name = format!("i{i}");
                     if n.resident(&name).is_some_and(|r| r.tier == Tier::Moving) {
                         let to = if waking.remove(&name) { Tier::Awake } else { Tier::Asleep };
-                        n.set_tier(&name, to);
+                        assert!(n.settle(&name, to), "a move settles either way");
                     }
                 }
                 Op::Wake { id: i, evict } => {
@@ -433,7 +433,7 @@ proptest! {
                     let before = snapshot(&n);
                     let asleep = n.resident(iid.as_str()).is_some_and(|r| r.tier == Tier::Asleep);
                     let pre = n.clone();
-                    match n.wake(&iid, policy, now) {
+                    match n.admit(&iid, Entry::Wake, policy, now) {
                         Err(AdmitError::Refused(_)) | Err(AdmitError::Invalid(_)) => {
                             prop_assert_eq!(snapshot(&n), before, "a refused wake changes nothing");
                         }

@@ -4,10 +4,10 @@
 use std::sync::Arc;
 
 use crate::support::*;
-use resident_core::{AdmitError, GB, Policy, Reason};
+use resident_core::{AdmitError, Entry, GB, Policy, Reason};
 
 fn refuse(state: &mut resident_core::NodeState, name: &str, s: resident_core::Spec) -> Reason {
-    match state.admit(&id(name), Arc::new(s), Policy::Refuse, 0) {
+    match state.admit(&id(name), Entry::Start(Arc::new(s)), Policy::Refuse, 0) {
         Err(AdmitError::Refused(r)) => r.first().clone(),
         other => panic!("expected a refusal, got {other:?}"),
     }
@@ -110,9 +110,11 @@ fn reserving_twice_for_one_instance_counts_once() {
     let mut n = node(vec![static_pool("unified", Some(60))], vec![]);
     let s = Arc::new(unified("coder", 55));
     let first = n
-        .admit(&id("a"), s.clone(), Policy::Refuse, 0)
+        .admit(&id("a"), Entry::Start(s.clone()), Policy::Refuse, 0)
         .expect("fits");
-    let again = n.admit(&id("a"), s, Policy::Refuse, 5).expect("idempotent");
+    let again = n
+        .admit(&id("a"), Entry::Start(s), Policy::Refuse, 5)
+        .expect("idempotent");
     assert!(first.created && !again.created);
     assert_eq!(n.used("unified"), 55 * GB);
     assert_eq!(
@@ -121,7 +123,12 @@ fn reserving_twice_for_one_instance_counts_once() {
         "a repeated start is a use"
     );
     // The same id with another workload is not the same instance.
-    let other = n.admit(&id("a"), Arc::new(unified("other", 1)), Policy::Refuse, 0);
+    let other = n.admit(
+        &id("a"),
+        Entry::Start(Arc::new(unified("other", 1))),
+        Policy::Refuse,
+        0,
+    );
     assert!(matches!(
         other,
         Err(AdmitError::Invalid(

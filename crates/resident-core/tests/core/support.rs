@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use resident_core::{
-    Demand, GB, GroupDef, GroupName, GroupPolicy, Groups, InstanceId, NodeState, PoolConfig,
+    Demand, Entry, GB, GroupDef, GroupName, GroupPolicy, Groups, InstanceId, NodeState, PoolConfig,
     PoolName, Role, Spec, WorkloadName,
 };
 
@@ -78,8 +78,18 @@ pub fn node(pools: Vec<PoolConfig>, groups: Vec<GroupDef>) -> NodeState {
 pub fn put(state: &mut NodeState, name: &str, s: Spec, now: u64) {
     let policy = resident_core::Policy::Refuse;
     state
-        .admit(&id(name), Arc::new(s), policy, now)
+        .admit(&id(name), Entry::Start(Arc::new(s)), policy, now)
         .expect("setup admission fits");
+}
+
+/// Puts resident `name` to sleep as a Sleep call would (planned under
+/// refuse, then settled asleep), panicking on refusal.
+pub fn asleep(state: &mut NodeState, name: &str, now: u64) {
+    let policy = resident_core::Policy::Refuse;
+    state
+        .admit(&id(name), Entry::Sleep, policy, now)
+        .expect("setup sleep fits");
+    assert!(state.settle(name, resident_core::Tier::Asleep));
 }
 
 pub fn ids(v: &[InstanceId]) -> Vec<&str> {

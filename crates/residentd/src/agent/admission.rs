@@ -15,7 +15,7 @@ use resident_config::{Config, Workload};
 use resident_core::{InstanceId, Policy};
 use resident_supervisor::{State, SupervisorError};
 
-use super::books::{Admitted, Decision};
+use super::books::{Admitted, Decision, Sleepy};
 use super::queries::unspawned;
 use super::{Agent, Started};
 
@@ -34,6 +34,16 @@ pub(super) enum Admission {
     Existing(Started),
     /// Admitted: to be carried out.
     New(Request, Admitted),
+}
+
+/// A run an earlier agent left running, which a restore takes over: the
+/// pools it was given, and where it stood in its sleep.
+pub(super) struct TakenOver<'a> {
+    /// The pools of each any-of demand, in label order.
+    pub(super) chosen: &'a [Vec<String>],
+    /// `None`: awake; asleep, or falling asleep or waking (its call to be
+    /// made again).
+    pub(super) as_it_was: Option<Sleepy>,
 }
 
 /// One Start, as decided on one config snapshot.
@@ -74,7 +84,7 @@ impl Agent {
     ) -> Result<Started, ApiError> {
         let answer = Answer::Durable;
         let admission = self
-            .admit_start(workload, id, policy, wait_ready, lease_ms, answer, &[])
+            .admit_start(workload, id, policy, wait_ready, lease_ms, answer, None)
             .await?;
         let (request, admitted) = match admission {
             Admission::Existing(started) => return Ok(started),
@@ -87,9 +97,11 @@ impl Agent {
     }
 
     /// The decision half of a Start: the books admit it (or it exists, or
-    /// it is refused); nothing is stopped or spawned yet. `pinned`: the
-    /// pools each any-of demand must take (a run taken over keeps what it
-    /// was given), when they are still among its candidates.
+    /// it is refused); nothing is stopped or spawned yet. `taken`: a
+    /// process an earlier agent left, admitted as it was (under refuse),
+    /// each any-of demand pinned to the pools it was given while they are
+    /// still among its candidates (when not, the log and the run's
+    /// message say so).
     #[allow(clippy::too_many_arguments)]
     pub(super) async fn admit_start(
         self: &Arc<Self>,
@@ -99,10 +111,11 @@ impl Agent {
         wait_ready: bool,
         lease_ms: u64,
         answer: Answer,
-        pinned: &[Vec<String>],
+        taken: Option<&TakenOver<'_>>,
     ) -> Result<Admission, ApiError> {
         let mut config = self.config();
-        let mut w = pin(workload_of(&config, workload)?, pinned);
+        let pinned = taken.map_or(&[][..], |t| t.chosen);
+        let (mut w, mut unpinned) = pin(workload_of(&config, workload)?, pinned);
         let id = match id {
             Some(id) => id,
             None => generated_id(&w, self.id_seq.fetch_add(1, Ordering::Relaxed) + 1),
@@ -126,9 +139,10 @@ impl Agent {
                 return Err(ApiError::Unavailable("the agent is shutting down".into()));
             }
             let now = self.now_ms();
+            let taken_over = taken.map(|t| t.as_it_was);
             match self
                 .books
-                .admit(&config, &w, &id, policy, now, lease_ms, key)
+                .admit(&config, &w, &id, policy, now, lease_ms, key, taken_over)
             {
                 Err(ApiError::Refused { refusal, placement }) => {
                     self.refused(workload, &refusal, policy);
@@ -173,7 +187,7 @@ impl Agent {
                     // books: decide again on the config the books hold.
                     tokio::task::yield_now().await;
                     config = self.config();
-                    w = pin(workload_of(&config, workload)?, pinned);
+                    (w, unpinned) = pin(workload_of(&config, workload)?, pinned);
                     policy = asked.unwrap_or(config.node.on_full);
                     key = footprint_key(&config, &w);
                 }
@@ -181,6 +195,12 @@ impl Agent {
         };
         for (gone, record) in &admitted.forgotten {
             self.forgotten(gone, record);
+        }
+        if let Some(text) = unpinned {
+            // Its process uses the pools it was given; the books now say
+            // others. Said, not chosen in silence.
+            tracing::warn!(instance_id = %id, "{text}");
+            self.books.note(id.as_str(), admitted.generation, text);
         }
         let admitted_change = self.persist();
         self.metrics.admitted(workload);
@@ -529,15 +549,30 @@ impl Agent {
     }
 }
 
-/// The workload `name` (or alias) of `config`'s roster.
 /// `w` with each any-of demand's candidates narrowed to the pools
-/// `pinned` names for it, where those are still `count` of its
-/// candidates; `w` itself when nothing is pinned.
-fn pin(w: Arc<Workload>, pinned: &[Vec<String>]) -> Arc<Workload> {
-    if pinned.is_empty() || pinned.len() != w.spec.any_of.len() {
-        return w;
+/// `pinned` names for it (a run taken over keeps the pools it was given),
+/// where those are still `count` of its candidates; `w` itself when
+/// nothing is pinned. Where the pools given can no longer be pinned (the
+/// config changed), also the words that say so.
+fn pin(w: Arc<Workload>, pinned: &[Vec<String>]) -> (Arc<Workload>, Option<String>) {
+    if pinned.is_empty() {
+        return (w, None);
+    }
+    let given = || {
+        let each: Vec<String> = pinned.iter().map(|p| p.join("+")).collect();
+        each.join(", ")
+    };
+    if pinned.len() != w.spec.any_of.len() {
+        let text = format!(
+            "taken over on pools the planner chose: it was given {} by an earlier agent, and workload '{}' now has {} any-of demands",
+            given(),
+            w.spec.workload,
+            w.spec.any_of.len()
+        );
+        return (w, Some(text));
     }
     let mut spec = (*w.spec).clone();
+    let mut lost = Vec::new();
     for (a, pools) in spec.any_of.iter_mut().zip(pinned) {
         let chosen: Vec<_> = a
             .candidates
@@ -547,13 +582,23 @@ fn pin(w: Arc<Workload>, pinned: &[Vec<String>]) -> Arc<Workload> {
             .collect();
         if chosen.len() == a.count && chosen.len() == pools.len() {
             a.candidates = chosen;
+        } else {
+            lost.push(a.label.clone());
         }
     }
+    let unpinned = (!lost.is_empty()).then(|| {
+        format!(
+            "taken over on pools the planner chose for '{}': an earlier agent gave it {}, which are no longer its candidates",
+            lost.join("', '"),
+            given()
+        )
+    });
     let mut pinned = (*w).clone();
     pinned.spec = Arc::new(spec);
-    Arc::new(pinned)
+    (Arc::new(pinned), unpinned)
 }
 
+/// The workload `name` (or alias) of `config`'s roster.
 pub(super) fn workload_of(config: &Config, name: &str) -> Result<Arc<Workload>, ApiError> {
     if name.is_empty() {
         return Err(ApiError::invalid(

@@ -69,10 +69,10 @@ struct Inner {
     /// The config the ledger is set up for: an admission decided on
     /// another snapshot (a reload between) is decided again.
     config: Arc<Config>,
-    /// Instances a restore takes over asleep, or falling asleep or waking:
-    /// admitted with their asleep demand, and entered in that state (a
-    /// moving one holding both its demands, as before the restart).
-    restore_asleep: HashMap<String, Sleepy>,
+    /// The agent is closing or handing over: its last journal is being
+    /// written, so nothing the agent decides by itself (an idle sleep or
+    /// stop, a lease's expiry) begins any more.
+    closed: bool,
 }
 
 impl Inner {
@@ -127,13 +127,22 @@ impl Books {
                 waiters: HashMap::new(),
                 learned: BTreeMap::new(),
                 config: config.clone(),
-                restore_asleep: HashMap::new(),
+                closed: false,
             }),
         }
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// From now on nothing the agent decides by itself begins: no idle
+    /// sleep or stop, no lease expiry (`idle`, `sleepy`, `leases_expired`
+    /// list nothing, and `begin_sleep` refuses). Called before the last
+    /// journal write of a shutdown or an upgrade, so that the next agent
+    /// finds every run as that write says.
+    pub(super) fn close(&self) {
+        self.lock().closed = true;
     }
 }
 

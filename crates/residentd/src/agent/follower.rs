@@ -1,6 +1,7 @@
 //! The supervisor's transitions applied to the books and the event log,
-//! and the periodic work (probe readings, idle expiry, owners' leases). A run's terminal
-//! event is the one place its memory is released.
+//! and the periodic work (probe readings, idle expiry, owners' leases). A
+//! run's terminal event is the one place its memory is released: once, by
+//! `follow_supervisor`, before the event is published.
 
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -21,9 +22,6 @@ impl Agent {
         if status.state == State::Ready && record.workload.reports_buffers {
             self.read_report(&status.instance, status.generation);
             record = self.books.record(&status.instance).unwrap_or(record);
-        }
-        if status.state.is_terminal() {
-            self.books.release(&status.instance, status.generation);
         }
         if matches!(status.state, State::Starting) || status.state.is_terminal() {
             self.persist();
@@ -205,6 +203,9 @@ pub(super) async fn tick(agent: Weak<Agent>) {
         }
         agent.refresh_probes_async(&agent.config()).await;
         agent.tell_overruns();
+        // Once the agent closes or hands over, the books list no idle run
+        // and no lapsed lease (`Books::close`): nothing moves after the
+        // last journal write.
         agent.expire_idle();
         agent.sleep_idle();
         agent.expire_leases();

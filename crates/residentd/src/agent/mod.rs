@@ -201,6 +201,7 @@ impl Agent {
     /// start of the agent (an upgrade, a restart) brings the same
     /// instances back.
     pub async fn shutdown(&self) {
+        self.books.close();
         self.closing.store(true, Ordering::Release);
         self.write_journal_now(true);
         self.closed.send_replace(true);

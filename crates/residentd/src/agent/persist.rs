@@ -73,22 +73,18 @@ impl Agent {
             let process = taken_over(&e).filter(|_| outlive);
             // Its process sleeps on (admitted with its asleep demand, it
             // stays SLEEPING), or its sleep or wake was under way (it holds
-            // both demands until `finish_moves` makes the call again).
+            // both demands until `finish_moves` makes the call again); a
+            // run taken over holds the pools it was given.
             let as_it_was = match e.sleep {
                 journal::Slumber::Awake => None,
                 journal::Slumber::Asleep => Some(Sleepy::Asleep(self.now_ms())),
                 journal::Slumber::Falling => Some(Sleepy::Falling),
                 journal::Slumber::Waking => Some(Sleepy::Waking),
             };
-            if let Some(as_it_was) = as_it_was.filter(|_| process.is_some()) {
-                self.books.expect_restored(&e.instance, as_it_was);
-            }
-            // A run taken over holds the pools it was given.
-            let pinned = if process.is_some() {
-                &e.chosen[..]
-            } else {
-                &[]
-            };
+            let taken = process.map(|_| super::admission::TakenOver {
+                chosen: &e.chosen,
+                as_it_was,
+            });
             let restored = self
                 .admit_start(
                     workload,
@@ -97,12 +93,9 @@ impl Agent {
                     false,
                     e.lease_ms,
                     answer,
-                    pinned,
+                    taken.as_ref(),
                 )
                 .await;
-            // Whatever came of it, a later admission of this id is no
-            // restore: an unrestored sleeper started again starts awake.
-            self.books.expect_awake(&e.instance);
             match restored {
                 Ok(super::admission::Admission::New(request, a)) => {
                     let request = match process {

@@ -41,7 +41,7 @@ impl Agent {
                 "instance '{id}' is not READY: only a serving instance is put to sleep"
             )));
         }
-        let sleeper = self.books.begin_sleep(id, None)?;
+        let sleeper = self.books.begin_sleep(id, None, self.now_ms())?;
         // On a task of its own: a caller that goes away mid-call (a
         // deadline, Ctrl-C) must not leave the instance half asleep.
         let me = self.clone();
@@ -296,7 +296,10 @@ impl Agent {
     }
 
     /// Puts to sleep the instances unused for longer than their workload's
-    /// sleep `idle`. Runs every second with the idle TTLs.
+    /// sleep `idle`. Runs every second with the idle TTLs. One whose asleep
+    /// demand does not fit (a vLLM level-1 server's weights, with no room
+    /// in host memory) is stopped instead, as its idle time would have
+    /// stopped it without sleep, its message saying why.
     pub(super) fn sleep_idle(self: &Arc<Self>) {
         self.follow_sleepers();
         for (id, run) in self.books.sleepy(self.now_ms()) {
@@ -307,11 +310,22 @@ impl Agent {
             if !ready {
                 continue;
             }
-            let Ok(sleeper) = self.books.begin_sleep(&id, Some(run)) else {
-                continue;
-            };
             let me = self.clone();
-            tokio::spawn(async move { me.fall_asleep(&sleeper, "idle").await });
+            match self.books.begin_sleep(&id, Some(run), self.now_ms()) {
+                Ok(sleeper) => {
+                    tokio::spawn(async move { me.fall_asleep(&sleeper, "idle").await });
+                }
+                Err(ApiError::Refused { refusal, .. }) => {
+                    let text = format!(
+                        "stopped after its sleep idle: asleep it does not fit ({})",
+                        refusal.first()
+                    );
+                    tracing::info!(instance_id = %id, "{text}");
+                    let cause = Some((pb::Cause::Idle, text));
+                    tokio::spawn(async move { me.stop_because(&id, Some(run), None, cause).await });
+                }
+                Err(_) => {}
+            }
         }
     }
 }
@@ -365,18 +379,70 @@ impl Agent {
                 // asleep for long, whatever it says now.
                 let quiet = me.books.quiet(&id, me.now_ms(), idle_ms);
                 if sleeping && !asleep_now && quiet {
-                    if let Ok(sleeper) = me.books.begin_sleep(&id, Some(generation)) {
-                        let _ = me.fall_asleep(&sleeper, "idle (by itself)").await;
-                    }
+                    me.fell_asleep_by_itself(&id, generation, &workload).await;
                 } else if !sleeping && asleep_now {
-                    tracing::warn!(instance_id = %id, %workload, "woke by itself (a request reached it directly, not through a Start): its awake demand is held again");
-                    if me.books.settle(&id, generation, Sleepy::Woken(0)) {
-                        me.metrics.woke(&workload, 0.0);
-                        me.persist();
-                        me.publish_view(&id);
-                    }
+                    me.woke_by_itself(&id, generation, &workload).await;
                 }
             });
+        }
+    }
+
+    /// Follows a server that fell asleep by itself: settled asleep in the
+    /// books (planned as a sleep where its asleep demand is larger; one
+    /// that does not fit is stopped, as its idle time would have stopped
+    /// it without sleep).
+    async fn fell_asleep_by_itself(self: &Arc<Self>, id: &str, generation: u64, workload: &str) {
+        match self.books.fell_asleep(id, generation, self.now_ms()) {
+            Ok(true) => {
+                tracing::info!(instance_id = %id, %workload, "fell asleep by itself");
+                self.metrics.slept(workload);
+                self.publish_view(id);
+                self.persist();
+            }
+            Ok(false) => {}
+            Err(ApiError::Refused { refusal, .. }) => {
+                let text = format!(
+                    "stopped: it fell asleep by itself, and asleep it does not fit ({})",
+                    refusal.first()
+                );
+                tracing::warn!(instance_id = %id, "{text}");
+                let cause = Some((pb::Cause::Idle, text));
+                let _ = self.stop_because(id, Some(generation), None, cause).await;
+            }
+            Err(e) => {
+                tracing::warn!(instance_id = %id, error = %e, "following a server that fell asleep")
+            }
+        }
+    }
+
+    /// Follows a server that woke by itself (a request reached it
+    /// directly, not through a Start): its wake planned under refuse; one
+    /// whose awake demand does not fit is stopped (OVERRUN: the memory it
+    /// takes is not there).
+    async fn woke_by_itself(self: &Arc<Self>, id: &str, generation: u64, workload: &str) {
+        let Ok(iid) = resident_core::InstanceId::new(id) else {
+            return;
+        };
+        match self.books.woke_by_itself(&iid, generation, self.now_ms()) {
+            Ok(true) => {
+                tracing::warn!(instance_id = %id, %workload, "woke by itself (a request reached it directly, not through a Start): its awake demand is held again");
+                self.metrics.woke(workload, 0.0);
+                self.persist();
+                self.publish_view(id);
+            }
+            Ok(false) => {}
+            Err(ApiError::Refused { refusal, .. }) => {
+                let text = format!(
+                    "OVERRUN: it woke by itself (a request reached it directly), and awake it does not fit ({})",
+                    refusal.first()
+                );
+                tracing::warn!(instance_id = %id, "{text}; stopping it");
+                let cause = Some((pb::Cause::Overrun, text));
+                let _ = self.stop_because(id, Some(generation), None, cause).await;
+            }
+            Err(e) => {
+                tracing::warn!(instance_id = %id, error = %e, "following a server that woke by itself")
+            }
         }
     }
 }

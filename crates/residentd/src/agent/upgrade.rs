@@ -132,6 +132,9 @@ impl Agent {
         // From here on this process image ends: the next agent serves, or
         // this one runs afresh.
         self.upgrade.send_replace(HANDING_OVER);
+        // Nothing the agent decides by itself (an idle sleep or stop, a
+        // lease's expiry) begins after the journal below.
+        self.books.close();
         self.closing.store(true, Ordering::Release);
         self.closed.send_replace(true);
         self.sup.hand_over(HAND_OVER_BOUND).await;

@@ -8,7 +8,8 @@ use std::sync::Arc;
 use resident_api::{ApiError, pb};
 use resident_config::{Config, Workload};
 use resident_core::{
-    AdmitError, InstanceId, NodeState, Plan, PlanError, Policy, PoolName, PoolStatus, Spec, Tier,
+    AdmitError, Entry, InstanceId, NodeState, Plan, PlanError, Policy, PoolName, PoolStatus,
+    Running, Spec, Tier,
 };
 use resident_supervisor::Adoption;
 use tokio::sync::oneshot;
@@ -76,6 +77,10 @@ pub(in crate::agent) enum Decision {
 impl Books {
     /// Plans and reserves a Start of `w` as `id`, under `config`; `key`:
     /// what its footprint is learned for (`None`: not learning).
+    /// `taken_over`: the run is a process an earlier agent left, entered
+    /// as it was (`None`: awake; asleep, or falling asleep or waking:
+    /// holding both its demands until its call is made again) under
+    /// refuse, whatever `policy` says.
     #[allow(clippy::too_many_arguments)]
     pub(in crate::agent) fn admit(
         &self,
@@ -86,6 +91,7 @@ impl Books {
         now: u64,
         lease_ms: u64,
         key: Option<u64>,
+        taken_over: Option<Option<Sleepy>>,
     ) -> Result<Decision, ApiError> {
         let mut b = self.lock();
         if !Arc::ptr_eq(config, &b.config) {
@@ -105,11 +111,21 @@ impl Books {
         }
         let max = config.node.max_instances;
         room(&b, id, max)?;
-        let restored = b.restore_asleep.remove(id.as_str());
-        let admitted = match restored {
-            Some(_) => b.ledger.admit_asleep(id, asked.clone(), now),
-            None => b.ledger.admit(id, asked.clone(), policy, now),
+        let restored = taken_over.flatten();
+        let entry = match taken_over {
+            Some(as_it_was) => Entry::Running(Running {
+                spec: asked.clone(),
+                tier: match as_it_was {
+                    None | Some(Sleepy::Woken(_)) => Tier::Awake,
+                    Some(Sleepy::Asleep(_)) => Tier::Asleep,
+                    Some(Sleepy::Falling | Sleepy::Waking) => Tier::Moving,
+                },
+                present: BTreeMap::new(),
+                evictable: true,
+            }),
+            None => Entry::Start(asked.clone()),
         };
+        let admitted = b.ledger.admit(id, entry, policy, now);
         let a = match admitted {
             Err(AdmitError::Refused(refusal)) => {
                 return Err(refused(&b.ledger, refusal, &asked));
@@ -126,11 +142,6 @@ impl Books {
             }
             Ok(a) => a,
         };
-        if matches!(restored, Some(Sleepy::Falling | Sleepy::Waking)) {
-            // Mid-way when its agent ended: it holds both demands again
-            // until its call is made again, as it did then.
-            b.ledger.set_tier(id.as_str(), Tier::Moving);
-        }
         let spec = b
             .ledger
             .resident(id.as_str())
@@ -167,7 +178,7 @@ impl Books {
     /// the ended records dropped to keep the table bounded.
     pub(in crate::agent) fn adopt(
         &self,
-        config: &Config,
+        config: &Arc<Config>,
         w: &Arc<Workload>,
         id: &InstanceId,
         now: u64,
@@ -192,9 +203,15 @@ impl Books {
         }
         let max = config.node.max_instances;
         room(&b, id, max)?;
+        let running = Running {
+            spec: w.spec.clone(),
+            tier: Tier::Awake,
+            present: present.clone(),
+            evictable: adoption.manage,
+        };
         match b
             .ledger
-            .adopt(id, w.spec.clone(), now, present, adoption.manage)
+            .admit(id, Entry::Running(running), Policy::Refuse, now)
         {
             Ok(_) => {}
             Err(AdmitError::Refused(refusal)) => {
@@ -369,7 +386,11 @@ fn room(b: &Inner, id: &InstanceId, max: usize) -> Result<(), ApiError> {
 
 /// A refused admission as the caller hears it: the refusal, and the
 /// Placement it was decided on (the same critical section).
-fn refused(ledger: &NodeState, refusal: resident_core::Refusal, spec: &Spec) -> ApiError {
+pub(super) fn refused(
+    ledger: &NodeState,
+    refusal: resident_core::Refusal,
+    spec: &Spec,
+) -> ApiError {
     let plan = Plan::Refuse(refusal.clone());
     let placement = placement(ledger, &plan, spec);
     ApiError::Refused {
@@ -383,15 +404,12 @@ pub(in crate::agent) fn plan_error(e: PlanError) -> ApiError {
         PlanError::AlreadyExists { .. } => ApiError::AlreadyExists(e.to_string()),
         PlanError::Evicting { .. } => ApiError::Unavailable(e.to_string()),
         PlanError::NotResident { .. } => ApiError::NotFound(e.to_string()),
-        PlanError::UnknownPool { .. } | PlanError::AnyOfCount { .. } => {
-            ApiError::FailedPrecondition(e.to_string())
-        }
+        PlanError::UnknownPool { .. }
+        | PlanError::AnyOfCount { .. }
+        | PlanError::CannotSleep { .. } => ApiError::FailedPrecondition(e.to_string()),
     }
 }
 
-/// Each victim with the cause its stop reports: for which start, and in
-/// which of the target's pools it held memory (none: it was in the way of
-/// a group or exclusion rule).
 /// The wake of `id`, asleep: its awake demand admitted (moves made), the
 /// same run waking; a refusal changes nothing.
 fn wake(
@@ -404,7 +422,7 @@ fn wake(
     let Some(spec) = b.ledger.resident(id.as_str()).map(|r| r.spec.clone()) else {
         return Err(ApiError::NotFound(format!("no instance '{id}'")));
     };
-    let a = match b.ledger.wake(id, policy, now) {
+    let a = match b.ledger.admit(id, Entry::Wake, policy, now) {
         Err(AdmitError::Refused(refusal)) => return Err(refused(&b.ledger, refusal, &spec)),
         Err(AdmitError::Invalid(e)) => return Err(plan_error(e)),
         Ok(a) => a,
@@ -468,6 +486,9 @@ fn moves(
     (sleepers, wait_for, recovery)
 }
 
+/// Each victim with the cause its stop reports: for which start, and in
+/// which of the target's pools it held memory (none: it was in the way of
+/// a group or exclusion rule).
 fn evictions(b: &Inner, spec: &Spec, id: &InstanceId, victims: &[InstanceId]) -> Vec<Eviction> {
     let ledger = &b.ledger;
     victims

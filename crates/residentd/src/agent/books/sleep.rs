@@ -1,22 +1,36 @@
-//! Sleep in the books: a run put to sleep holds the larger of its demands
-//! in each pool while its sleep call runs (`Tier::Moving`), then its
-//! asleep demand; a wake is admitted like a start (`admit.rs`) and holds
-//! the larger again until its call is done. Nothing here makes the calls.
+//! Sleep in the books. A sleep is planned like a start (`Entry::Sleep`,
+//! under refuse: what its asleep demand adds must fit beside what it holds
+//! awake, a vLLM level-1 server's weights moving into host memory), then
+//! the run holds the larger of its demands in each pool while its call
+//! runs (`Tier::Moving`), then settles asleep; a wake is admitted like a
+//! start (`admit.rs`) and holds the larger again until its call is done.
+//! What lowers a charge (a call done, a server that fell asleep by
+//! itself) is settled with the ledger's `settle`, which never raises one.
+//! Nothing here makes the calls.
 
 use resident_api::ApiError;
-use resident_core::Tier;
+use resident_core::{AdmitError, Entry, Policy, Tier};
 
 use super::*;
 
 impl Books {
-    /// Marks `id` (its run `run`, when given) falling asleep: it must be
-    /// resident, awake, not stopping, and its workload able to sleep.
+    /// Plans `id` (its run `run`, when given) falling asleep, under
+    /// refuse, and marks it so: it must be resident, awake, not stopping,
+    /// its workload able to sleep, and its asleep demand must fit beside
+    /// what it holds (refused, with the same Placement and reasons as a
+    /// refused start, changing nothing). Refused once the agent is closing.
     pub(in crate::agent) fn begin_sleep(
         &self,
         id: &str,
         run: Option<u64>,
+        now: u64,
     ) -> Result<Sleeper, ApiError> {
         let mut b = self.lock();
+        if b.closed {
+            return Err(ApiError::Unavailable(
+                "the agent is closing: nothing is put to sleep".into(),
+            ));
+        }
         let Some(r) = b.ledger.resident(id) else {
             return Err(ApiError::NotFound(format!(
                 "no instance '{id}' holds memory"
@@ -38,9 +52,10 @@ impl Books {
                 "instance '{id}' {why}"
             )));
         }
+        let spec = r.spec.clone();
         let Some(record) = b
             .records
-            .get_mut(id)
+            .get(id)
             .filter(|r| run.is_none_or(|g| g == r.generation))
         else {
             return Err(ApiError::NotFound(format!(
@@ -54,56 +69,111 @@ impl Books {
                 "instance '{id}' is adopted without manage: the agent does not put it to sleep"
             )));
         }
+        let iid =
+            InstanceId::new(id).map_err(|e| ApiError::invalid("instance_id", e.to_string()))?;
+        match b.ledger.admit(&iid, Entry::Sleep, Policy::Refuse, now) {
+            Ok(_) => {}
+            Err(AdmitError::Refused(refusal)) => {
+                return Err(super::admit::refused(&b.ledger, refusal, &spec));
+            }
+            Err(AdmitError::Invalid(e)) => return Err(plan_error(e)),
+        }
+        let Some(record) = b.records.get_mut(id) else {
+            return Err(ApiError::NotFound(format!("no instance '{id}'")));
+        };
         record.sleep = Some(Sleepy::Falling);
-        let sleeper = Sleeper {
+        Ok(Sleeper {
             id: id.to_string(),
             generation: record.generation,
             workload: record.workload.spec.workload.to_string(),
-        };
-        b.ledger.set_tier(id, Tier::Moving);
-        Ok(sleeper)
+        })
     }
 
-    /// Settles run `generation` of `id` asleep (`asleep`, at `now`) or
-    /// awake (`Woken(ms)`) after its call; tells whoever waits on it.
-    /// False when that run holds nothing any more.
+    /// Settles run `generation` of `id`, moving, asleep (`Asleep`, at its
+    /// instant) or awake (`Woken(ms)`) after its call; tells whoever waits
+    /// on it. False when that run holds nothing any more, or is not moving.
     pub(in crate::agent) fn settle(&self, id: &str, generation: u64, to: Sleepy) -> bool {
         let mut b = self.lock();
         let current = b
             .records
             .get(id)
             .is_some_and(|r| r.generation == generation);
-        if !current || b.ledger.resident(id).is_none_or(|r| r.leaving()) {
+        let moving = b
+            .ledger
+            .resident(id)
+            .is_some_and(|r| !r.leaving() && r.tier == Tier::Moving);
+        if !current || !moving {
             return false;
         }
-        let tier = match to {
-            Sleepy::Asleep(_) => Tier::Asleep,
-            Sleepy::Woken(_) => Tier::Awake,
-            Sleepy::Falling | Sleepy::Waking => Tier::Moving,
+        settled(&mut b, id, to)
+    }
+
+    /// Run `generation` of `id`, awake, fell asleep by itself (llama-server
+    /// after its idle time): settled asleep where that lowers what it is
+    /// charged (the usual case: its model freed), planned as a sleep
+    /// otherwise. `Ok(false)`: nothing to do (not that run, not awake);
+    /// a refusal when its asleep demand does not fit.
+    pub(in crate::agent) fn fell_asleep(
+        &self,
+        id: &str,
+        generation: u64,
+        now: u64,
+    ) -> Result<bool, ApiError> {
+        {
+            let mut b = self.lock();
+            let current = b
+                .records
+                .get(id)
+                .is_some_and(|r| r.generation == generation && !r.cancelled);
+            let awake = b
+                .ledger
+                .resident(id)
+                .is_some_and(|r| !r.leaving() && r.tier == Tier::Awake);
+            if !current || !awake {
+                return Ok(false);
+            }
+            if b.ledger.settle(id, Tier::Asleep) {
+                return Ok(settled(&mut b, id, Sleepy::Asleep(now)));
+            }
+        }
+        // Its asleep demand is larger somewhere: planned like any sleep.
+        self.begin_sleep(id, Some(generation), now)?;
+        Ok(self.settle(id, generation, Sleepy::Asleep(now)))
+    }
+
+    /// Run `generation` of `id`, asleep, woke by itself (a request reached
+    /// its server directly, not through a Start): its wake planned under
+    /// refuse and settled awake. `Ok(false)`: nothing to do; a refusal
+    /// when its awake demand does not fit beside the others (the caller
+    /// stops it: the memory it takes is not there).
+    pub(in crate::agent) fn woke_by_itself(
+        &self,
+        id: &InstanceId,
+        generation: u64,
+        now: u64,
+    ) -> Result<bool, ApiError> {
+        let mut b = self.lock();
+        let current = b
+            .records
+            .get(id.as_str())
+            .is_some_and(|r| r.generation == generation && !r.cancelled);
+        let Some(spec) = b
+            .ledger
+            .resident(id.as_str())
+            .filter(|r| current && !r.leaving() && r.tier == Tier::Asleep)
+            .map(|r| r.spec.clone())
+        else {
+            return Ok(false);
         };
-        b.ledger.set_tier(id, tier);
-        if let Some(r) = b.records.get_mut(id) {
-            r.sleep = Some(to);
+        match b.ledger.admit(id, Entry::Wake, Policy::Refuse, now) {
+            Ok(_) => {}
+            Err(AdmitError::Refused(refusal)) => {
+                return Err(super::admit::refused(&b.ledger, refusal, &spec));
+            }
+            Err(AdmitError::Invalid(e)) => return Err(plan_error(e)),
         }
-        for waiter in b.waiters.remove(id).unwrap_or_default() {
-            let _ = waiter.send(());
-        }
-        true
-    }
-
-    /// The next admission of `id` (a restore taking over its process,
-    /// which a previous agent put to sleep, or was putting to sleep or
-    /// waking) enters it `as_it_was`: `Asleep` holding its asleep demand,
-    /// `Falling` or `Waking` both its demands, its call to be made again
-    /// (`Agent::finish_moves`).
-    pub(in crate::agent) fn expect_restored(&self, id: &str, as_it_was: Sleepy) {
-        self.lock().restore_asleep.insert(id.to_string(), as_it_was);
-    }
-
-    /// Undoes [`Books::expect_restored`] once the restore of `id` has been
-    /// decided (admitted, refused or failed).
-    pub(in crate::agent) fn expect_awake(&self, id: &str) {
-        self.lock().restore_asleep.remove(id);
+        b.ledger.settle(id.as_str(), Tier::Awake);
+        Ok(settled(&mut b, id.as_str(), Sleepy::Woken(0)))
     }
 
     /// Whether `id` is resident, not held, and unused for `ms` at `now`.
@@ -115,9 +185,12 @@ impl Books {
     }
 
     /// Awake runs of workloads with a sleep `idle`, unused that long and
-    /// not held: each id with its run.
+    /// not held: each id with its run. None once the agent is closing.
     pub(in crate::agent) fn sleepy(&self, now: u64) -> Vec<(String, u64)> {
         let b = self.lock();
+        if b.closed {
+            return Vec::new();
+        }
         b.records
             .iter()
             .filter(|(_, rec)| rec.stoppable())
@@ -135,4 +208,26 @@ impl Books {
             .map(|(id, rec)| (id.clone(), rec.generation))
             .collect()
     }
+}
+
+/// Settles `id` (already current and resident) at `to` in the ledger and
+/// its record, and tells whoever waits on it. False when the ledger would
+/// have to raise a charge for it (that is planned, never settled).
+fn settled(b: &mut Inner, id: &str, to: Sleepy) -> bool {
+    let tier = match to {
+        Sleepy::Asleep(_) => Tier::Asleep,
+        Sleepy::Woken(_) => Tier::Awake,
+        Sleepy::Falling | Sleepy::Waking => Tier::Moving,
+    };
+    let already = b.ledger.resident(id).is_some_and(|r| r.tier == tier);
+    if !already && !b.ledger.settle(id, tier) {
+        return false;
+    }
+    if let Some(r) = b.records.get_mut(id) {
+        r.sleep = Some(to);
+    }
+    for waiter in b.waiters.remove(id).unwrap_or_default() {
+        let _ = waiter.send(());
+    }
+    true
 }

@@ -37,7 +37,7 @@ fn admit(
 ) -> Result<Decision, ApiError> {
     let w = c.workloads[workload].clone();
     let id = InstanceId::new(id).expect("an id");
-    b.admit(c, &w, &id, policy, 0, 0, None)
+    b.admit(c, &w, &id, policy, 0, 0, None, None)
 }
 
 fn generation_of(d: Result<Decision, ApiError>) -> u64 {
@@ -87,7 +87,7 @@ fn a_learned_footprint_raises_the_next_admission_of_the_same_command_only() {
     let w = c.workloads["small"].clone();
     let start = |id: &str, key: u64| {
         let id = InstanceId::new(id).expect("an id");
-        generation_of(b.admit(&c, &w, &id, Policy::Refuse, 0, 0, Some(key)))
+        generation_of(b.admit(&c, &w, &id, Policy::Refuse, 0, 0, Some(key), None))
     };
     let reserved = |id: &str| b.charges(id)[0].1.reserved;
     let g = start("a", 7);
@@ -180,7 +180,16 @@ fn a_lease_lapses_unless_a_touch_renews_it_and_only_leased_residents_lapse() {
     let b = Books::new(&c);
     let leased = |id: &str, ms: u64| {
         let id = InstanceId::new(id).expect("an id");
-        generation_of(b.admit(&c, &c.workloads["small"], &id, Policy::Refuse, 0, ms, None))
+        generation_of(b.admit(
+            &c,
+            &c.workloads["small"],
+            &id,
+            Policy::Refuse,
+            0,
+            ms,
+            None,
+            None,
+        ))
     };
     leased("leased", 1_000);
     leased("unleased", 0);

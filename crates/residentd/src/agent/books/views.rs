@@ -186,9 +186,12 @@ impl Books {
     }
 
     /// Resident instances no Stop asked for whose lease ran out by `now`,
-    /// with the lease's length.
+    /// with the lease's length; none once the agent is closing.
     pub(in crate::agent) fn leases_expired(&self, now: u64) -> Vec<(String, u64, u64)> {
         let b = self.lock();
+        if b.closed {
+            return Vec::new();
+        }
         b.records
             .iter()
             .filter(|(id, r)| !r.cancelled && b.ledger.resident(id).is_some())
@@ -239,9 +242,12 @@ impl Books {
 
     /// Resident, not cancelled instances of workloads with an idle TTL
     /// that have gone unused (and unheld) for longer than it, with their
-    /// current run.
+    /// current run; none once the agent is closing.
     pub(in crate::agent) fn idle(&self, now: u64) -> Vec<(String, u64)> {
         let b = self.lock();
+        if b.closed {
+            return Vec::new();
+        }
         b.records
             .iter()
             .filter(|(_, rec)| rec.stoppable())

@@ -1,16 +1,18 @@
-//! The node state the planner reads and the ledger operations that change
-//! it: pools with budgets and live readings, and what every resident holds.
+//! The ledger: pools with budgets and live readings, what every resident
+//! holds, and the budget arithmetic every figure and plan reads
+//! (`PoolFigures`). It imports neither the planner nor the admission: the
+//! planner reads it, and `admit.rs` changes what it holds.
 //!
-//! `NodeState` is plain data owned by one caller (the daemon keeps it behind
-//! one lock), so `admit` — plan and reserve — is one atomic step.
+//! What may change here without a plan lowers a charge or records a fact:
+//! a release, a settle (`admit.rs`), a reading, a use, a hold, a Stop's
+//! mark. Whatever raises a charge enters through `NodeState::admit`.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use crate::name::{InstanceId, PoolName};
-use crate::planner::{self, Plan, PlanError, Policy};
-use crate::reason::{Holder, Refusal};
-use crate::spec::{Choice, Demand, GpuChoice, Groups, Spec};
+use crate::reason::Holder;
+use crate::spec::{GpuChoice, Groups, Spec};
 
 /// A pool as configured.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -190,35 +192,6 @@ pub struct PoolStatus {
     pub free: Option<u64>,
 }
 
-/// The result of a successful `admit`.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Admission {
-    /// False when the instance was already resident (idempotent start).
-    pub created: bool,
-    /// Residents now falling asleep ([`Tier::Moving`]): put them to sleep,
-    /// then mark them asleep.
-    pub sleep: Vec<InstanceId>,
-    /// Victims now marked evicting: stop them, then release them.
-    pub evict: Vec<InstanceId>,
-    /// Instances already on their way out that conflict with the target:
-    /// spawn only once these (and `evict`) are released.
-    pub wait_for: Vec<InstanceId>,
-    /// The pools chosen for each any-of demand (empty when the spec has
-    /// none, or when the instance was already resident).
-    pub chosen: Choice,
-}
-
-/// Why `admit` reserved nothing.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum AdmitError {
-    /// The plan is a refusal.
-    #[error("{0}")]
-    Refused(Refusal),
-    /// The request itself is wrong.
-    #[error(transparent)]
-    Invalid(#[from] PlanError),
-}
-
 /// Pools, groups and residents of one node.
 #[derive(Debug, Clone, Default)]
 pub struct NodeState {
@@ -226,7 +199,7 @@ pub struct NodeState {
     pub(crate) groups: Groups,
     pub(crate) residents: BTreeMap<InstanceId, Resident>,
     pub(crate) gpu_choice: GpuChoice,
-    next_seq: u64,
+    pub(crate) next_seq: u64,
 }
 
 impl NodeState {
@@ -264,276 +237,6 @@ impl NodeState {
     /// The group table.
     pub fn groups(&self) -> &Groups {
         &self.groups
-    }
-
-    /// The dry run: what `admit` would do, changing nothing.
-    pub fn plan(
-        &self,
-        id: &InstanceId,
-        spec: &Spec,
-        policy: Policy,
-        now: u64,
-    ) -> Result<Plan, PlanError> {
-        planner::plan(self, Some(id), spec, policy, now)
-    }
-
-    /// The placement query: what starting a new instance of `spec` would
-    /// do, changing nothing.
-    pub fn place(&self, spec: &Spec, policy: Policy, now: u64) -> Result<Plan, PlanError> {
-        planner::plan(self, None, spec, policy, now)
-    }
-
-    /// Plans and, when admitted, reserves `spec` for `id` and marks the
-    /// victims evicting, in one step. A refusal changes nothing. Starting
-    /// an instance that is already resident with the same workload counts
-    /// as a use and reserves nothing more. The resident holds the concrete
-    /// spec of the chosen pools (`spec` itself when it has no any-of).
-    pub fn admit(
-        &mut self,
-        id: &InstanceId,
-        spec: Arc<Spec>,
-        policy: Policy,
-        now: u64,
-    ) -> Result<Admission, AdmitError> {
-        match planner::plan(self, Some(id), &spec, policy, now)? {
-            Plan::Refuse(refusal) => Err(AdmitError::Refused(refusal)),
-            Plan::Existing => {
-                self.touch(id.as_str(), now, 0);
-                Ok(Admission::default())
-            }
-            Plan::Admit {
-                sleep,
-                evict,
-                wait_for,
-                chosen,
-            } => {
-                self.moving(&sleep, &evict);
-                let spec = if spec.any_of.is_empty() {
-                    spec
-                } else {
-                    Arc::new(spec.concrete(&chosen))
-                };
-                self.enter(id, spec, now, BTreeMap::new(), true);
-                Ok(Admission {
-                    created: true,
-                    sleep,
-                    evict,
-                    wait_for,
-                    chosen,
-                })
-            }
-        }
-    }
-
-    /// Enters a process that already runs (an adoption) as resident `id`,
-    /// holding `present` bytes per pool already: planned under the refuse
-    /// policy (nothing is evicted for a process that is already there),
-    /// with those bytes counted as touched. `evictable` says whether it
-    /// may later be chosen as a victim. The spec must be concrete.
-    pub fn adopt(
-        &mut self,
-        id: &InstanceId,
-        spec: Arc<Spec>,
-        now: u64,
-        present: &BTreeMap<PoolName, u64>,
-        evictable: bool,
-    ) -> Result<Admission, AdmitError> {
-        let plan = planner::plan_present(self, Some(id), &spec, Policy::Refuse, now, present)?;
-        match plan {
-            Plan::Refuse(refusal) => Err(AdmitError::Refused(refusal)),
-            Plan::Existing => Err(AdmitError::Invalid(PlanError::AlreadyExists {
-                id: id.clone(),
-                existing: spec.workload.clone(),
-            })),
-            Plan::Admit { wait_for, .. } => {
-                self.enter(id, spec, now, present.clone(), evictable);
-                Ok(Admission {
-                    created: true,
-                    wait_for,
-                    ..Admission::default()
-                })
-            }
-        }
-    }
-
-    /// Marks a plan's moves: `sleep` falling asleep, `evict` leaving.
-    fn moving(&mut self, sleep: &[InstanceId], evict: &[InstanceId]) {
-        for s in sleep {
-            if let Some(r) = self.residents.get_mut(s) {
-                r.tier = Tier::Moving;
-            }
-        }
-        for victim in evict {
-            if let Some(r) = self.residents.get_mut(victim) {
-                r.phase = Phase::Leaving;
-            }
-        }
-    }
-
-    /// Enters `id`, whose process already runs asleep (an agent taking it
-    /// over), holding its asleep demand: planned under the refuse policy
-    /// with that demand, on the first choice of its any-of demands (a
-    /// takeover pins them to the pools it was given).
-    pub fn admit_asleep(
-        &mut self,
-        id: &InstanceId,
-        spec: Arc<Spec>,
-        now: u64,
-    ) -> Result<Admission, AdmitError> {
-        let chosen = spec.choices().into_iter().next().unwrap_or_default();
-        let spec = if spec.any_of.is_empty() {
-            spec
-        } else {
-            Arc::new(spec.concrete(&chosen))
-        };
-        let asleep = Spec {
-            demand: spec
-                .asleep
-                .as_ref()
-                .map(|a| a.demand.clone())
-                .unwrap_or_default(),
-            ..(*spec).clone()
-        };
-        let plan = planner::plan_present(
-            self,
-            Some(id),
-            &asleep,
-            Policy::Refuse,
-            now,
-            &BTreeMap::new(),
-        )?;
-        match plan {
-            Plan::Refuse(refusal) => Err(AdmitError::Refused(refusal)),
-            Plan::Existing => Err(AdmitError::Invalid(PlanError::AlreadyExists {
-                id: id.clone(),
-                existing: spec.workload.clone(),
-            })),
-            Plan::Admit { wait_for, .. } => {
-                self.enter(id, spec, now, BTreeMap::new(), true);
-                self.set_tier(id.as_str(), Tier::Asleep);
-                Ok(Admission {
-                    created: true,
-                    wait_for,
-                    chosen,
-                    ..Admission::default()
-                })
-            }
-        }
-    }
-
-    /// The dry run of waking `id`, asleep (`Plan::Existing` when it is
-    /// not): what waking adds in each pool, planned beside it as it
-    /// stands. Waking holds both its demands until the call is done (the
-    /// larger in each pool, [`Tier::Moving`]), so what it holds asleep
-    /// stays counted: a vLLM level-1 sleeper's weights stay in host
-    /// memory until it wakes, and a resident put to sleep to make room
-    /// must find room for its own weights there beside them. It is no
-    /// conflict, and no victim, of its own wake.
-    pub fn plan_wake(&self, id: &InstanceId, policy: Policy, now: u64) -> Result<Plan, PlanError> {
-        let Some(r) = self.residents.get(id) else {
-            return Err(PlanError::NotResident { id: id.clone() });
-        };
-        if r.tier != Tier::Asleep {
-            return Ok(Plan::Existing);
-        }
-        let mut moving = r.clone();
-        moving.tier = Tier::Moving;
-        let adds: BTreeMap<PoolName, Demand> = r
-            .spec
-            .demand
-            .keys()
-            .filter_map(|pool| {
-                let more = (moving.charge(pool.as_str()).counted())
-                    .saturating_sub(r.charge(pool.as_str()).counted());
-                (more > 0).then(|| {
-                    (
-                        pool.clone(),
-                        Demand {
-                            weights: more,
-                            ..Demand::default()
-                        },
-                    )
-                })
-            })
-            .collect();
-        let adds = Spec {
-            demand: adds,
-            ..(*r.spec).clone()
-        };
-        let mut beside = self.clone();
-        if let Some(r) = beside.residents.get_mut(id) {
-            r.evictable = false;
-        }
-        planner::plan_beside(&beside, Some(id), &adds, policy, now, &BTreeMap::new())
-    }
-
-    /// Wakes `id`, asleep: plans its awake demand ([`NodeState::plan_wake`])
-    /// and, admitted, marks it waking ([`Tier::Moving`]), its moves made,
-    /// and counts the use. A refusal changes nothing; `created` is false.
-    pub fn wake(
-        &mut self,
-        id: &InstanceId,
-        policy: Policy,
-        now: u64,
-    ) -> Result<Admission, AdmitError> {
-        match self.plan_wake(id, policy, now)? {
-            Plan::Refuse(refusal) => Err(AdmitError::Refused(refusal)),
-            Plan::Existing => Ok(Admission::default()),
-            Plan::Admit {
-                sleep,
-                evict,
-                wait_for,
-                ..
-            } => {
-                self.moving(&sleep, &evict);
-                if let Some(r) = self.residents.get_mut(id) {
-                    r.tier = Tier::Moving;
-                }
-                self.touch(id.as_str(), now, 0);
-                Ok(Admission {
-                    sleep,
-                    evict,
-                    wait_for,
-                    ..Admission::default()
-                })
-            }
-        }
-    }
-
-    /// Sets which demand `id` holds (see [`Tier`]). False when it is not
-    /// resident.
-    pub fn set_tier(&mut self, id: &str, tier: Tier) -> bool {
-        match self.residents.get_mut(id) {
-            Some(r) => {
-                r.tier = tier;
-                true
-            }
-            None => false,
-        }
-    }
-
-    /// Makes `id` a resident holding `spec`, used at `now`.
-    fn enter(
-        &mut self,
-        id: &InstanceId,
-        spec: Arc<Spec>,
-        now: u64,
-        measured: BTreeMap<PoolName, u64>,
-        evictable: bool,
-    ) {
-        self.next_seq += 1;
-        let resident = Resident {
-            id: id.clone(),
-            spec,
-            seq: self.next_seq,
-            last_used: now,
-            hold_until: 0,
-            measured,
-            phase: Phase::Held,
-            evictable,
-            tier: Tier::Awake,
-        };
-        self.residents.insert(id.clone(), resident);
     }
 
     /// Releases what `id` held. `None` when it held nothing.
@@ -639,7 +342,7 @@ impl NodeState {
     /// by the live ceiling. `None` when unbounded or unknown.
     pub fn effective_budget(&self, pool: &str) -> Option<u64> {
         let p = self.pools.get(pool)?;
-        planner::PoolFigures::of(self, p).effective()
+        PoolFigures::of(self, p).effective()
     }
 
     /// Figures of every pool, in name order: one pass over the residents
@@ -660,7 +363,7 @@ impl NodeState {
             .zip(sums)
             .map(|(p, totals)| {
                 let used = totals.used;
-                let effective = planner::PoolFigures::new(p, totals).effective();
+                let effective = PoolFigures::new(p, totals).effective();
                 let used = u64::try_from(used).unwrap_or(u64::MAX);
                 PoolStatus {
                     name: p.config.name.clone(),
@@ -775,5 +478,75 @@ impl Totals {
     pub(crate) fn add(&mut self, charge: Charge) {
         self.used += u128::from(charge.counted());
         self.measured += u128::from(charge.measured);
+    }
+}
+
+/// A pool's budget arithmetic at one moment.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PoolFigures {
+    pub(crate) budget: Option<u64>,
+    /// Counted bytes of every entry (the larger of reserved and measured).
+    pub(crate) used: u128,
+    pub(crate) live: Option<Live>,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Live {
+    pub(crate) available: u64,
+    pub(crate) reserve: u64,
+    /// Measured bytes of every entry: already missing from `available`.
+    pub(crate) measured: u128,
+}
+
+impl PoolFigures {
+    pub(crate) fn of(state: &NodeState, pool: &Pool) -> Self {
+        let name = pool.config.name.as_str();
+        let mut totals = Totals::default();
+        for r in state.residents.values() {
+            totals.add(r.charge(name));
+        }
+        Self::new(pool, totals)
+    }
+
+    /// The figures of `pool` whose residents' charges sum to `totals`.
+    pub(crate) fn new(pool: &Pool, totals: Totals) -> Self {
+        let live = match (pool.config.live, pool.available) {
+            (true, Some(available)) => Some(Live {
+                available,
+                reserve: pool.config.reserve,
+                measured: totals.measured,
+            }),
+            _ => None,
+        };
+        Self {
+            budget: pool.config.budget,
+            used: totals.used,
+            live,
+        }
+    }
+
+    /// The live ceiling in budget terms: what the probe shows available
+    /// plus what our residents are measured to hold, less the reserve.
+    pub(crate) fn ceiling(&self) -> Option<u128> {
+        self.live
+            .map(|l| (u128::from(l.available) + l.measured).saturating_sub(u128::from(l.reserve)))
+    }
+
+    /// The configured budget tightened by the ceiling; a reading never
+    /// raises it.
+    pub(crate) fn effective(&self) -> Option<u64> {
+        let limit = match (self.budget.map(u128::from), self.ceiling()) {
+            (Some(b), Some(c)) => Some(b.min(c)),
+            (b, c) => b.or(c),
+        };
+        limit.map(|l| u64::try_from(l).unwrap_or(u64::MAX))
+    }
+
+    /// How far `used + need` exceeds the effective budget (negative: room).
+    pub(crate) fn excess(&self, need: u64) -> i128 {
+        match self.effective() {
+            Some(e) => (self.used + u128::from(need)) as i128 - i128::from(e),
+            None => i128::MIN / 2,
+        }
     }
 }
