@@ -55,7 +55,7 @@ async fn client(python: &Path, args: &[&str]) -> Value {
 
 /// Sends `request` as is and reads the whole answer (the request should
 /// say `Connection: close`): status and body.
-async fn raw(port: u16, request: &[u8]) -> (u16, String, String) {
+pub(crate) async fn raw(port: u16, request: &[u8]) -> (u16, String, String) {
     let mut s = TcpStream::connect(("127.0.0.1", port))
         .await
         .expect("connect");
@@ -75,7 +75,7 @@ async fn raw(port: u16, request: &[u8]) -> (u16, String, String) {
     (status, head.to_string(), body.to_string())
 }
 
-fn post(path: &str, body: &str) -> Vec<u8> {
+pub(crate) fn post(path: &str, body: &str) -> Vec<u8> {
     format!(
         "POST {path} HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
