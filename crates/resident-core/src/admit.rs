@@ -140,11 +140,13 @@ impl NodeState {
         })
     }
 
-    /// Settles `id` in `tier`, where that lowers what it is charged in no
-    /// pool's disfavour: a sleep or wake done (from moving), or a server
-    /// that fell asleep by itself (from awake, where its asleep demand is
-    /// nowhere larger). False, changing nothing, for any other move: what
-    /// raises a charge is planned (`admit`).
+    /// Settles `id` in `tier`, where that raises its reservation in no
+    /// pool: a sleep or wake done (from moving), or a server that fell
+    /// asleep by itself (from awake, where its asleep demand is nowhere
+    /// larger). Its readings are dropped (what it held before the move says
+    /// nothing of what it holds after; the next reading tells), as the
+    /// planner assumed when it planned the move. False, changing nothing,
+    /// for any other move: what raises a charge is planned (`admit`).
     pub fn settle(&mut self, id: &str, tier: Tier) -> bool {
         let Some(r) = self.residents.get(id) else {
             return false;
@@ -160,6 +162,7 @@ impl NodeState {
         }
         if let Some(r) = self.residents.get_mut(id) {
             r.tier = tier;
+            r.measured.clear();
         }
         true
     }

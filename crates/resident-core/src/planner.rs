@@ -145,6 +145,12 @@ pub struct Running {
     /// Which of its demands it holds: awake, asleep, or (a run taken over
     /// mid-call) both.
     pub tier: Tier,
+    /// The demand it is planned for: `tier`'s, except for a run taken
+    /// over falling asleep (`tier` moving), which is planned for its
+    /// asleep demand, as the planner plans its own sleepers: nothing
+    /// counts on its memory until its sleep is done, and a run waking
+    /// beside it may count on it being asleep.
+    pub planned: Tier,
     /// Bytes it already holds per pool (an adoption's, counted as
     /// measured: a live reading shows them as taken already).
     pub present: BTreeMap<PoolName, u64>,
@@ -173,7 +179,7 @@ pub fn plan_entry(
                 });
             }
             per_choice(state, &run.spec, |concrete| {
-                let held = in_tier(concrete, run.tier);
+                let held = in_tier(concrete, run.planned);
                 plan_beside(state, None, &held, Policy::Refuse, now, &run.present)
             })
         }

@@ -94,6 +94,7 @@ fn adopt(
     let run = Running {
         spec,
         tier: Tier::Awake,
+        planned: Tier::Awake,
         present: present.clone(),
         evictable,
     };

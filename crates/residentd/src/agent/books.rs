@@ -147,4 +147,6 @@ impl Books {
 }
 
 #[cfg(test)]
+mod properties;
+#[cfg(test)]
 mod tests;

@@ -58,7 +58,14 @@ impl Agent {
         // so no new start can take it) and every adoption taken back; the
         // agent then serves while the instances are spawned side by side.
         let mut admitted = Vec::new();
-        for e in entries {
+        // Runs taken over falling asleep come last: each is planned for
+        // its asleep demand (nothing counts on its memory until its sleep
+        // is made again), so a run waking beside it, admitted first,
+        // finds the room the interrupted swap was making.
+        let (falling, rest): (Vec<_>, Vec<_>) = entries.into_iter().partition(|e| {
+            e.sleep == journal::Slumber::Falling && taken.iter().any(|t| t.instance == e.instance)
+        });
+        for e in rest.into_iter().chain(falling) {
             let Ok(id) = InstanceId::new(e.instance.as_str()) else {
                 continue;
             };

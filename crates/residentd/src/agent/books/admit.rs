@@ -104,6 +104,13 @@ impl Books {
             return Ok(Decision::Stopping(b.waiter(id.as_str())));
         }
         taken(&b, id, w)?;
+        if taken_over.is_some() && b.ledger.resident(id.as_str()).is_some() {
+            // A process taken over is a new resident: never a wake or a
+            // repeat of one that holds memory already.
+            return Err(ApiError::AlreadyExists(format!(
+                "instance '{id}' already holds memory; it cannot be taken over"
+            )));
+        }
         match b.ledger.resident(id.as_str()).map(|r| r.tier) {
             Some(Tier::Moving) => return Ok(Decision::Stopping(b.waiter(id.as_str()))),
             Some(Tier::Asleep) => return wake(&mut b, id, policy, now, lease_ms),
@@ -113,16 +120,21 @@ impl Books {
         room(&b, id, max)?;
         let restored = taken_over.flatten();
         let entry = match taken_over {
-            Some(as_it_was) => Entry::Running(Running {
-                spec: asked.clone(),
-                tier: match as_it_was {
-                    None | Some(Sleepy::Woken(_)) => Tier::Awake,
-                    Some(Sleepy::Asleep(_)) => Tier::Asleep,
-                    Some(Sleepy::Falling | Sleepy::Waking) => Tier::Moving,
-                },
-                present: BTreeMap::new(),
-                evictable: true,
-            }),
+            Some(as_it_was) => {
+                let (tier, planned) = match as_it_was {
+                    None | Some(Sleepy::Woken(_)) => (Tier::Awake, Tier::Awake),
+                    Some(Sleepy::Asleep(_)) => (Tier::Asleep, Tier::Asleep),
+                    Some(Sleepy::Falling) => (Tier::Moving, Tier::Asleep),
+                    Some(Sleepy::Waking) => (Tier::Moving, Tier::Moving),
+                };
+                Entry::Running(Running {
+                    spec: asked.clone(),
+                    tier,
+                    planned,
+                    present: BTreeMap::new(),
+                    evictable: true,
+                })
+            }
             None => Entry::Start(asked.clone()),
         };
         let admitted = b.ledger.admit(id, entry, policy, now);
@@ -206,6 +218,7 @@ impl Books {
         let running = Running {
             spec: w.spec.clone(),
             tier: Tier::Awake,
+            planned: Tier::Awake,
             present: present.clone(),
             evictable: adoption.manage,
         };

@@ -324,3 +324,26 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn once_closed_nothing_idle_or_leased_moves() {
+    let text = "[node]\nname = \"n\"\nlisten = \"unix:///tmp/unused.sock\"\nstate_dir = \"/tmp/unused\"\n\n[[pool]]\nname = \"ram\"\nbudget = \"10GB\"\n\n[[workload]]\nname = \"nap\"\ncommand = [\"/bin/sleep\", \"1\"]\nidle_ttl = \"1s\"\n[workload.memory.ram]\nweights = \"1GB\"\n[workload.sleep]\nsleep = \"POST /sleep\"\nwake = \"POST /wake\"\nidle = \"1s\"\n[workload.sleep.memory.ram]\nweights = \"1GB\"\n";
+    let c = Arc::new(resident_config::parse(Path::new("closed.toml"), text).expect("valid"));
+    let b = Books::new(&c);
+    let id = InstanceId::new("a").expect("an id");
+    let w = c.workloads["nap"].clone();
+    let g = generation_of(b.admit(&c, &w, &id, Policy::Refuse, 0, 500, None, None));
+    // Open: idle for its TTL and its sleep idle, its lease lapsed.
+    assert_eq!(b.idle(5_000), [("a".to_string(), g)]);
+    assert_eq!(b.sleepy(5_000), [("a".to_string(), g)]);
+    assert_eq!(b.leases_expired(5_000).len(), 1);
+    // Closed (the last journal is being written): none of it begins.
+    b.close();
+    assert!(b.idle(5_000).is_empty());
+    assert!(b.sleepy(5_000).is_empty());
+    assert!(b.leases_expired(5_000).is_empty());
+    assert!(matches!(
+        b.begin_sleep("a", Some(g), 5_000),
+        Err(ApiError::Unavailable(_))
+    ));
+}
