@@ -11,6 +11,7 @@ use resident_api::pb;
 
 use crate::router::{post, raw};
 use crate::support::*;
+use crate::takeover::{journaled_running, replace_file};
 
 const GB: u64 = 1_000_000_000;
 
@@ -210,4 +211,87 @@ async fn a_wake_kept_out_by_a_hold_is_queued_by_the_router_and_served_when_it_en
     );
     let other = d.get("o").await;
     assert_eq!(other.cause, pb::Cause::Evicted as i32, "{other:?}");
+}
+
+/// An upgrade whose next agent is slow to start (a wrapper holds it 4 s
+/// before it runs), while a model's sleep idle (2 s) runs out: the agent
+/// handing over makes no move after its last journal write, so the next
+/// agent finds the model as it really is (awake, as journaled), and puts
+/// it to sleep itself once idle. Before, the old agent's tick put it to
+/// sleep after that write, and the next agent took the sleeping server
+/// over as READY.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgrade_while_a_models_idle_time_runs_out_leaves_it_as_journaled() {
+    let bin = tempfile::tempdir().expect("tempdir");
+    let program = bin.path().join("residentd");
+    std::fs::copy(RESIDENTD, &program).expect("copy residentd");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = pool("gpu", "8GB") + &pool("ram", "8GB") + &level_one("m", Some("2s"));
+    write_config(dir.path(), &config);
+    let mut d = Daemon::start_program(&program, dir, |_| {}).await;
+    let m = d.ready("m", "m").await;
+    journaled_running(&d, &["m"]).await;
+    let old_pid = agent_pid(&d.socket).await;
+    // The checks run at once; the next agent itself starts 4 s late.
+    let script = format!(
+        "#!/bin/sh\ncase \"$1\" in --version|--check-config) exec {real} \"$@\";; esac\nsleep 4\nexec {real} \"$@\"\n",
+        real = RESIDENTD
+    );
+    replace_file(&program, script.as_bytes());
+    // Used now: its idle time runs out about 2 s into the hand-over.
+    let touch = pb::TouchRequest {
+        instance_id: "m".into(),
+        hold_ms: 0,
+        release_hold: false,
+    };
+    d.client.touch(touch).await.expect("touched");
+    let socket = d.socket.clone();
+    let o = tokio::task::spawn_blocking(move || residentctl(&socket, &["upgrade"]))
+        .await
+        .expect("joined");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let new_pid = agent_pid(&d.socket).await;
+    let _new = Upgraded(new_pid);
+    assert_ne!(new_pid, old_pid);
+    d.client = connect(&d.socket).await;
+    // The server as it is, read before and after the agent's view: the
+    // new agent's own idle sleep (2 s after it took over) may come between.
+    let said = |body: String| body.contains("true");
+    let server_before = said(get(m.port, "/is_sleeping").await);
+    let view = d.get("m").await;
+    let server_after = said(get(m.port, "/is_sleeping").await);
+    let agent_asleep = view.state == pb::State::Sleeping as i32;
+    assert!(
+        !(server_before && server_after && !agent_asleep),
+        "the next agent shows {:?} ({}) over a sleeping server",
+        view.state,
+        view.message
+    );
+    assert!(
+        !server_before,
+        "the model fell asleep during the hand-over, after the last journal write"
+    );
+    // Its idle time then runs out under the new agent, which puts it to
+    // sleep itself: the same process.
+    let asleep = d.asleep("m").await;
+    assert_eq!(asleep.pid, m.pid);
+    assert!(said(get(m.port, "/is_sleeping").await));
+}
+
+/// The body of `GET path` on loopback `port`.
+async fn get(port: u32, path: &str) -> String {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port as u16))
+        .await
+        .unwrap_or_else(|e| panic!("connect to {port} for {path}: {e}"));
+    let ask = format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n");
+    s.write_all(ask.as_bytes()).await.expect("ask");
+    let mut answer = String::new();
+    let read = tokio::time::timeout(PATIENCE, s.read_to_string(&mut answer));
+    read.await.expect("answered in time").expect("read");
+    answer
+        .split("\r\n\r\n")
+        .nth(1)
+        .unwrap_or_default()
+        .to_string()
 }

@@ -64,7 +64,7 @@ fn said(lines: &[pb::LogLine]) -> Vec<u32> {
 
 /// Waits (bounded) until the journal lists each of `ids` with its running
 /// process and port: what a takeover starts from.
-async fn journaled_running(d: &Daemon, ids: &[&str]) {
+pub(crate) async fn journaled_running(d: &Daemon, ids: &[&str]) {
     let ok = eventually(async || {
         let entries = d.journaled();
         ids.iter().all(|id| {
@@ -372,7 +372,7 @@ async fn said_of(d: &mut Daemon, id: &str) -> Vec<u32> {
 
 /// Puts `text` at `path` as a new file (a running binary cannot be
 /// written in place), executable.
-fn replace_file(path: &Path, text: &[u8]) {
+pub(crate) fn replace_file(path: &Path, text: &[u8]) {
     use std::os::unix::fs::PermissionsExt as _;
     let tmp = path.with_extension("new");
     std::fs::write(&tmp, text).expect("write");
