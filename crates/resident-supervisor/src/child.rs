@@ -19,7 +19,9 @@
 //! agent's close-on-exec flags decide).
 //! The parent blocks every signal around the clone, so no handler of the
 //! agent runs in the child; the child resets every handler to the default
-//! and unblocks just before exec. Each system call has its own `unsafe`
+//! and unblocks just before exec. Before the exec it also empties every
+//! capability set and sets `no_new_privs` (`drop_capabilities`), so no
+//! capability of the agent's reaches a model. Each system call has its own `unsafe`
 //! block and SAFETY note.
 
 use std::ffi::CString;
@@ -572,6 +574,13 @@ unsafe fn child_main(
             return fail(fds);
         }
     }
+    // No capability crosses the exec: an agent given CAP_SETUID (ambient,
+    // for `run_as` without root) must not hand it to its models, and a
+    // model running as root must not regain the bounding set at exec.
+    // After the credential change above, which needed CAP_SETUID/SETGID.
+    if drop_capabilities().is_err() {
+        return fail(fds);
+    }
     // After any credential change, which would clear it.
     // SAFETY: prctl with integer arguments.
     if who.parent_death && unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) } != 0 {
@@ -594,6 +603,66 @@ unsafe fn child_main(
     // arrays the parent prepared and keeps alive while suspended.
     unsafe { libc::execve(program, argv, envp) };
     fail(fds)
+}
+
+/// Empties the ambient, inheritable, permitted and effective capability
+/// sets of the calling (child) process and sets `no_new_privs`, so that
+/// the exec grants nothing: with `no_new_privs` the kernel limits what an
+/// exec as root would take from the bounding set to the (now empty)
+/// permitted set, and no set-user-id or file-capability binary the child
+/// runs can raise it. Raw system calls only (the child shares the
+/// parent's memory until it execs).
+fn drop_capabilities() -> Result<(), ()> {
+    // SAFETY: prctl with integer arguments.
+    let cleared = unsafe {
+        libc::prctl(
+            libc::PR_CAP_AMBIENT,
+            libc::PR_CAP_AMBIENT_CLEAR_ALL,
+            0,
+            0,
+            0,
+        )
+    };
+    // EINVAL: a kernel before 4.3 has no ambient set; nothing to clear.
+    // SAFETY: reading errno, a thread-local the call above set.
+    if cleared != 0 && unsafe { *libc::__errno_location() } != libc::EINVAL {
+        return Err(());
+    }
+    /// `_LINUX_CAPABILITY_VERSION_3`: two 32-bit words per set.
+    const VERSION_3: u32 = 0x2008_0522;
+    #[repr(C)]
+    struct Header {
+        version: u32,
+        pid: i32,
+    }
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    struct Data {
+        effective: u32,
+        permitted: u32,
+        inheritable: u32,
+    }
+    let header = Header {
+        version: VERSION_3,
+        pid: 0,
+    };
+    let none = [Data {
+        effective: 0,
+        permitted: 0,
+        inheritable: 0,
+    }; 2];
+    // SAFETY: capset with a version-3 header and the two data words that
+    // version reads, both locals that outlive the call.
+    let set =
+        unsafe { libc::syscall(libc::SYS_capset, std::ptr::from_ref(&header), none.as_ptr()) };
+    if set != 0 {
+        return Err(());
+    }
+    // SAFETY: prctl with integer arguments.
+    if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } != 0 {
+        return Err(());
+    }
+    Ok(())
 }
 
 /// A running child: its pid and a pidfd for its exit.

@@ -323,6 +323,38 @@ async fn run_as_drops_to_the_user_and_its_group_only() {
     );
 }
 
+/// A child holds no capability of the agent's: its permitted, effective,
+/// inheritable and ambient sets are empty and `no_new_privs` is set, as
+/// root (which would otherwise keep every capability) and as another user.
+/// Before, a root agent's child ran with every capability (`CapEff:
+/// 000001ffffffffff`).
+#[tokio::test]
+async fn a_child_starts_with_no_capability_and_no_new_privileges() {
+    let mut h = Harness::new();
+    let read = "grep -E '^(CapInh|CapPrm|CapEff|CapAmb|NoNewPrivs):' /proc/self/status";
+    let mut users = vec![("as-agent", None)];
+    if nix::unistd::getuid().is_root() {
+        users.push(("as-nobody", Some((65534, 65534))));
+    }
+    for (id, user) in users {
+        let mut spec = child(id, &[]);
+        spec.argv = vec!["/bin/sh".into(), "-c".into(), read.into()];
+        spec.user = user;
+        h.sup.start(spec).await.expect("starts");
+        h.until(id, State::Exited).await;
+        let lines = h.lines(id, 5);
+        for line in &lines {
+            let (key, value) = line.split_once(':').expect("key: value");
+            let want = if key == "NoNewPrivs" {
+                "1"
+            } else {
+                "0000000000000000"
+            };
+            assert_eq!(value.trim(), want, "{id}: {lines:?}");
+        }
+    }
+}
+
 #[tokio::test]
 async fn programs_are_found_on_path_and_exec_errors_are_reported() {
     let h = Harness::new();
