@@ -141,3 +141,16 @@ mod tests {
         assert!(group_rss(&[s.pgrp])[&s.pgrp] >= s.rss_pages * page_size());
     }
 }
+
+/// The real and effective uid of `pid` (`Uid:` of `/proc/PID/status`).
+pub fn uids(pid: i32) -> Option<(u32, u32)> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    parse_uids(&text)
+}
+
+/// The real and effective uid in the text of a `/proc/PID/status`.
+pub fn parse_uids(text: &str) -> Option<(u32, u32)> {
+    let line = text.lines().find_map(|l| l.strip_prefix("Uid:"))?;
+    let mut ids = line.split_whitespace().map(|n| n.parse::<u32>().ok());
+    Some((ids.next()??, ids.next()??))
+}

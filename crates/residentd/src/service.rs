@@ -135,6 +135,10 @@ impl pb::node_agent_server::NodeAgent for Service {
     ) -> Result<Response<pb::Instance>, Status> {
         let _timer = self.agent.metrics().time("Adopt");
         let caller = Caller::of(&req);
+        let admin = req
+            .extensions()
+            .get::<crate::access::Authorized>()
+            .is_some_and(|a| a.role >= resident_config::AccessRole::Admin);
         let r = req.into_inner();
         let excerpt = r.instance_id.clone();
         let call = async {
@@ -147,6 +151,7 @@ impl pb::node_agent_server::NodeAgent for Service {
                 manage: r.manage,
                 // Checked by validate::adopt.
                 port: u16::try_from(r.port).unwrap_or(0),
+                admin,
             };
             Ok(self.agent.adopt(call).instrument(span).await?)
         };

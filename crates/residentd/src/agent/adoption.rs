@@ -1,6 +1,7 @@
 //! Adopt: a server someone else started, entered into the books without a
 //! restart. The process is checked (alive, not the agent's own, not
-//! adopted twice), its port found from its listening sockets when the
+//! adopted twice; for a caller without the admin role, the workload's own
+//! program running as the workload's user: `may_adopt`), its port found from its listening sockets when the
 //! call does not give one, its present memory counted as already touched,
 //! and it is admitted under the refuse policy: nothing is evicted for a
 //! process that is already there. The supervisor then watches it; its
@@ -30,6 +31,10 @@ pub struct AdoptCall {
     pub manage: bool,
     /// Its readiness port; 0: found from its listening sockets.
     pub port: u16,
+    /// Whether the caller holds the admin role: an operator may adopt only
+    /// a process that runs the workload's own program as the workload's
+    /// user (`may_adopt`).
+    pub admin: bool,
 }
 
 impl Agent {
@@ -82,6 +87,7 @@ impl Agent {
                 s.instance
             )));
         }
+        may_adopt(&w, &config.node, pid, call.admin)?;
         let port = match call.port {
             0 => discovered_port(pid, &w.readiness)?,
             p => p,
@@ -124,6 +130,57 @@ impl Agent {
         }
         self.get(id.as_str())
     }
+}
+
+/// Whether the caller may adopt `pid` as an instance of `w`: an admin
+/// may adopt any process; an operator (who may run the node's models,
+/// and with `manage` stop what it adopts) only one that runs the
+/// workload's own program as the user the workload runs as. Otherwise
+/// PERMISSION_DENIED naming what did not match.
+fn may_adopt(
+    w: &resident_config::Workload,
+    node: &resident_config::NodeConfig,
+    pid: u32,
+    admin: bool,
+) -> Result<(), ApiError> {
+    if admin {
+        return Ok(());
+    }
+    let mut unlike = Vec::new();
+    let program = w.argv.first().map(String::as_str).unwrap_or("");
+    let path = std::env::var("PATH").ok();
+    let want =
+        resident_supervisor::find_program(program, path.as_deref()).and_then(std::fs::canonicalize);
+    let exe = std::fs::read_link(format!("/proc/{pid}/exe"));
+    match (&want, &exe) {
+        (Ok(want), Ok(exe)) if want == exe => {}
+        (Ok(want), Ok(exe)) => unlike.push(format!(
+            "it runs {}, not the workload's program {}",
+            exe.display(),
+            want.display()
+        )),
+        (Err(e), _) => unlike.push(format!(
+            "the workload's program {program:?} cannot be resolved ({e})"
+        )),
+        (_, Err(e)) => unlike.push(format!("its program cannot be read ({e})")),
+    }
+    let user = w.run_as.as_ref().or(node.run_as.as_ref());
+    let want_uid = user.map_or_else(|| nix::unistd::geteuid().as_raw(), |u| u.uid);
+    match procfs::uids(pid as i32) {
+        Some((real, effective)) if real == want_uid && effective == want_uid => {}
+        Some((real, effective)) => unlike.push(format!(
+            "it runs as uid {real} (effective {effective}), not the workload's uid {want_uid}"
+        )),
+        None => unlike.push("its user cannot be read".into()),
+    }
+    if unlike.is_empty() {
+        return Ok(());
+    }
+    Err(ApiError::PermissionDenied(format!(
+        "adopting pid {pid} as workload '{}' needs the admin role: {}",
+        w.spec.workload,
+        unlike.join("; ")
+    )))
 }
 
 /// The port a readiness probe reaches: the one TCP port the process

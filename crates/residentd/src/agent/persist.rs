@@ -214,6 +214,8 @@ impl Agent {
             pid: u32::try_from(e.pgid).unwrap_or(0),
             manage: a.manage,
             port: a.port,
+            // Authorized when it was first adopted.
+            admin: true,
         };
         let answer = super::admission::Answer::Prompt;
         match self

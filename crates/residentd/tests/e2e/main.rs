@@ -11,6 +11,7 @@
 mod support;
 
 mod adopt;
+mod attacks;
 mod books;
 mod chaos;
 mod clock;

@@ -1,0 +1,177 @@
+//! The attacks a security review found (issue #43), each performed as an
+//! attacker would (as another uid where it matters, `setpriv` for
+//! capabilities) and shown to fail now, with the process or file it aimed
+//! at unharmed. Each failed on the code before its fix.
+
+use std::os::unix::fs::PermissionsExt as _;
+use std::os::unix::process::CommandExt as _;
+use std::process::{Child, Command, Stdio};
+
+use resident_api::pb;
+
+use crate::support::*;
+
+fn text(o: &std::process::Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// `sleep 3600` running as `uid`, in a process group of its own: another
+/// user's process, the target.
+fn victim(uid: u32) -> Child {
+    Command::new("setpriv")
+        .args([
+            &format!("--reuid={uid}"),
+            &format!("--regid={uid}"),
+            "--clear-groups",
+            "sleep",
+            "3600",
+        ])
+        .process_group(0)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("setpriv runs")
+}
+
+/// Whether `pid` still runs (not a zombie).
+fn alive(pid: u32) -> bool {
+    resident_supervisor::procfs::stat(pid as i32).is_some_and(|s| s.state != 'Z')
+}
+
+/// #43.1: an operator adopts another user's process with `--manage` and
+/// stops it. Now adopting a process that is not the workload's program
+/// running as the workload's user needs the admin role: refused, naming
+/// what did not match, and the process lives on. An operator still adopts
+/// the workload's own program running as its user. Before: adopted and
+/// killed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_cannot_adopt_and_kill_another_users_process() {
+    if !nix::unistd::geteuid().is_root() {
+        return skip("needs root: the operator and the victim are other users");
+    }
+    const OPERATORS: u32 = 4343;
+    let config = format!(
+        "socket_group = \"nogroup\"\n[node.access]\noperators = [\"gid:{OPERATORS}\"]\nadmins = [\"uid:0\"]\n\n{}{}",
+        pool("ram", "10GB"),
+        sleeper("nap", "ram", 1, "")
+    );
+    let mut d = Daemon::start(&config).await;
+    std::fs::set_permissions(d.dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let mut target = victim(1234);
+    let pid = target.id();
+    let socket = d.socket.clone();
+    let operator = |args: &[&str]| as_nobody_on(&socket, &[65534, OPERATORS], args);
+    let pid_arg = pid.to_string();
+    let o = tokio::task::block_in_place(|| {
+        operator(&["adopt", &pid_arg, "nap", "--id", "stolen", "--manage"])
+    });
+    let said = text(&o);
+    assert!(!o.status.success(), "adopted: {said}");
+    assert!(
+        said.contains("needs the admin role") && said.contains("uid 1234"),
+        "says what did not match: {said}"
+    );
+    assert!(d.ids().await.is_empty(), "nothing adopted");
+    assert!(alive(pid), "the victim lives");
+    // The workload's own program, run as the workload's user (the agent's,
+    // here root): an operator may adopt it, as it may start one.
+    let mut own = Command::new("/bin/sleep")
+        .arg("3600")
+        .process_group(0)
+        .spawn()
+        .expect("sleep");
+    let own_pid = own.id().to_string();
+    let o = tokio::task::block_in_place(|| {
+        operator(&["adopt", &own_pid, "nap", "--id", "mine", "--port", "1"])
+    });
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(d.ids().await, ["mine"]);
+    let _ = target.kill();
+    let _ = target.wait();
+    let _ = own.kill();
+    let _ = own.wait();
+}
+
+/// #43.2: an agent run without root but with CAP_SETUID and CAP_SETGID
+/// ambient (the docs' non-root mode, so it can run models as another
+/// user) hands no capability to its model: the model's sets are empty
+/// and it cannot become root. Before: the model's CapAmb and CapEff were
+/// `c0` (setuid, setgid), and it could setuid(0).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_inherits_no_capability_from_an_unprivileged_agent() {
+    if !nix::unistd::geteuid().is_root() {
+        return skip("needs root: the agent is started as another user with setpriv");
+    }
+    const AGENT: u32 = 4545;
+    // The agent's files belong to its own user.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let probe = "import os\nprint(open('/proc/self/status').read(), flush=True)\ntry:\n    os.setuid(0)\n    print('BECAME ROOT', flush=True)\nexcept PermissionError:\n    print('setuid(0) refused', flush=True)\nimport time\ntime.sleep(3600)\n";
+    let workload = format!(
+        "[[workload]]\nname = \"model\"\ncommand = [\"python3\", \"-c\", {probe:?}]\nrun_as = \"nobody\"\n[workload.memory.ram]\nweights = \"1GB\"\n"
+    );
+    write_config(dir.path(), &(pool("ram", "10GB") + &workload));
+    nix::unistd::chown(dir.path(), Some(AGENT.into()), Some(AGENT.into())).expect("chown");
+    nix::unistd::chown(&dir.path().join("residentd.toml"), Some(AGENT.into()), None)
+        .expect("chown");
+    let bin = tempfile::tempdir().expect("tempdir");
+    let program = bin.path().join("residentd-as-user");
+    let wrapper = format!(
+        "#!/bin/sh\nexec setpriv --reuid={AGENT} --regid={AGENT} --clear-groups --inh-caps +setuid,+setgid --ambient-caps +setuid,+setgid {} \"$@\"\n",
+        RESIDENTD
+    );
+    std::fs::write(&program, wrapper).expect("write");
+    std::fs::set_permissions(&program, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    std::fs::set_permissions(bin.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let mut d = Daemon::start_program(&program, dir, |_| {}).await;
+    let agent = agent_pid(&d.socket).await;
+    let caps = status_field(agent as u32, "CapAmb");
+    assert_ne!(
+        caps, "0000000000000000",
+        "the agent itself holds its ambient capabilities"
+    );
+    d.started("model", "m").await;
+    let m = d.wait_state("m", pb::State::Ready).await;
+    let said = until(async || {
+        let req = pb::LogsRequest {
+            instance_id: "m".into(),
+            tail: 200,
+            follow: false,
+        };
+        let mut stream = d.client.logs(req).await.ok()?.into_inner();
+        let mut lines = Vec::new();
+        while let Ok(Some(l)) = stream.message().await {
+            lines.push(l.line);
+        }
+        lines
+            .iter()
+            .any(|l| l.contains("setuid(0)") || l.contains("BECAME ROOT"))
+            .then_some(lines)
+    })
+    .await
+    .expect("the model said what it holds");
+    assert!(
+        !said.iter().any(|l| l.contains("BECAME ROOT")),
+        "the model became root: {said:?}"
+    );
+    for key in ["CapInh", "CapPrm", "CapEff", "CapAmb"] {
+        assert_eq!(
+            status_field(m.pid, key),
+            "0000000000000000",
+            "{key}: {said:?}"
+        );
+    }
+    assert_eq!(status_field(m.pid, "NoNewPrivs"), "1");
+}
+
+/// A field of `/proc/PID/status`, its value trimmed.
+fn status_field(pid: u32, key: &str) -> String {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("{key}:")))
+        .map(|v| v.trim().to_string())
+        .unwrap_or_else(|| panic!("no {key} in the status of {pid}"))
+}
