@@ -98,6 +98,16 @@ impl Lookups {
         Ok(group.gid.as_raw())
     }
 
+    /// Whether the agent, running as this process does, can trust the
+    /// directory `dir` (or the place it would be made): see
+    /// `private_dir`. Elsewhere, nothing is checked.
+    pub(crate) fn private_dir(self, dir: &Path) -> Result<(), String> {
+        if !self.local() {
+            return Ok(());
+        }
+        crate::private_dir::check_or_creatable(dir, nix::unistd::geteuid().as_raw())
+    }
+
     /// The contents of the file at `path`.
     pub(crate) fn read(self, path: &str) -> Result<Vec<u8>, String> {
         if !self.local() {

@@ -6,6 +6,7 @@ mod duration;
 mod error;
 pub mod gguf;
 mod host;
+pub mod private_dir;
 pub mod projection;
 mod raw;
 pub mod report;

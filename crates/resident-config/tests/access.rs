@@ -6,7 +6,7 @@ use std::path::Path;
 use resident_config::{Access, Principal, parse};
 
 fn config(access: &str) -> String {
-    format!("[node]\nname = \"n\"\nlisten = \"unix:///tmp/r.sock\"\n{access}\n")
+    format!("[node]\nname = \"n\"\nlisten = \"unix:///tmp/residentd-unused/r.sock\"\n{access}\n")
 }
 
 #[test]

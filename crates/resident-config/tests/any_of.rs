@@ -11,7 +11,7 @@ use resident_core::{GB, GpuChoice, PoolName};
 /// `workload` after them; `node` adds keys to `[node]`.
 fn config(node: &str, workload: &str) -> String {
     format!(
-        "[node]\nname = \"n\"\nlisten = \"unix:///tmp/r.sock\"\n{node}\n\
+        "[node]\nname = \"n\"\nlisten = \"unix:///tmp/residentd-unused/r.sock\"\n{node}\n\
          [[pool]]\nname = \"gpu0\"\nbudget = \"24GB\"\ndevice = \"nvml:0\"\n\n\
          [[pool]]\nname = \"gpu1\"\nbudget = \"24GB\"\ndevice = \"file:/run/gpu1\"\nindex = 3\n\n\
          [[pool]]\nname = \"ram\"\nbudget = \"64GB\"\nhost = true\n\n\

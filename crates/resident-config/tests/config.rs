@@ -501,7 +501,7 @@ fn every_error_of_a_file_is_reported_in_one_run() {
     // Four mistakes in four places: the node, a pool, two workloads.
     let text = r#"[node]
 name = "n"
-listen = "unix:///tmp/x.sock"
+listen = "unix:///tmp/residentd-unused/x.sock"
 state_dir = "/tmp/x"
 sample_every = "soon"
 

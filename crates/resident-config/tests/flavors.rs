@@ -8,7 +8,7 @@ use std::time::Duration;
 use resident_config::{Config, Host, parse_with};
 use resident_supervisor::Readiness;
 
-const NODE: &str = "[node]\nname = \"n\"\nlisten = \"unix:///tmp/n.sock\"\n\n";
+const NODE: &str = "[node]\nname = \"n\"\nlisten = \"unix:///tmp/residentd-unused/n.sock\"\n\n";
 
 fn parse(rest: &str) -> Result<Config, String> {
     let text = format!("{NODE}{rest}");

@@ -209,7 +209,7 @@ fn a_workload_can_declare_memory_from_a_gguf_file() {
     let data = llama().write(&path);
     let config = |memory: &str| {
         format!(
-            "[node]\nname = \"n\"\nlisten = \"unix:///tmp/x.sock\"\n[[pool]]\nname = \"gpu0\"\nbudget = \"24GB\"\n[[workload]]\nname = \"tiny\"\ncommand = [\"/bin/true\"]\n[workload.memory.gpu0]\n{memory}\n"
+            "[node]\nname = \"n\"\nlisten = \"unix:///tmp/residentd-unused/x.sock\"\n[[pool]]\nname = \"gpu0\"\nbudget = \"24GB\"\n[[workload]]\nname = \"tiny\"\ncommand = [\"/bin/true\"]\n[workload.memory.gpu0]\n{memory}\n"
         )
     };
     let file = dir.path().join("c.toml");
@@ -349,7 +349,7 @@ fn a_flavor_reserves_its_servers_process_and_compute_buffer() {
     let m = gguf::read(&path).expect("a valid GGUF");
     let config = |flavor: &str, memory: &str| {
         format!(
-            "[node]\nname = \"n\"\nlisten = \"unix:///tmp/x.sock\"\n[[pool]]\nname = \"ram\"\nbudget = \"24GB\"\n[[workload]]\nname = \"s\"\nflavor = \"{flavor}\"\nmodel = \"{}\"\nctx = 512\n{memory}\n",
+            "[node]\nname = \"n\"\nlisten = \"unix:///tmp/residentd-unused/x.sock\"\n[[pool]]\nname = \"ram\"\nbudget = \"24GB\"\n[[workload]]\nname = \"s\"\nflavor = \"{flavor}\"\nmodel = \"{}\"\nctx = 512\n{memory}\n",
             path.display()
         )
     };
@@ -796,7 +796,7 @@ fn the_layouts_follow_llama_cpps_rules() {
 /// rest of its table (and its memory table, if any).
 fn one_workload(workload: &str) -> String {
     format!(
-        "[node]\nname = \"n\"\nlisten = \"unix:///tmp/x.sock\"\n[[pool]]\nname = \"ram\"\nbudget = \"24GB\"\n[[workload]]\nname = \"s\"\n{workload}\n"
+        "[node]\nname = \"n\"\nlisten = \"unix:///tmp/residentd-unused/x.sock\"\n[[pool]]\nname = \"ram\"\nbudget = \"24GB\"\n[[workload]]\nname = \"s\"\n{workload}\n"
     )
 }
 

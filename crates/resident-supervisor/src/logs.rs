@@ -312,28 +312,45 @@ impl OutputPipes {
     /// The next agent opens the same paths and reads on from there.
     pub fn named(dir: &std::path::Path, id: &str) -> io::Result<Self> {
         use nix::fcntl::{FcntlArg, OFlag, fcntl, open};
-        use nix::sys::stat::{Mode, SFlag, stat};
-        std::fs::create_dir_all(dir)?;
+        use nix::sys::stat::{Mode, fstat, lstat};
+        use std::os::unix::fs::DirBuilderExt as _;
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)?;
+        let euid = nix::unistd::geteuid().as_raw();
+        // A named pipe the agent may reuse: a FIFO of its own user that no
+        // one else can open (never a link, a file, or another user's pipe).
+        let ours = |st: &nix::sys::stat::FileStat| {
+            st.st_mode & nix::libc::S_IFMT == nix::libc::S_IFIFO
+                && st.st_uid == euid
+                && st.st_mode & 0o077 == 0
+        };
         let make = |stream: &str| -> io::Result<(pipe::Receiver, Arc<OwnedFd>)> {
             let path = dir.join(format!("{id}.{stream}"));
-            let is_fifo = stat(&path).is_ok_and(|st| {
-                SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT == SFlag::S_IFIFO
-            });
-            if !is_fifo {
+            if !lstat(&path).is_ok_and(|st| ours(&st)) {
                 let _ = std::fs::remove_file(&path);
                 nix::unistd::mkfifo(&path, Mode::S_IRUSR | Mode::S_IWUSR)
                     .map_err(|e| io::Error::other(format!("{}: {e}", path.display())))?;
             }
             let at = |e: nix::errno::Errno| io::Error::other(format!("{}: {e}", path.display()));
-            let writer =
-                open(&path, OFlag::O_RDWR | OFlag::O_CLOEXEC, Mode::empty()).map_err(at)?;
+            let nofollow = OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+            let writer = open(&path, OFlag::O_RDWR | nofollow, Mode::empty()).map_err(at)?;
+            // What was opened is what was checked (nothing swapped in
+            // between).
+            if !fstat(&writer).is_ok_and(|st| ours(&st)) {
+                return Err(io::Error::other(format!(
+                    "{} is not a named pipe of the agent's own",
+                    path.display()
+                )));
+            }
             let size = i32::try_from(OUTLIVE_PIPE_BYTES).unwrap_or(i32::MAX);
             if let Err(e) = fcntl(&writer, FcntlArg::F_SETPIPE_SZ(size)) {
                 tracing::debug!(pipe = %path.display(), error = %e, "cannot raise the pipe's buffer; it keeps the kernel's default");
             }
             let reader = open(
                 &path,
-                OFlag::O_RDONLY | OFlag::O_NONBLOCK | OFlag::O_CLOEXEC,
+                OFlag::O_RDONLY | OFlag::O_NONBLOCK | nofollow,
                 Mode::empty(),
             )
             .map_err(at)?;

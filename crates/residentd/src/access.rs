@@ -459,7 +459,7 @@ mod tests {
     fn root_and_the_agents_own_uid_are_admins_whatever_the_config_says() {
         let config = |node: &str| {
             let text = format!(
-                "[node]\nname = \"n\"\nlisten = \"unix:///tmp/x.sock\"\n{node}\n[[pool]]\nname = \"ram\"\nbudget = \"1GB\"\n"
+                "[node]\nname = \"n\"\nlisten = \"unix:///tmp/residentd-unused/x.sock\"\n{node}\n[[pool]]\nname = \"ram\"\nbudget = \"1GB\"\n"
             );
             resident_config::parse(std::path::Path::new("roles.toml"), &text).expect("valid")
         };

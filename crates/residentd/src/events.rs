@@ -72,9 +72,10 @@ impl EventLog {
         inner.revision
     }
 
-    /// Writes the revision and the kept history to `path`, for the agent
-    /// an upgrade hands over to (`load`).
-    pub fn save(&self, path: &std::path::Path) -> std::io::Result<()> {
+    /// Writes the revision and the kept history to file `name` of the
+    /// state directory `dir`, for the agent an upgrade hands over to
+    /// (`load`); never through a link (`state_files`).
+    pub fn save(&self, dir: &std::path::Path, name: &str) -> std::io::Result<()> {
         use prost::Message as _;
         let inner = self.lock();
         let mut bytes = inner.revision.to_le_bytes().to_vec();
@@ -82,18 +83,18 @@ impl EventLog {
             e.encode_length_delimited(&mut bytes)
                 .map_err(std::io::Error::other)?;
         }
-        std::fs::write(path, bytes)
+        crate::state_files::write_new(dir, name, &bytes)
     }
 
-    /// Takes over what `save` wrote at `path`, if anything, and removes
+    /// Takes over what `save` wrote in `dir`, if anything, and removes
     /// the file: revisions go on from where the previous agent's ended,
     /// and a watcher resumes across the upgrade without a gap.
-    pub fn load(&self, path: &std::path::Path) {
+    pub fn load(&self, dir: &std::path::Path, name: &str) {
         use prost::Message as _;
-        let Ok(bytes) = std::fs::read(path) else {
+        let Ok(bytes) = crate::state_files::read(dir, name) else {
             return;
         };
-        let _ = std::fs::remove_file(path);
+        crate::state_files::remove(dir, name);
         let Some((revision, mut rest)) = bytes.split_first_chunk::<8>() else {
             return;
         };

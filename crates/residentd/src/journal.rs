@@ -189,9 +189,18 @@ struct Log {
 }
 
 impl Journal {
-    /// The journal in `state_dir` (created if missing).
+    /// The journal in `state_dir`, made (mode 0700) if missing; a state
+    /// directory that is not the agent's own, or that its group or others
+    /// can write, is refused (`resident_config::private_dir`): a journal
+    /// planted there would name process groups for the agent to kill.
     pub fn open(state_dir: &Path) -> std::io::Result<Self> {
-        std::fs::create_dir_all(state_dir)?;
+        let euid = nix::unistd::geteuid().as_raw();
+        resident_config::private_dir::ensure(state_dir, 0o700, euid).map_err(|why| {
+            std::io::Error::new(
+                std::io::ErrorKind::PermissionDenied,
+                format!("state_dir: {why}"),
+            )
+        })?;
         Ok(Self {
             path: state_dir.join("instances.journal"),
             log: Mutex::new(None),
@@ -221,7 +230,14 @@ impl Journal {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs());
             let aside = self.path.with_extension(format!("journal.damaged-{stamp}"));
-            match std::fs::write(&aside, &bytes) {
+            let (dir, name) = (
+                aside.parent().unwrap_or(Path::new(".")),
+                aside
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default(),
+            );
+            match crate::state_files::write_new(dir, &name, &bytes) {
                 Ok(()) => found.kept_aside = Some(aside),
                 Err(e) => {
                     tracing::error!(journal = %self.path.display(), error = %e, "cannot keep the damaged journal aside")

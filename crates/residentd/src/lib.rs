@@ -14,6 +14,7 @@ pub mod journal;
 pub mod metrics;
 pub mod server;
 pub mod service;
+pub mod state_files;
 pub mod tls;
 pub mod upgrade;
 pub mod validate;

@@ -103,14 +103,31 @@ pub async fn bind(config: &resident_config::Config) -> anyhow::Result<Vec<Bound>
     Ok(out)
 }
 
-/// Binds the Unix socket at `path`: creates the directory, removes a stale
-/// socket left by a dead agent, refuses to steal a live one, and sets the
-/// mode to 0660.
+/// Binds the Unix socket at `path`: makes its directory where missing
+/// (mode 0700, or 0750 and the socket's group with `group`, so that the
+/// group reaches the socket) and refuses one that is not the agent's own
+/// or that its group or others can write (`private_dir`); removes a stale
+/// socket left by a dead agent (only a socket: anything else at the path
+/// is an error), refuses to steal a live one, and sets the mode to 0660.
 pub fn bind_unix(path: &Path, group: Option<&(String, u32)>) -> anyhow::Result<UnixListener> {
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    use std::os::unix::fs::FileTypeExt as _;
+    let dir = resident_config::private_dir::socket_dir(path);
+    let euid = nix::unistd::geteuid().as_raw();
+    let made = !dir.exists();
+    let mode = if group.is_some() { 0o750 } else { 0o700 };
+    resident_config::private_dir::ensure(&dir, mode, euid)
+        .map_err(|why| anyhow::anyhow!("the socket's directory: {why}"))?;
+    if made && let Some((name, gid)) = group {
+        std::os::unix::fs::chown(&dir, None, Some(*gid))
+            .with_context(|| format!("giving {} to group {name}", dir.display()))?;
     }
-    if path.exists() {
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        if !meta.file_type().is_socket() {
+            bail!(
+                "{} exists and is not a socket: remove it, or listen elsewhere",
+                path.display()
+            );
+        }
         if std::os::unix::net::UnixStream::connect(path).is_ok() {
             bail!("{} is in use by a running agent", path.display());
         }

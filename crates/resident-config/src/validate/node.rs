@@ -13,7 +13,7 @@ use super::listen::{listen, tls};
 use super::{Result, bytes, duration, spanned_str, user};
 use crate::error::Source;
 use crate::host::Lookups;
-use crate::{Allowlist, NodeConfig};
+use crate::{Allowlist, Listen, NodeConfig};
 use crate::{OnOverrun, raw};
 
 pub(super) fn node(src: &Source<'_>, n: &Spanned<raw::Node>, host: Lookups) -> Result<NodeConfig> {
@@ -33,6 +33,19 @@ pub(super) fn node(src: &Source<'_>, n: &Spanned<raw::Node>, host: Lookups) -> R
         || PathBuf::from("/var/lib/residentd"),
         |s| PathBuf::from(s.get_ref()),
     );
+    // The agent acts on what its state directory holds (a journal names
+    // process groups it kills): one another user can write is refused.
+    if let Err(why) = host.private_dir(&state_dir) {
+        let span = n.state_dir.as_ref().map_or(0..0, |s| s.span());
+        return Err(src.err(span, "node.state_dir", why));
+    }
+    for l in &listen {
+        if let Listen::Unix(socket) = l
+            && let Err(why) = host.private_dir(&crate::private_dir::socket_dir(socket))
+        {
+            return Err(src.err(n.listen.span(), "node.listen", why));
+        }
+    }
     let metrics_listen = metrics_listen(src, n.metrics_listen.as_ref())?;
     let memory_recovery = match &n.memory_recovery {
         None => Duration::from_secs(5),

@@ -121,7 +121,7 @@ impl Agent {
         };
         // The history handed over by the agent an upgrade replaced, if any.
         let events = EventLog::new(4096, 1024);
-        events.load(&upgrade::events_file(&config.node.state_dir));
+        events.load(&config.node.state_dir, upgrade::EVENTS_FILE);
         let config = Arc::new(config);
         let agent = Arc::new(Self {
             books: Books::new(&config),

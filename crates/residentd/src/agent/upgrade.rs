@@ -27,25 +27,24 @@ const SETTLE_BOUND: Duration = Duration::from_secs(30);
 /// The supervisor's actors get this long to let their processes go.
 const HAND_OVER_BOUND: Duration = Duration::from_secs(10);
 
-/// Where the event history waits for the next agent.
-pub(super) fn events_file(state_dir: &std::path::Path) -> std::path::PathBuf {
-    state_dir.join("events.handover")
-}
+/// Where the event history waits for the next agent, in the state
+/// directory.
+pub(super) const EVENTS_FILE: &str = "events.handover";
 
-/// Where the holds in force wait for the next agent: `ID<TAB>MS` lines.
-fn holds_file(state_dir: &std::path::Path) -> std::path::PathBuf {
-    state_dir.join("holds.handover")
-}
+/// Where the holds in force wait for the next agent, in the state
+/// directory: `ID<TAB>MS` lines.
+const HOLDS_FILE: &str = "holds.handover";
 
 impl Agent {
     /// After a restore: the holds the agent an upgrade replaced handed
     /// over, each for what was left of it (the file is removed).
     pub(super) fn take_holds(&self) {
-        let path = holds_file(&self.config().node.state_dir);
-        let Ok(text) = std::fs::read_to_string(&path) else {
+        let dir = self.config().node.state_dir.clone();
+        let Ok(bytes) = crate::state_files::read(&dir, HOLDS_FILE) else {
             return;
         };
-        let _ = std::fs::remove_file(&path);
+        crate::state_files::remove(&dir, HOLDS_FILE);
+        let text = String::from_utf8_lossy(&bytes);
         for line in text.lines() {
             let Some((id, ms)) = line.split_once('\t') else {
                 continue;
@@ -141,7 +140,7 @@ impl Agent {
         let me = self.clone();
         let _ = tokio::task::spawn_blocking(move || me.write_journal_now(true)).await;
         let state_dir = self.config().node.state_dir.clone();
-        if let Err(e) = self.events.save(&events_file(&state_dir)) {
+        if let Err(e) = self.events.save(&state_dir, EVENTS_FILE) {
             tracing::warn!(error = %e, "cannot hand the event history over; watchers will list again");
         }
         let holds: String = self
@@ -150,7 +149,7 @@ impl Agent {
             .into_iter()
             .map(|(id, ms)| format!("{id}\t{ms}\n"))
             .collect();
-        if let Err(e) = std::fs::write(holds_file(&state_dir), holds) {
+        if let Err(e) = crate::state_files::write_new(&state_dir, HOLDS_FILE, holds.as_bytes()) {
             tracing::warn!(error = %e, "cannot hand the holds over; their holders renew them");
         }
         tracing::info!("every instance handed over; starting the new binary");

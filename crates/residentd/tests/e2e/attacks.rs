@@ -175,3 +175,80 @@ fn status_field(pid: u32, key: &str) -> String {
         .map(|v| v.trim().to_string())
         .unwrap_or_else(|| panic!("no {key} in the status of {pid}"))
 }
+
+/// #43.3: a state directory another user can write (or owns): the attack
+/// plants a journal there naming a victim's process group (with its true
+/// start time, which anyone can read from /proc), so that the next agent
+/// kills it as a leftover of its own. The agent now refuses the directory
+/// with a config error naming it, and the victim lives; `--check-config`
+/// says the same with the file, line and key. Before: the agent started
+/// and SIGKILLed the victim's group.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_journal_planted_in_a_state_directory_others_can_write_kills_nothing() {
+    if !nix::unistd::geteuid().is_root() {
+        return skip("needs root: the victim is another user's process");
+    }
+    for (what, mode, owner) in [
+        ("world-writable", 0o777, 0),
+        ("another user's", 0o755, 1234),
+    ] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let state = dir.path().join("state");
+        std::fs::create_dir(&state).expect("mkdir");
+        std::fs::set_permissions(&state, std::fs::Permissions::from_mode(mode)).expect("chmod");
+        nix::unistd::chown(&state, Some(owner.into()), None).expect("chown");
+        let mut target = victim(1234);
+        let pid = target.id();
+        let ticks =
+            until(async || resident_supervisor::procfs::stat(pid as i32).map(|s| s.start_ticks))
+                .await
+                .expect("the victim runs");
+        std::fs::write(
+            state.join("instances.journal"),
+            format!("# residentd journal 7\nx\tnap\t{pid}\t{ticks}\t0\n"),
+        )
+        .expect("plant");
+        let config_text = format!(
+            "[node]\nname = \"n\"\nlisten = \"unix://{}/agent.sock\"\nstate_dir = \"{}\"\n\n{}{}",
+            dir.path().display(),
+            state.display(),
+            pool("ram", "10GB"),
+            sleeper("nap", "ram", 1, "")
+        );
+        let config = dir.path().join("residentd.toml");
+        std::fs::write(&config, config_text).expect("config");
+        let checked = Command::new(RESIDENTD)
+            .arg("--check-config")
+            .arg(&config)
+            .output()
+            .expect("residentd runs");
+        let said = text(&checked);
+        assert!(!checked.status.success(), "{what}: accepted: {said}");
+        assert!(
+            said.contains("node.state_dir") && said.contains(&state.display().to_string()),
+            "{what}: names the key and the path: {said}"
+        );
+        let mut agent = Command::new(RESIDENTD)
+            .arg("--config")
+            .arg(&config)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("residentd runs");
+        let ended = until(async || agent.try_wait().expect("wait")).await;
+        let out = agent.wait_with_output().expect("output");
+        assert!(
+            ended.is_some_and(|s| !s.success()),
+            "{what}: the agent served on it: {}",
+            text(&out)
+        );
+        assert!(
+            text(&out).contains(&state.display().to_string()),
+            "{what}: names the directory: {}",
+            text(&out)
+        );
+        assert!(alive(pid), "{what}: the victim lives");
+        let _ = target.kill();
+        let _ = target.wait();
+    }
+}

@@ -32,7 +32,7 @@ const GB: u64 = 1_000_000_000;
 /// `ram` asleep), a plain GPU server and a host one.
 fn config(ram_gb: u64) -> Config {
     let mut text = format!(
-        "[node]\nname = \"n\"\nlisten = \"unix:///tmp/unused.sock\"\nstate_dir = \"/tmp/unused\"\n\n[[pool]]\nname = \"gpu\"\nbudget = \"8GB\"\n\n[[pool]]\nname = \"ram\"\nbudget = \"{ram_gb}GB\"\n"
+        "[node]\nname = \"n\"\nlisten = \"unix:///tmp/residentd-unused/unused.sock\"\nstate_dir = \"/tmp/residentd-unused/state\"\n\n[[pool]]\nname = \"gpu\"\nbudget = \"8GB\"\n\n[[pool]]\nname = \"ram\"\nbudget = \"{ram_gb}GB\"\n"
     );
     for name in ["one", "two"] {
         text += &format!(

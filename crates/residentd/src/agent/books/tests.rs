@@ -18,7 +18,7 @@ const GB: u64 = 1_000_000_000;
 
 fn config() -> Config {
     let mut text = String::from(
-        "[node]\nname = \"n\"\nlisten = \"unix:///tmp/unused.sock\"\nstate_dir = \"/tmp/unused\"\n\n[[pool]]\nname = \"ram\"\nbudget = \"10GB\"\n",
+        "[node]\nname = \"n\"\nlisten = \"unix:///tmp/residentd-unused/unused.sock\"\nstate_dir = \"/tmp/residentd-unused/state\"\n\n[[pool]]\nname = \"ram\"\nbudget = \"10GB\"\n",
     );
     for (name, gb) in [("small", 3), ("big", 6)] {
         text += &format!(
@@ -327,7 +327,7 @@ proptest! {
 
 #[test]
 fn once_closed_nothing_idle_or_leased_moves() {
-    let text = "[node]\nname = \"n\"\nlisten = \"unix:///tmp/unused.sock\"\nstate_dir = \"/tmp/unused\"\n\n[[pool]]\nname = \"ram\"\nbudget = \"10GB\"\n\n[[workload]]\nname = \"nap\"\ncommand = [\"/bin/sleep\", \"1\"]\nidle_ttl = \"1s\"\n[workload.memory.ram]\nweights = \"1GB\"\n[workload.sleep]\nsleep = \"POST /sleep\"\nwake = \"POST /wake\"\nidle = \"1s\"\n[workload.sleep.memory.ram]\nweights = \"1GB\"\n";
+    let text = "[node]\nname = \"n\"\nlisten = \"unix:///tmp/residentd-unused/unused.sock\"\nstate_dir = \"/tmp/residentd-unused/state\"\n\n[[pool]]\nname = \"ram\"\nbudget = \"10GB\"\n\n[[workload]]\nname = \"nap\"\ncommand = [\"/bin/sleep\", \"1\"]\nidle_ttl = \"1s\"\n[workload.memory.ram]\nweights = \"1GB\"\n[workload.sleep]\nsleep = \"POST /sleep\"\nwake = \"POST /wake\"\nidle = \"1s\"\n[workload.sleep.memory.ram]\nweights = \"1GB\"\n";
     let c = Arc::new(resident_config::parse(Path::new("closed.toml"), text).expect("valid"));
     let b = Books::new(&c);
     let id = InstanceId::new("a").expect("an id");
