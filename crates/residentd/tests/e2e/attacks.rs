@@ -19,10 +19,26 @@ fn text(o: &std::process::Output) -> String {
     )
 }
 
+/// A process the test started, killed when the test ends, passed or not.
+struct Killed(Child);
+
+impl Killed {
+    fn id(&self) -> u32 {
+        self.0.id()
+    }
+}
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// `sleep 3600` running as `uid`, in a process group of its own: another
 /// user's process, the target.
-fn victim(uid: u32) -> Child {
-    Command::new("setpriv")
+fn victim(uid: u32) -> Killed {
+    let child = Command::new("setpriv")
         .args([
             &format!("--reuid={uid}"),
             &format!("--regid={uid}"),
@@ -34,7 +50,8 @@ fn victim(uid: u32) -> Child {
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
-        .expect("setpriv runs")
+        .expect("setpriv runs");
+    Killed(child)
 }
 
 /// Whether `pid` still runs (not a zombie).
@@ -61,7 +78,7 @@ async fn an_operator_cannot_adopt_and_kill_another_users_process() {
     );
     let mut d = Daemon::start(&config).await;
     std::fs::set_permissions(d.dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
-    let mut target = victim(1234);
+    let target = victim(1234);
     let pid = target.id();
     let socket = d.socket.clone();
     let operator = |args: &[&str]| as_nobody_on(&socket, &[65534, OPERATORS], args);
@@ -79,21 +96,20 @@ async fn an_operator_cannot_adopt_and_kill_another_users_process() {
     assert!(alive(pid), "the victim lives");
     // The workload's own program, run as the workload's user (the agent's,
     // here root): an operator may adopt it, as it may start one.
-    let mut own = Command::new("/bin/sleep")
-        .arg("3600")
-        .process_group(0)
-        .spawn()
-        .expect("sleep");
+    let own = Killed(
+        Command::new("/bin/sleep")
+            .arg("3600")
+            .process_group(0)
+            .spawn()
+            .expect("sleep"),
+    );
     let own_pid = own.id().to_string();
     let o = tokio::task::block_in_place(|| {
         operator(&["adopt", &own_pid, "nap", "--id", "mine", "--port", "1"])
     });
     assert!(o.status.success(), "{}", text(&o));
     assert_eq!(d.ids().await, ["mine"]);
-    let _ = target.kill();
-    let _ = target.wait();
-    let _ = own.kill();
-    let _ = own.wait();
+    drop((target, own));
 }
 
 /// #43.2: an agent run without root but with CAP_SETUID and CAP_SETGID
@@ -197,7 +213,7 @@ async fn a_journal_planted_in_a_state_directory_others_can_write_kills_nothing()
         std::fs::create_dir(&state).expect("mkdir");
         std::fs::set_permissions(&state, std::fs::Permissions::from_mode(mode)).expect("chmod");
         nix::unistd::chown(&state, Some(owner.into()), None).expect("chown");
-        let mut target = victim(1234);
+        let target = victim(1234);
         let pid = target.id();
         let ticks =
             until(async || resident_supervisor::procfs::stat(pid as i32).map(|s| s.start_ticks))
@@ -236,6 +252,10 @@ async fn a_journal_planted_in_a_state_directory_others_can_write_kills_nothing()
             .spawn()
             .expect("residentd runs");
         let ended = until(async || agent.try_wait().expect("wait")).await;
+        if ended.is_none() {
+            // It serves (the attack's way in): it goes, whatever follows.
+            let _ = agent.kill();
+        }
         let out = agent.wait_with_output().expect("output");
         assert!(
             ended.is_some_and(|s| !s.success()),
@@ -248,7 +268,6 @@ async fn a_journal_planted_in_a_state_directory_others_can_write_kills_nothing()
             text(&out)
         );
         assert!(alive(pid), "{what}: the victim lives");
-        let _ = target.kill();
-        let _ = target.wait();
+        drop(target);
     }
 }
