@@ -79,6 +79,11 @@ pub struct GgufModel {
 /// `n_ubatch`): the compute buffer is sized for this many.
 pub const UBATCH: u64 = 512;
 
+/// Most layers (`{arch}.block_count`) a model may have. Real models have
+/// well under 1,000; a header claiming more (2^40, say) is refused
+/// rather than sized, since sizing holds a few values per layer.
+pub const MAX_LAYERS: u64 = 1 << 16;
+
 /// KV cells are allocated in multiples of this (`GGML_PAD(n_ctx, 256)`
 /// in llama-context.cpp; the sliding-window cache is padded the same).
 pub const CELL_PAD: u64 = 256;
@@ -279,6 +284,12 @@ pub fn read(path: &Path) -> Result<GgufModel, String> {
     };
     let need = |key: &str| get(key).ok_or_else(|| format!("no {} in the header", full(key)));
     let layers = need("block_count")?;
+    if layers > MAX_LAYERS {
+        return Err(format!(
+            "{} is {layers}, more layers than any model has (at most {MAX_LAYERS})",
+            full("block_count")
+        ));
+    }
     let embedding = need("embedding_length")?;
     let context_length = need("context_length")?;
     // Per layer, or one value for all; the largest stands for the model.
@@ -342,6 +353,15 @@ pub fn read(path: &Path) -> Result<GgufModel, String> {
     // (kv_lora_rank + rope) row per KV head.
     let mla =
         get("attention.key_length_mla").is_some() && get("attention.value_length_mla").is_some();
+    // A header's sizes are taken as the model's word, but nothing says
+    // their products fit in 64 bits: an overflow is an error, never a
+    // wrapped figure (nor, in a debug build, a panic).
+    let overflow = || {
+        format!(
+            "the KV geometry in the header ({}, key and value lengths) overflows 64 bits",
+            full("attention.head_count_kv")
+        )
+    };
     let per_head = |swa: bool| {
         let (k, v) = if swa {
             (
@@ -351,24 +371,34 @@ pub fn read(path: &Path) -> Result<GgufModel, String> {
         } else {
             (key_length, value_length)
         };
-        if mla { k } else { k + v }
+        if mla { Some(k) } else { k.checked_add(v) }
     };
-    let unknown = |why: String| {
+    let layer_elements = |il: usize, swa: bool| {
+        per_head(swa)
+            .and_then(|per| kv_per_layer[il].checked_mul(per))
+            .ok_or_else(overflow)
+    };
+    let unknown = |why: String| -> Result<_, String> {
         // A plain dense estimate: every layer caches the whole context.
-        let kv_full = kv_per_layer.iter().map(|h| h * per_head(false)).sum();
-        (kv_full, Some(why))
+        let mut kv_full = 0u64;
+        for il in 0..kv_per_layer.len() {
+            kv_full = kv_full
+                .checked_add(layer_elements(il, false)?)
+                .ok_or_else(overflow)?;
+        }
+        Ok((kv_full, Some(why)))
     };
     match arch::layout(&hparams)? {
         None => {
             (model.kv_full, model.not_sized) = unknown(format!(
                 "architecture '{architecture}' is not one residentd sizes as llama.cpp does"
-            ));
+            ))?;
         }
         Some(_) if get("attention.shared_kv_layers").is_some() => {
             (model.kv_full, model.not_sized) = unknown(format!(
                 "architecture '{architecture}' with {} (layers sharing a KV cache) is not sized as llama.cpp does",
                 full("attention.shared_kv_layers")
-            ));
+            ))?;
         }
         Some(layout) => {
             // MTP heads (nextn_predict_layers) hold no KV in the trunk's
@@ -379,16 +409,20 @@ pub fn read(path: &Path) -> Result<GgufModel, String> {
                 if il as u64 >= trunk {
                     continue;
                 }
-                let elements = kv_per_layer[il] * per_head(swa);
-                if swa {
-                    model.kv_swa += elements;
+                let sum = if swa {
+                    &mut model.kv_swa
                 } else {
-                    model.kv_full += elements;
-                }
+                    &mut model.kv_full
+                };
+                *sum = sum
+                    .checked_add(layer_elements(il, swa)?)
+                    .ok_or_else(overflow)?;
             }
             model.sliding_window = layout.window;
             let recurrent = layout.recurrent.iter().filter(|r| **r).count() as u64;
-            model.state = recurrent * layout.state_per_layer;
+            model.state = recurrent
+                .checked_mul(layout.state_per_layer)
+                .ok_or_else(|| format!("the {architecture} recurrent state overflows 64 bits"))?;
         }
     }
     Ok(model)
