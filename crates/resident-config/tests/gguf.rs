@@ -1005,3 +1005,6 @@ fn a_vision_projectors_tensors_match_what_llama_cpp_loads() {
     // projector (the sum of its tensors).
     assert_eq!(format!("{:.2}", bytes as f64 / 1_048_576.0), "3.82");
 }
+
+#[path = "gguf/hostile.rs"]
+mod hostile;

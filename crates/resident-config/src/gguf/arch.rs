@@ -111,8 +111,18 @@ fn mamba_state(h: &Hparams<'_>) -> Result<u64, String> {
     let inner = need("ssm.inner_size")?;
     let state = need("ssm.state_size")?;
     let groups = (h.get)("ssm.group_count").unwrap_or(0);
-    let r = conv.saturating_sub(1) * (inner + 2 * groups * state);
-    Ok(r + state * inner)
+    let r = 2u64
+        .checked_mul(groups)
+        .and_then(|g| g.checked_mul(state))
+        .and_then(|bc| bc.checked_add(inner))
+        .and_then(|row| row.checked_mul(conv.saturating_sub(1)));
+    r.and_then(|r| r.checked_add(state.checked_mul(inner)?))
+        .ok_or_else(|| overflow(h, "ssm"))
+}
+
+/// The error for a header whose `{arch}.KEYS.*` sizes overflow 64 bits.
+fn overflow(h: &Hparams<'_>, keys: &str) -> String {
+    format!("the {}.{keys} sizes in the header overflow 64 bits", h.arch)
 }
 
 /// RWKV's state per layer and sequence: `token_shift_count` (2 unless
@@ -122,7 +132,12 @@ fn rwkv_state(h: &Hparams<'_>) -> Result<u64, String> {
     let head = (h.get)("wkv.head_size")
         .ok_or_else(|| format!("no {}.wkv.head_size in the header", h.arch))?;
     let shift = (h.get)("token_shift_count").unwrap_or(2);
-    Ok(shift * h.embedding + h.embedding * head)
+    let shift_rows = shift.checked_mul(h.embedding);
+    let wkv = h.embedding.checked_mul(head);
+    shift_rows
+        .zip(wkv)
+        .and_then(|(s, w)| s.checked_add(w))
+        .ok_or_else(|| overflow(h, "wkv"))
 }
 
 /// The layout of `h.arch`; `Ok(None)` for an architecture this does not

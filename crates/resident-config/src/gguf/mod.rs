@@ -23,14 +23,15 @@
 //! dense estimate that the caller must not take silently.
 //!
 //! Our own reader of GGUF v2 and v3 headers (`reader.rs`): it reads the
-//! metadata and the tensor index, never the tensor data.
+//! metadata and the tensor index, never the tensor data, and bounds
+//! what a header may claim. `model.rs` turns a header into a
+//! `GgufModel`.
 
 mod arch;
+mod model;
 mod reader;
 
-use std::path::Path;
-
-use reader::Value;
+pub use model::{MAX_LAYERS, read, tensor_bytes};
 
 /// What a GGUF header says about memory.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -252,144 +253,4 @@ impl GgufModel {
         let m = self.context_memory(&Serving::single(ctx, kv_type))?;
         m.kv.checked_add(m.state)
     }
-}
-
-/// Bytes of tensor data in the GGUF file at `path`, whatever its
-/// architecture (a vision projector's `clip` has no language-model
-/// keys): what loading its tensors takes.
-pub fn tensor_bytes(path: &Path) -> Result<u64, String> {
-    Ok(reader::header(path)?.data_bytes)
-}
-
-/// Reads the header of the GGUF file at `path`. Errors say what is wrong
-/// (not a GGUF file, unsupported version, truncated, missing keys); the
-/// caller names the file and the config key.
-pub fn read(path: &Path) -> Result<GgufModel, String> {
-    let header = reader::header(path)?;
-    let meta = &header.meta;
-    let architecture = match meta.get("general.architecture") {
-        Some(Value::Str(a)) => a.clone(),
-        _ => return Err("no general.architecture in the header".into()),
-    };
-    let full = |key: &str| format!("{architecture}.{key}");
-    let get = |key: &str| reader::uint(meta, &full(key));
-    let array = |key: &str| match meta.get(&full(key)) {
-        Some(Value::Array(_, items)) => Some(items.clone()),
-        _ => None,
-    };
-    let need = |key: &str| get(key).ok_or_else(|| format!("no {} in the header", full(key)));
-    let layers = need("block_count")?;
-    let embedding = need("embedding_length")?;
-    let context_length = need("context_length")?;
-    // Per layer, or one value for all; the largest stands for the model.
-    let per_layer = |key: &str| -> Option<Vec<u64>> {
-        if let Some(v) = get(key) {
-            return Some(vec![v; layers as usize]);
-        }
-        let items = array(key)?;
-        let mut out: Vec<u64> = items
-            .iter()
-            .map(|i| u64::try_from(*i).unwrap_or(0))
-            .collect();
-        out.resize(layers as usize, 0);
-        Some(out)
-    };
-    let heads_per_layer = per_layer("attention.head_count");
-    let heads = heads_per_layer
-        .as_ref()
-        .and_then(|h| h.iter().copied().max())
-        .unwrap_or(0);
-    let recurrent_arch = ["mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"]
-        .contains(&architecture.as_str());
-    if heads_per_layer.is_none() && !recurrent_arch {
-        return Err(format!("no {} in the header", full("attention.head_count")));
-    }
-    let kv_per_layer = per_layer("attention.head_count_kv")
-        .or(heads_per_layer)
-        .unwrap_or_else(|| vec![0; layers as usize]);
-    let kv_heads = kv_per_layer.iter().copied().max().unwrap_or(0);
-    let key_length = get("attention.key_length").unwrap_or(embedding / heads.max(1));
-    let value_length = get("attention.value_length").unwrap_or(key_length);
-    let feed_forward = get("feed_forward_length").unwrap_or(embedding.saturating_mul(4));
-    let vocab = match meta.get("tokenizer.ggml.tokens") {
-        Some(Value::Array(n, _)) => *n,
-        _ => 0,
-    };
-    let mut model = GgufModel {
-        architecture: architecture.clone(),
-        weights_bytes: header.data_bytes,
-        layers,
-        kv_heads,
-        key_length,
-        value_length,
-        context_length,
-        heads,
-        embedding,
-        feed_forward,
-        vocab,
-        ..GgufModel::default()
-    };
-    let hparams = arch::Hparams {
-        arch: &architecture,
-        layers,
-        embedding,
-        kv_heads: &kv_per_layer,
-        get: &get,
-        array: &array,
-    };
-    // MLA (llama-kv-cache.cpp, `is_mla`): the header gives the per-head
-    // sizes before compression; the cache holds K only, one
-    // (kv_lora_rank + rope) row per KV head.
-    let mla =
-        get("attention.key_length_mla").is_some() && get("attention.value_length_mla").is_some();
-    let per_head = |swa: bool| {
-        let (k, v) = if swa {
-            (
-                get("attention.key_length_swa").unwrap_or(key_length),
-                get("attention.value_length_swa").unwrap_or(value_length),
-            )
-        } else {
-            (key_length, value_length)
-        };
-        if mla { k } else { k + v }
-    };
-    let unknown = |why: String| {
-        // A plain dense estimate: every layer caches the whole context.
-        let kv_full = kv_per_layer.iter().map(|h| h * per_head(false)).sum();
-        (kv_full, Some(why))
-    };
-    match arch::layout(&hparams)? {
-        None => {
-            (model.kv_full, model.not_sized) = unknown(format!(
-                "architecture '{architecture}' is not one residentd sizes as llama.cpp does"
-            ));
-        }
-        Some(_) if get("attention.shared_kv_layers").is_some() => {
-            (model.kv_full, model.not_sized) = unknown(format!(
-                "architecture '{architecture}' with {} (layers sharing a KV cache) is not sized as llama.cpp does",
-                full("attention.shared_kv_layers")
-            ));
-        }
-        Some(layout) => {
-            // MTP heads (nextn_predict_layers) hold no KV in the trunk's
-            // context (create_memory's layer filter).
-            let trunk = layers.saturating_sub(get("nextn_predict_layers").unwrap_or(0));
-            for (il, attends) in layout.attention.iter().enumerate() {
-                let Some(swa) = *attends else { continue };
-                if il as u64 >= trunk {
-                    continue;
-                }
-                let elements = kv_per_layer[il] * per_head(swa);
-                if swa {
-                    model.kv_swa += elements;
-                } else {
-                    model.kv_full += elements;
-                }
-            }
-            model.sliding_window = layout.window;
-            let recurrent = layout.recurrent.iter().filter(|r| **r).count() as u64;
-            model.state = recurrent * layout.state_per_layer;
-        }
-    }
-    Ok(model)
 }

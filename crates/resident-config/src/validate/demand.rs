@@ -368,6 +368,14 @@ fn from_gguf(
             swa_full: serving.swa_full,
         })
         .ok_or_else(|| {
+            if gguf::kv_type_size(kv_type).is_some() {
+                // A known type: the header's geometry is what does not fit.
+                let msg = format!(
+                    "{}: its KV cache over {ctx} tokens of {kv_type} overflows 64 bits",
+                    path.get_ref()
+                );
+                return src.err(path.span(), k("from_gguf"), msg);
+            }
             let span = dem.kv_type.as_ref().map_or(path.span(), |t| t.span());
             let msg = format!(
                 "{kv_type:?} is not a KV cache type (f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0, iq4_nl)"
