@@ -39,3 +39,4 @@ mod sleep;
 mod systemd;
 mod takeover;
 mod tls;
+mod unreachable;
