@@ -14,7 +14,7 @@ tls=residentd.Tls(ca="ca.pem", cert="me.pem", key="me.key"))`.
 holds the generated messages (`residentd.pb.Instance`, ...).
 """
 
-from ._client import Agent, AgentError, Holder, Reason, Refused, Tls
+from ._client import Agent, AgentError, Holder, Reason, Refused, Tls, Unreachable
 from ._proto import node_agent_pb2 as pb
 
-__all__ = ["Agent", "AgentError", "Holder", "Reason", "Refused", "Tls", "pb"]
+__all__ = ["Agent", "AgentError", "Holder", "Reason", "Refused", "Tls", "Unreachable", "pb"]

@@ -4,7 +4,14 @@ into `Refused`."""
 from __future__ import annotations
 
 import dataclasses
+import grp
 import os
+import pathlib
+import pwd
+import socket
+import ssl
+import stat
+import time
 from typing import Iterator, List, Optional, Sequence, Union
 
 import grpc
@@ -22,6 +29,12 @@ _DEFAULT = object()
 
 #: Policies by name, for `on_full=`.
 POLICIES = {"refuse": pb.REFUSE, "evict": pb.EVICT}
+
+#: Where the packaged agent listens.
+_DEFAULT_SOCKET = "/run/residentd/residentd.sock"
+
+#: How long a look at an endpoint that could not be reached may take.
+_PROBE_S = 3.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +105,15 @@ class AgentError(Exception):
     def __reduce__(self):
         # Picklable (Ray carries errors between processes).
         return (type(self), (self.code, self.message))
+
+
+class Unreachable(AgentError):
+    """The agent could not be reached (or, in a fleet, did not answer in
+    time). Where a look at the endpoint finds out why (no socket there, not
+    a socket, a group this user is not in, a host name that does not
+    resolve, nothing listening, TLS against plaintext or the reverse, a
+    certificate of other names), the message says so and what to do;
+    otherwise it is gRPC's own."""
 
 
 class Refused(AgentError):
@@ -198,6 +220,194 @@ def _is_unix(target: str) -> bool:
     return target.startswith(("unix:", "unix-abstract:"))
 
 
+def _why_unreachable(endpoint: str, tls: Optional[Tls], within_s: float = _PROBE_S) -> Optional[str]:
+    """Why `endpoint`, which a call could not reach, cannot be reached, in
+    words that say what to do; None when a look at it within `within_s`
+    seconds (a name lookup aside) does not find out."""
+    end = time.monotonic() + within_s
+    target = _target(endpoint)
+    at = f"cannot reach residentd at {endpoint}"
+    if target.startswith("unix-abstract:"):
+        return None
+    if _is_unix(target):
+        path = target[len("unix:"):]
+        return _why_socket("/" + path.lstrip("/") if path.startswith("//") else path, at, end)
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        return None
+    return _why_tcp(host.strip("[]"), int(port), tls, at, end)
+
+
+def _left(end: float) -> float:
+    """Seconds until `end` (a `time.monotonic()`), a little at least."""
+    return max(end - time.monotonic(), 0.01)
+
+
+def _why_socket(path: str, at: str, end: float) -> Optional[str]:
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return (f"{at}: no such socket: nothing is at that path. Is residentd running? Give the "
+                f"path its config's listen = \"unix://PATH\" names (the packaged agent's is "
+                f"{_DEFAULT_SOCKET})")
+    except PermissionError:
+        return _denied(path, at)
+    except NotADirectoryError:
+        return f"{at}: a part of that path is not a directory"
+    if not stat.S_ISSOCK(mode):
+        kind = ("a directory" if stat.S_ISDIR(mode) else "a regular file" if stat.S_ISREG(mode)
+                else "some other file")
+        return (f"{at}: it is {kind}, not a socket. Give the agent's socket (its config's "
+                f"listen = \"unix://PATH\")")
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(_left(end))
+        try:
+            s.connect(path)
+        except PermissionError:
+            return _denied(path, at)
+        except ConnectionRefusedError:
+            return (f"{at}: connection refused: the socket is there but no agent listens on it "
+                    f"(residentd stopped and left it behind, or is starting)")
+        except OSError:
+            return None
+    return None
+
+
+def _denied(path: str, at: str) -> str:
+    """Permission denied on the socket, or on a directory on the way to it
+    that this user may not pass: whose group to join."""
+    dirs = reversed(pathlib.Path(path).parents)
+    blocking = next((str(d) for d in dirs if not os.access(d, os.X_OK)), None)
+    where, what, bit = ((blocking, f"the directory {blocking}", stat.S_IXGRP) if blocking
+                        else (path, "the socket", stat.S_IWGRP))
+    try:
+        st = os.stat(where)
+    except OSError:
+        return f"{at}: permission denied"
+    mode = stat.S_IMODE(st.st_mode)
+    try:
+        group = grp.getgrgid(st.st_gid)
+    except KeyError:
+        group = None
+    name = group.gr_name if group else f"gid {st.st_gid}"
+    try:
+        user = pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        user = None
+    if not mode & bit:
+        return (f"{at}: permission denied: {what} is mode {mode:04o} (group {name}), which lets "
+                f"no group in. The agent's socket_group setting gives a group access (mode 0660)")
+    if group and user in group.gr_mem:
+        return (f"{at}: permission denied: {what} belongs to group {name} (mode {mode:04o}); "
+                f"{user} is a member of {name}, but this login session began before joining it. "
+                f"Log in again (or run newgrp {name})")
+    who = f"user {user}" if user else f"uid {os.getuid()}"
+    return (f"{at}: permission denied: {what} belongs to group {name} (mode {mode:04o}) and {who} "
+            f"is not in that group. Join it: sudo usermod -aG {name} {user or '$USER'}, then log "
+            f"in again (or run newgrp {name})")
+
+
+def _why_tcp(host: str, port: int, tls: Optional[Tls], at: str, end: float) -> Optional[str]:
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        return (f"{at}: the host name {host} did not resolve ({e.strerror}). Check its spelling, "
+                f"or give the agent's IP address")
+    try:
+        raw = socket.create_connection((host, port), timeout=_left(end))
+    except ConnectionRefusedError:
+        return (f"{at}: connection refused: nothing listens on {host}:{port}. Is residentd "
+                f"running there, with tcp://IP:{port} in its listen?")
+    except OSError:
+        return None
+    if tls is None:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+        try:
+            _handshake(context, raw, host)
+        except ssl.SSLError as e:
+            # An alert is the other side speaking TLS too.
+            if "ALERT" not in (e.reason or ""):
+                return None
+        except OSError:
+            return None
+        return (f"{at}: it speaks TLS, not plaintext: pass tls=residentd.Tls(ca=..., cert=..., "
+                f"key=...)")
+    name = tls.name or host
+    checked = "Tls name" if tls.name else "the endpoint's host"
+    try:
+        _handshake(_verifying(tls), raw, name)
+        return None
+    except ssl.SSLCertVerificationError as e:
+        if e.verify_code not in (62, 64):  # X509_V_ERR_HOSTNAME_MISMATCH, _IP_ADDRESS_MISMATCH
+            return (f"{at}: the agent's certificate did not verify against Tls ca "
+                    f"({e.verify_message}): give the CA that signed the agent's [node.tls] cert")
+    except ssl.SSLError:
+        if _speaks_h2c(host, port, end):
+            return (f"{at}: it does not speak TLS but plaintext HTTP/2 (an agent with insecure "
+                    f"= true): reach it without tls=")
+        return None
+    except OSError:
+        return None
+    names = _certificate_names(host, port, tls, end)
+    said = f"{at}: the agent's certificate is not valid for {name} ({checked})"
+    if names:
+        return (f"{said}; it names {', '.join(names)}. Pass one of those as "
+                f"residentd.Tls(..., name={names[0]!r})")
+    return f"{said}; pass a name it has as residentd.Tls(..., name=...)"
+
+
+def _verifying(tls: Tls) -> ssl.SSLContext:
+    """A context that checks the agent's certificate against `tls.ca` and
+    the name."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.load_verify_locations(cadata=tls.ca.decode(errors="replace"))
+    return context
+
+
+def _handshake(context: ssl.SSLContext, raw: socket.socket, name: str) -> None:
+    """A TLS handshake on `raw` (closed after), offering HTTP/2 as gRPC
+    does; sends nothing after it."""
+    context.set_alpn_protocols(["h2"])
+    with raw, context.wrap_socket(raw, server_hostname=name):
+        pass
+
+
+def _certificate_names(host: str, port: int, tls: Tls, end: float) -> List[str]:
+    """The DNS and IP names (subject alternative names) of the certificate
+    `host:port` presents, checked against `tls.ca` but not against a
+    name."""
+    context = _verifying(tls)
+    context.check_hostname = False
+    context.set_alpn_protocols(["h2"])
+    try:
+        with socket.create_connection((host, port), timeout=_left(end)) as raw:
+            with context.wrap_socket(raw, server_hostname=host) as s:
+                cert = s.getpeercert() or {}
+    except OSError:
+        return []
+    return [value.strip() for kind, value in cert.get("subjectAltName", ())
+            if kind in ("DNS", "IP Address")]
+
+
+def _speaks_h2c(host: str, port: int, end: float) -> bool:
+    """Whether `host:port` answers HTTP/2's preface in plaintext (with its
+    SETTINGS frame)."""
+    try:
+        with socket.create_connection((host, port), timeout=_left(end)) as s:
+            s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\0\0\0\x04\0\0\0\0\0")
+            head = b""
+            while len(head) < 9:
+                more = s.recv(9 - len(head))
+                if not more:
+                    return False
+                head += more
+    except OSError:
+        return False
+    return head[3] == 0x04
+
+
 def _channel(endpoint: str, tls: Optional[Tls], aio: bool = False):
     """A channel to `endpoint`: TLS over TCP when `tls` is given, plaintext
     otherwise and always over a Unix socket. `aio`: an asyncio channel."""
@@ -240,6 +450,7 @@ class Agent:
             if tls is not None:
                 raise ValueError("give tls= or root_certificates=, not both")
             tls = Tls(root_certificates, certificate_chain, private_key)
+        self._tls = tls
         self._channel = _channel(endpoint, tls)
         self._stub = pb_grpc.NodeAgentStub(self._channel)
 
@@ -260,7 +471,16 @@ class Agent:
         try:
             return method(request, timeout=timeout)
         except grpc.RpcError as e:
-            raise _decode(e) from None
+            raise self._error(e) from None
+
+    def _error(self, e: grpc.RpcError) -> AgentError:
+        """`e` as the error to raise: `Unreachable`, saying why, when the
+        agent could not be reached and a look at its endpoint finds out."""
+        if e.code() == grpc.StatusCode.UNAVAILABLE:
+            why = _why_unreachable(self.endpoint, self._tls)
+            if why:
+                return Unreachable(e.code(), why)
+        return _decode(e)
 
     def start(self, workload: str, instance_id: str = "", *, on_full=None, wait_ready: bool = False,
               lease_ms: int = 0, timeout: Optional[float] = None) -> pb.StartResponse:
@@ -316,11 +536,11 @@ class Agent:
         try:
             yield from self._stub.Watch(pb.WatchRequest(since_revision=since_revision))
         except grpc.RpcError as e:
-            raise _decode(e) from None
+            raise self._error(e) from None
 
     def logs(self, instance_id: str, *, tail: int = 100, follow: bool = False) -> Iterator[pb.LogLine]:
         """An instance's last lines, then (with `follow`) new ones until its run ends."""
         try:
             yield from self._stub.Logs(pb.LogsRequest(instance_id=instance_id, tail=tail, follow=follow))
         except grpc.RpcError as e:
-            raise _decode(e) from None
+            raise self._error(e) from None

@@ -21,21 +21,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import time
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import grpc
 
 from . import _client
-from ._client import AgentError, Refused, Tls
+from ._client import AgentError, Refused, Tls, Unreachable
 from ._proto import node_agent_pb2 as pb
 from ._proto import node_agent_pb2_grpc as pb_grpc
 
 Endpoints = Union[Sequence[str], Mapping[str, str]]
 Answer = Union[pb.Placement, AgentError]
-
-
-class Unreachable(AgentError):
-    """An agent that did not answer within the deadline (or at all)."""
 
 
 @dataclasses.dataclass
@@ -155,10 +152,19 @@ class Fleet:
         await self.close()
 
     async def _place_one(self, endpoint: str, req: pb.PlaceRequest) -> Answer:
+        began = time.monotonic()
         try:
             return await self._stub(endpoint).Place(req, timeout=self.deadline_s)
         except grpc.aio.AioRpcError as e:
-            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                # Why, where a look at the endpoint within what is left of
+                # the deadline says (off the event loop).
+                left = self.deadline_s - (time.monotonic() - began)
+                why = None
+                if left > 0.05:
+                    why = await asyncio.to_thread(_client._why_unreachable, endpoint, self.tls, left)
+                return Unreachable(e.code(), why or e.details() or "")
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 return Unreachable(e.code(), e.details() or "")
             return AgentError(e.code(), e.details() or "")
 

@@ -4,7 +4,8 @@ loopback TCP, beside a plaintext agent on a Unix socket
 options: `residentd.Agent` and `residentd.fleet` with `tls=` place and
 start on both; without a certificate, with a certificate of another CA,
 trusting another CA, or checking another name, the TLS agent is
-unreachable and the socket agent still answers. Asserts as it goes; exits
+unreachable (saying why, where a look at it finds out) and the socket
+agent still answers. Asserts as it goes; exits
 non-zero with the reason on a failure.
 
 Usage: tls_check.py JSON   where JSON is {"tls": "localhost:PORT", "ip": "127.0.0.1:PORT",
@@ -69,6 +70,10 @@ def main():
     ip = setup["ip"]
     ranking = fleet.place([ip], "small", tls=tls)
     unreachable(ranking, ip, "a certificate for localhost, dialled as 127.0.0.1")
+    # ... saying so, with the names it has and the fix.
+    said = ranking.why_not()[ip]
+    assert "the agent's certificate is not valid for 127.0.0.1" in said, said
+    assert "it names localhost. Pass one of those as residentd.Tls(..., name='localhost')" in said, said
     named = residentd.Tls(tls.ca, tls.cert, tls.key, name="localhost")
     assert fleet.place([ip], "small", tls=named).choices == [ip]
 
@@ -80,10 +85,17 @@ def main():
                                                          setup["foreign_key"]),
         "trusting another CA": residentd.Tls(setup["client_ca"], setup["cert"], setup["key"]),
     }
+    # What a look at the endpoint finds out, where it does.
+    words = {
+        "plaintext": f"cannot reach residentd at {tcp}: it speaks TLS, not plaintext",
+        "trusting another CA": f"cannot reach residentd at {tcp}: the agent's certificate did not "
+                               "verify against Tls ca",
+    }
     for what, bad in refused.items():
         ranking = fleet.place(endpoints, "small", tls=bad)
         unreachable(ranking, tcp, what)
         assert ranking.choices == [socket], (what, ranking.why_not())
+        assert words.get(what, "") in ranking.why_not()[tcp], (what, ranking.why_not())
         try:
             fleet.start([tcp], "small", instance_id="never", tls=bad)
             raise AssertionError(f"{what}: started")

@@ -40,3 +40,4 @@ mod sleep;
 mod systemd;
 mod takeover;
 mod tls;
+mod unreachable;

@@ -134,7 +134,8 @@ async fn tcp_needs_a_client_certificate_from_the_configured_ca() {
 }
 
 /// A TLS agent on a free port (its server certificate names
-/// `localhost`), the CAs' PEM, its directory and log.
+/// `localhost`, unless made by [`tls_agent_named`]), the CAs' PEM, its
+/// directory and log.
 pub struct TlsAgent {
     child: std::process::Child,
     pub port: u16,
@@ -169,8 +170,14 @@ fn tls_agent_with(access: &str, with_socket: bool) -> TlsAgent {
 /// A TLS agent named `tls-node` granting `access`, with `body` (its pools
 /// and workloads) after `[node]`; `with_socket` as in [`tls_agent_with`].
 pub fn tls_agent_serving(access: &str, with_socket: bool, body: &str) -> TlsAgent {
+    tls_agent_named(&["localhost"], access, with_socket, body)
+}
+
+/// As [`tls_agent_serving`], its certificate naming `names` (DNS names or
+/// IP addresses).
+pub fn tls_agent_named(names: &[&str], access: &str, with_socket: bool, body: &str) -> TlsAgent {
     let (server_ca, client_ca) = (ca(), ca());
-    let (server_cert, server_key) = leaf(&server_ca, &["localhost"]);
+    let (server_cert, server_key) = leaf(&server_ca, names);
     let dir = tempfile::tempdir().expect("tempdir");
     let (port, metrics) = (free_port(), free_port());
     let tcp = format!("\"tcp://127.0.0.1:{port}\"");

@@ -14,13 +14,16 @@
 // Every write goes through `writeln!` with its error handled (see above).
 #![deny(clippy::print_stdout, clippy::print_stderr)]
 
+mod reach;
 mod render;
 
+use std::error::Error as _;
 use std::io::{self, Write as _};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::parser::ValueSource;
+use clap::{CommandFactory as _, FromArgMatches as _, Parser, Subcommand, ValueEnum};
 use resident_api::pb;
 use resident_api::pb::node_agent_client::NodeAgentClient;
 use tokio_stream::StreamExt as _;
@@ -70,6 +73,27 @@ struct Cli {
     json: bool,
     #[command(subcommand)]
     command: Command,
+    /// Who named the socket, or the endpoint (for the words when it
+    /// cannot be reached).
+    #[arg(skip = reach::Given::Default)]
+    socket_given: reach::Given,
+    #[arg(skip = reach::Given::Default)]
+    endpoint_given: reach::Given,
+}
+
+impl Cli {
+    fn parse_all() -> Self {
+        let matches = Self::command().get_matches();
+        let mut cli = Self::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+        let given = |id: &str| match matches.value_source(id) {
+            Some(ValueSource::CommandLine) => reach::Given::Flag,
+            Some(ValueSource::EnvVariable) => reach::Given::Env,
+            _ => reach::Given::Default,
+        };
+        cli.socket_given = given("socket");
+        cli.endpoint_given = given("endpoint");
+        cli
+    }
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -232,6 +256,9 @@ fn millis(text: Option<&str>, flag: &str) -> Result<u64, Failure> {
 enum Failure {
     Usage(String),
     Refused(tonic::Status),
+    /// A call that failed on the connection, not by the agent's answer
+    /// (`run` says what is wrong with the endpoint).
+    Unreached(tonic::Status),
     Error(String),
     /// Writing the output failed (most often: the reader closed the pipe).
     Output(io::Error),
@@ -251,6 +278,9 @@ impl From<tonic::Status> for Failure {
             {
                 Failure::Refused(s)
             }
+            // Made here from the connection's error (h2, TLS, the
+            // system's): the agent did not answer this.
+            _ if s.source().is_some() => Failure::Unreached(s),
             _ => Failure::Error(format!(
                 "{}: {}",
                 resident_api::code_name(s.code()),
@@ -261,7 +291,7 @@ impl From<tonic::Status> for Failure {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = Cli::parse_all();
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -293,6 +323,15 @@ fn main() -> ExitCode {
             complain(&msg);
             ExitCode::FAILURE
         }
+        // `run` turns these into words; this is only the fallback.
+        Err(Failure::Unreached(s)) => {
+            complain(&format!(
+                "{}: {}",
+                resident_api::code_name(s.code()),
+                s.message()
+            ));
+            ExitCode::FAILURE
+        }
     }
 }
 
@@ -311,64 +350,142 @@ fn complain(msg: &str) {
     let _ = writeln!(io::stderr(), "residentctl: {msg}");
 }
 
-async fn connect(cli: &Cli) -> Result<NodeAgentClient<Channel>, Failure> {
+/// Where the agent is, as the flags say: what to connect to, and what to
+/// look at when that fails.
+enum Target<'a> {
+    Unix(reach::Socket<'a>),
+    Tcp {
+        endpoint: Box<tonic::transport::Endpoint>,
+        reach: reach::Tcp<'a>,
+    },
+}
+
+impl Target<'_> {
+    /// The words for a call that failed on the connection itself (not an
+    /// answer of the agent): what is wrong with the endpoint where a look
+    /// at it says, else the status and its causes.
+    async fn after_call(&self, status: &tonic::Status) -> String {
+        let said = match (self, status.source()) {
+            (Target::Unix(socket), _) => socket.check().err(),
+            (Target::Tcp { reach, .. }, Some(cause)) => reach.diagnose(cause).await,
+            (Target::Tcp { .. }, None) => None,
+        };
+        said.unwrap_or_else(|| {
+            let code = resident_api::code_name(status.code());
+            match status.source() {
+                Some(cause) => format!("{code}: {}: {}", status.message(), reach::causes(cause)),
+                None => format!("{code}: {}", status.message()),
+            }
+        })
+    }
+}
+
+/// The agent `cli` names, not yet connected.
+fn target(cli: &Cli) -> Result<Target<'_>, Failure> {
     let endpoint = match &cli.endpoint {
-        None => return unix(&cli.socket).await,
+        None => {
+            return Ok(Target::Unix(reach::Socket {
+                path: &cli.socket,
+                given: cli.socket_given,
+                by_endpoint: false,
+            }));
+        }
         Some(e) => e,
     };
     if let Some(path) = endpoint.strip_prefix("unix://") {
-        return unix(std::path::Path::new(path)).await;
+        return Ok(Target::Unix(reach::Socket {
+            path: std::path::Path::new(path),
+            given: cli.endpoint_given,
+            by_endpoint: true,
+        }));
     }
-    let unreachable = |e: &dyn std::fmt::Display| {
-        Failure::Error(format!("cannot reach residentd at {endpoint}: {e}"))
-    };
     let uri: tonic::transport::Uri = endpoint
         .parse()
         .map_err(|e| Failure::Error(format!("--endpoint {endpoint:?}: {e}")))?;
     let mut channel = tonic::transport::Endpoint::from(uri.clone());
-    match uri.scheme_str() {
-        Some("https") => {
-            let read = |what: &str, path: &Option<PathBuf>| -> Result<Vec<u8>, Failure> {
-                let path = path.as_ref().ok_or_else(|| {
-                    Failure::Error(format!(
-                        "{endpoint} needs --{what} (or RESIDENTD_{})",
-                        what.to_uppercase()
-                    ))
-                })?;
-                std::fs::read(path)
-                    .map_err(|e| Failure::Error(format!("--{what} {}: {e}", path.display())))
-            };
-            let name = cli.tls_name.clone().unwrap_or_else(|| host_name(&uri));
-            let tls = tonic::transport::ClientTlsConfig::new()
-                .ca_certificate(tonic::transport::Certificate::from_pem(read(
-                    "ca", &cli.ca,
-                )?))
-                .identity(tonic::transport::Identity::from_pem(
-                    read("cert", &cli.cert)?,
-                    read("key", &cli.key)?,
-                ))
-                .domain_name(name);
-            channel = channel.tls_config(tls).map_err(|e| unreachable(&e))?;
-        }
-        Some("http") => {}
+    let https = match uri.scheme_str() {
+        Some("https") => true,
+        Some("http") => false,
         _ => {
             return Err(Failure::Error(format!(
                 "--endpoint {endpoint:?}: expected https://HOST:PORT, http://HOST:PORT or unix:///PATH"
             )));
         }
+    };
+    let mut tls = None;
+    if https {
+        let read = |what: &str, path: &Option<PathBuf>| -> Result<Vec<u8>, Failure> {
+            let path = path.as_ref().ok_or_else(|| {
+                Failure::Error(format!(
+                    "{endpoint} needs --{what} (or RESIDENTD_{})",
+                    what.to_uppercase()
+                ))
+            })?;
+            std::fs::read(path)
+                .map_err(|e| Failure::Error(format!("--{what} {}: {e}", path.display())))
+        };
+        let name = cli.tls_name.clone().unwrap_or_else(|| host_name(&uri));
+        let (ca_pem, cert_pem, key_pem) = (
+            read("ca", &cli.ca)?,
+            read("cert", &cli.cert)?,
+            read("key", &cli.key)?,
+        );
+        let config = tonic::transport::ClientTlsConfig::new()
+            .ca_certificate(tonic::transport::Certificate::from_pem(&ca_pem))
+            .identity(tonic::transport::Identity::from_pem(&cert_pem, &key_pem))
+            .domain_name(name.clone());
+        channel = channel
+            .tls_config(config)
+            .map_err(|e| Failure::Error(format!("--endpoint {endpoint}: {}", reach::causes(&e))))?;
+        tls = Some(reach::Tls {
+            name,
+            name_given: cli.tls_name.is_some(),
+            ca: cli.ca.clone(),
+            cert: cli.cert.clone(),
+            ca_pem,
+            cert_pem,
+            key_pem,
+        });
     }
-    let channel = channel.connect().await.map_err(|e| unreachable(&e))?;
-    Ok(NodeAgentClient::new(channel))
+    Ok(Target::Tcp {
+        endpoint: Box::new(channel),
+        reach: reach::Tcp {
+            endpoint,
+            host: host_name(&uri),
+            port: uri.port_u16().unwrap_or(if https { 443 } else { 80 }),
+            tls,
+        },
+    })
 }
 
-async fn unix(path: &std::path::Path) -> Result<NodeAgentClient<Channel>, Failure> {
-    resident_api::connect_unix(path)
-        .await
-        .map_err(|e| Failure::Error(format!("cannot reach residentd at {}: {e}", path.display())))
+/// A client of the agent at `target`; the words of what is wrong when it
+/// cannot be reached.
+async fn connect(target: &Target<'_>) -> Result<NodeAgentClient<Channel>, Failure> {
+    match target {
+        Target::Unix(socket) => {
+            socket.check().map_err(Failure::Error)?;
+            match resident_api::connect_unix(socket.path).await {
+                Ok(c) => Ok(c),
+                Err(e) => Err(Failure::Error(socket.explain(&e))),
+            }
+        }
+        Target::Tcp { endpoint, reach } => match endpoint.connect().await {
+            Ok(channel) => Ok(NodeAgentClient::new(channel)),
+            Err(e) => Err(Failure::Error(reach.explain(&e).await)),
+        },
+    }
 }
 
 async fn run(cli: &Cli) -> Result<ExitCode, Failure> {
-    let mut c = connect(cli).await?;
+    let target = target(cli)?;
+    let c = connect(&target).await?;
+    match command(cli, c).await {
+        Err(Failure::Unreached(status)) => Err(Failure::Error(target.after_call(&status).await)),
+        done => done,
+    }
+}
+
+async fn command(cli: &Cli, mut c: NodeAgentClient<Channel>) -> Result<ExitCode, Failure> {
     let json = cli.json;
     match &cli.command {
         Command::Start {
