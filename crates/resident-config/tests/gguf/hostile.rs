@@ -76,7 +76,7 @@ fn check(bad: Bad, write: impl FnOnce(&Path), want: &str) {
 fn refused_by_config(dir: &Path, path: &Path, want: &str) {
     let file = dir.join("c.toml");
     let text = format!(
-        "[node]\nname = \"n\"\nlisten = \"unix:///tmp/x.sock\"\n[[pool]]\nname = \"gpu0\"\nbudget = \"24GB\"\n[[workload]]\nname = \"tiny\"\ncommand = [\"/bin/true\"]\n[workload.memory.gpu0]\nfrom_gguf = \"{}\"\n",
+        "[node]\nname = \"n\"\nlisten = \"unix:///tmp/residentd-unused/x.sock\"\n[[pool]]\nname = \"gpu0\"\nbudget = \"24GB\"\n[[workload]]\nname = \"tiny\"\ncommand = [\"/bin/true\"]\n[workload.memory.gpu0]\nfrom_gguf = \"{}\"\n",
         path.display()
     );
     let err = resident_config::parse(&file, &text)
