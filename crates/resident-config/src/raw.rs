@@ -273,6 +273,23 @@ pub struct Demand {
     /// server keeps beside the model (llama-server's `--cache-ram`).
     #[serde(skip)]
     pub prompt_cache: Option<PromptCache>,
+    /// Set by a flavor on its host-memory table: llama-server repacks the
+    /// weights it runs on the CPU into a copy of its own (CPUs with AMX,
+    /// and some quant types on AVX2 or ARM), beside the mapped file.
+    #[serde(skip)]
+    pub repack: Option<Repack>,
+}
+
+/// llama-server's weight repacking (`--repack`, on by default), as a
+/// workload leaves it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Repack {
+    /// Asked for (`--repack`, `LLAMA_ARG_REPACK`): a second copy of the
+    /// weights, reserved.
+    Asked,
+    /// Left at the server's default (on) by a command of the workload's
+    /// own: not reserved, and a config warning says so.
+    ServerDefault,
 }
 
 /// The prompt cache a llama-server holds in host memory: states of

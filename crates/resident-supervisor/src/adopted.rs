@@ -138,7 +138,22 @@ impl AdoptActor {
                 s.started_at = Some(std::time::SystemTime::now());
             });
         let deadline = Instant::now() + self.spec.readiness_timeout;
-        let probe = readiness::wait_ready(&self.spec.readiness, self.adoption.port, deadline, None);
+        // Only a listener of the adopted process (its group, when it
+        // leads one) counts.
+        let owners: readiness::Owners = Arc::new(move || {
+            if leader {
+                procfs::group_members(pid as i32)
+            } else {
+                vec![pid as i32]
+            }
+        });
+        let probe = readiness::wait_ready(
+            &self.spec.readiness,
+            self.adoption.port,
+            deadline,
+            None,
+            Some(owners),
+        );
         let ready = tokio::select! {
             req = self.stops.recv() => return self.stop(req, leader).await,
             () = self.watched.exited() => return self.exited(),

@@ -26,7 +26,7 @@ use crate::logs::{LogRing, OutputPipes, PipeSpares};
 use crate::spawn::{self, Ports, signal_group};
 use crate::spec::{LaunchSpec, Macros};
 use crate::status::{Exit, State, Status};
-use crate::{readiness, spawn::command};
+use crate::{procfs, readiness, spawn::command};
 
 /// Leftovers of a group get this long to disappear after SIGKILL.
 const LEFTOVER_BOUND: Duration = Duration::from_secs(2);
@@ -561,10 +561,17 @@ impl Actor {
     /// Ok once ready; otherwise how the run ended first.
     async fn until_ready(&mut self, process: &mut Process) -> Result<(), End> {
         let deadline = Instant::now() + self.spec.readiness_timeout;
+        // Only a listener of the run's own processes counts.
+        let shared = self.shared.clone();
+        let owners: readiness::Owners = Arc::new(move || match shared.cgroup() {
+            Some(cg) => cg.members(),
+            None => procfs::group_members(shared.pgid.load(Ordering::Relaxed)),
+        });
+        let output = Some(self.shared.logs.wrote());
         tokio::select! {
             req = self.stops.recv() => Err(End::Stop(req)),
             exit = process.wait() => Err(End::Exited(exit)),
-            ready = readiness::wait_ready(&self.spec.readiness, self.port, deadline, Some(self.shared.logs.wrote())) => {
+            ready = readiness::wait_ready(&self.spec.readiness, self.port, deadline, output, Some(owners)) => {
                 if ready { Ok(()) } else { Err(End::NotReady) }
             }
         }

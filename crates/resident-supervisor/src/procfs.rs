@@ -154,3 +154,63 @@ pub fn parse_uids(text: &str) -> Option<(u32, u32)> {
     let mut ids = line.split_whitespace().map(|n| n.parse::<u32>().ok());
     Some((ids.next()??, ids.next()??))
 }
+
+/// A TCP socket listening on a port (`/proc/net/tcp` and `tcp6`): its
+/// inode and the uid that opened it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Listener {
+    pub inode: u64,
+    pub uid: u32,
+}
+
+/// The TCP sockets listening on `port`, on any local address.
+pub fn listening_on(port: u16) -> Vec<Listener> {
+    let mut out = Vec::new();
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        if let Ok(text) = std::fs::read_to_string(table) {
+            out.extend(parse_listening(&text, port));
+        }
+    }
+    out
+}
+
+/// The sockets of a `/proc/net/tcp`-format `text` listening on `port`.
+pub fn parse_listening(text: &str, port: u16) -> Vec<Listener> {
+    const LISTEN: &str = "0A";
+    text.lines()
+        .skip(1)
+        .filter_map(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let local_port = f.get(1)?.rsplit_once(':')?.1;
+            let at = u16::from_str_radix(local_port, 16).ok()?;
+            (at == port && *f.get(3)? == LISTEN).then_some(())?;
+            Some(Listener {
+                uid: f.get(7)?.parse().ok()?,
+                inode: f.get(9)?.parse().ok()?,
+            })
+        })
+        .collect()
+}
+
+/// Whether one of `pids` holds one of `listeners` among its descriptors.
+/// Where a process's descriptors cannot be read (an agent without
+/// CAP_SYS_PTRACE looking at a child of another user), a listener opened
+/// by that process's uid counts as its: weaker, but another user's
+/// listener is still told apart.
+pub fn holds_listener(pids: &[i32], listeners: &[Listener]) -> bool {
+    pids.iter().any(|pid| {
+        let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+            return uids(*pid).is_some_and(|(real, _)| listeners.iter().any(|l| l.uid == real));
+        };
+        fds.flatten().any(|fd| {
+            std::fs::read_link(fd.path()).ok().is_some_and(|target| {
+                let inode = target
+                    .to_str()
+                    .and_then(|t| t.strip_prefix("socket:["))
+                    .and_then(|t| t.strip_suffix(']'))
+                    .and_then(|t| t.parse::<u64>().ok());
+                inode.is_some_and(|i| listeners.iter().any(|l| l.inode == i))
+            })
+        })
+    })
+}

@@ -72,19 +72,43 @@ pub const STEADY_INTERVAL: Duration = Duration::from_millis(40);
 /// logs a flood while loading does not turn into a flood of probes.
 const MIN_GAP: Duration = Duration::from_millis(5);
 
+/// Whose listener a probe counts: the processes a closure lists (a run's
+/// cgroup or process group, an adopted process's group). A port answered
+/// by any other process (a local user who bound it first, while the
+/// server loaded) is not the server's, and is never READY.
+pub type Owners = std::sync::Arc<dyn Fn() -> Vec<i32> + Send + Sync>;
+
+/// Whether one of the processes `owners` lists listens on `port`: their
+/// list, one read of the TCP tables and of their descriptors, on a
+/// blocking thread.
+async fn owned(port: u16, owners: &Owners) -> bool {
+    let owners = owners.clone();
+    tokio::task::spawn_blocking(move || {
+        let pids = owners();
+        let listeners = crate::procfs::listening_on(port);
+        !listeners.is_empty() && crate::procfs::holds_listener(&pids, &listeners)
+    })
+    .await
+    .unwrap_or(false)
+}
+
 /// Probes until ready (true) or `deadline` (false): at once, then at an
 /// interval growing from 10 ms to [`STEADY_INTERVAL`], and whenever
-/// `output` (notified at each line of the server's, when given) fires.
+/// `output` (notified at each line of the server's, when given) fires. A
+/// probe answered on a port that none of `owners` listens on does not
+/// count (said once in the log).
 pub async fn wait_ready(
     readiness: &Readiness,
     port: u16,
     deadline: Instant,
     output: Option<&Notify>,
+    owners: Option<Owners>,
 ) -> bool {
     if *readiness == Readiness::None {
         return true;
     }
     let mut interval = FIRST_INTERVAL;
+    let mut told = false;
     loop {
         // Listening from before the probe, so a line printed during it
         // is not missed.
@@ -94,7 +118,18 @@ pub async fn wait_ready(
         }
         let probed = Instant::now();
         if probe_once(readiness, port).await {
-            return true;
+            match &owners {
+                None => return true,
+                Some(owners) if owned(port, owners).await => return true,
+                Some(_) if !told => {
+                    told = true;
+                    tracing::warn!(
+                        port,
+                        "the port answers, but no process of the instance listens on it (another process holds it): not ready"
+                    );
+                }
+                Some(_) => {}
+            }
         }
         let now = Instant::now();
         if now >= deadline {
@@ -135,6 +170,6 @@ mod tests {
             .map(|a| a.port())
             .expect("a free port");
         let deadline = Instant::now() + Duration::from_millis(100);
-        assert!(!wait_ready(&Readiness::Tcp, port, deadline, None).await);
+        assert!(!wait_ready(&Readiness::Tcp, port, deadline, None, None).await);
     }
 }

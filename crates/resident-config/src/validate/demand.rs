@@ -222,6 +222,26 @@ pub(super) fn demand(
         }
         _ => (overhead, why),
     };
+    // llama-server's repacked copy of the weights the CPU runs, beside the
+    // mapped file.
+    let (overhead, why) = match (dem.repack, &dem.overhead) {
+        (Some(raw::Repack::Asked), None) if weights > 0 => (
+            overhead.saturating_add(weights),
+            format!(
+                "{why} + a repacked copy of the weights {} (--repack)",
+                mb(weights)
+            ),
+        ),
+        (Some(raw::Repack::ServerDefault), None) if weights > 0 => {
+            warnings.push(format!(
+                "{}: the command leaves llama-server's weight repacking at its default (on): on a CPU with AMX, or for some quant types, it keeps a second copy of the weights ({}) beside the mapped file, which is not reserved: pass --no-repack, or --repack (reserved)",
+                k("overhead"),
+                mb(weights)
+            ));
+            (overhead, why)
+        }
+        _ => (overhead, why),
+    };
     let source = if dem.from_gguf.is_some() {
         format!(
             "weights {} ({}) + kv {} ({})",

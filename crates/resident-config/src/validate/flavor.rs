@@ -258,6 +258,41 @@ fn cache_ram(
     }
 }
 
+/// The flags that turn llama-server's weight repacking on and off, and
+/// its environment variable (`common/arg.cpp`).
+const REPACK_ON: &str = "--repack";
+const REPACK_OFF: [&str; 2] = ["-nr", "--no-repack"];
+const REPACK_ENV: &str = "LLAMA_ARG_REPACK";
+
+/// Whether a llama-server workload repacks its weights: `Some(true)` asked
+/// (`--repack`, or `LLAMA_ARG_REPACK` set to a true value), `Some(false)`
+/// turned off (`--no-repack`, `-nr`, or the variable false), `None` when
+/// nothing says (the server's default: on). Repacking copies the weights
+/// the CPU runs into a layout of its own (AMX on recent Xeons, some quant
+/// types on AVX2 or ARM) and keeps the mapped file too: twice the model
+/// in host memory.
+fn repack(w: &raw::Workload) -> Option<bool> {
+    let command = w.command.iter().flat_map(|c| c.get_ref().iter().cloned());
+    let args = w.args.iter().map(|a| a.get_ref().clone());
+    let mut said = None;
+    for a in command.chain(args) {
+        let a = if a.starts_with("--") {
+            a.replace('_', "-")
+        } else {
+            a
+        };
+        if a == REPACK_ON {
+            said = Some(true);
+        } else if REPACK_OFF.contains(&a.as_str()) {
+            said = Some(false);
+        }
+    }
+    said.or_else(|| {
+        let v = w.env.get(REPACK_ENV)?.get_ref().trim().to_ascii_lowercase();
+        Some(matches!(v.as_str(), "1" | "true" | "on" | "enabled"))
+    })
+}
+
 /// How a flavor's server runs a GGUF model, as far as its memory goes.
 /// llama-server (tools/server/server.cpp): without `--parallel`, 4
 /// slots over one unified KV cache; with it, that many, each with its
@@ -502,6 +537,25 @@ pub(super) fn apply(
         }
         None => None,
     };
+    // llama-server's repacked copy of the weights, beside the mapped file:
+    // off when the flavor writes the command and nothing asks for it,
+    // reserved when asked for.
+    let repacks = if f == "llama-server" {
+        repack(w)
+    } else {
+        Some(false)
+    };
+    let repacked = match repacks {
+        Some(true) => Some(raw::Repack::Asked),
+        None if out.command.is_some() => Some(raw::Repack::ServerDefault),
+        _ => None,
+    };
+    if let Some(r) = repacked
+        && let Some(table) = host_table(&out, pools)
+        && let Some(d) = out.memory.get_mut(&table)
+    {
+        d.get_mut().repack = Some(r);
+    }
     let host_pool = pools.iter().any(PoolDef::device_free);
     match prompt_cache.map(|c| (c, host_table(&out, pools))) {
         Some((c, Some(table))) => {
@@ -524,6 +578,9 @@ pub(super) fn apply(
         let mut argv = d.argv;
         if f == "llama-server" && cache.is_none() {
             argv.extend(["--cache-ram", "0"].map(String::from));
+        }
+        if f == "llama-server" && repacks.is_none() {
+            argv.push("--no-repack".to_string());
         }
         if sleeps {
             argv.push("--enable-sleep-mode".to_string());

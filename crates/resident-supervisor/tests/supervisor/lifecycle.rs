@@ -511,3 +511,28 @@ async fn every_one_of_many_stops_racing_a_runs_end_is_answered() {
         }
     }
 }
+
+/// A port answered by another process (a local user who binds it while
+/// the server loads) is not the server's: the run is never READY on it.
+/// The readiness probe counts only a listener of the run's own processes.
+/// Before, it was READY as soon as the other process listened.
+#[tokio::test]
+async fn a_port_someone_else_listens_on_is_never_taken_for_the_server() {
+    let mut h = Harness::new();
+    let mut spec = child("squatted", &[]);
+    // A server that never listens, on the port the supervisor gave it.
+    spec.argv = vec!["/bin/sleep".into(), "3600".into()];
+    spec.readiness = resident_supervisor::Readiness::Tcp;
+    spec.readiness_timeout = Duration::from_millis(1500);
+    let started = h.sup.start(spec).await.expect("starts");
+    let squatter = std::net::TcpListener::bind(("127.0.0.1", started.port)).expect("bind");
+    let ended = h
+        .until_any("squatted", &[State::Ready, State::Failed])
+        .await;
+    assert_eq!(
+        ended.state,
+        State::Failed,
+        "READY on another process's port: {ended:?}"
+    );
+    drop(squatter);
+}

@@ -271,3 +271,65 @@ async fn a_journal_planted_in_a_state_directory_others_can_write_kills_nothing()
         drop(target);
     }
 }
+
+/// #43.6: a local user binds the port the agent gave a model while the
+/// model loads, and answers its readiness probe (and would get the
+/// router's prompts). Readiness now counts only a listener of the
+/// instance's own processes: the instance is never READY on the
+/// squatter's port. Before: READY within a probe of the squatter
+/// listening.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_port_squatted_while_a_model_loads_never_makes_it_ready() {
+    if !nix::unistd::geteuid().is_root() {
+        return skip("needs root: the squatter is another user");
+    }
+    let script = workspace().join("tests/sleep/standin.py");
+    let workload = format!(
+        "[[workload]]\nname = \"slow\"\ncommand = [\"python3\", \"-u\", \"{}\", \"${{PORT}}\", \"10\", \"--slow-load\"]\n[workload.memory.ram]\nweights = \"1GB\"\n[workload.readiness]\nhttp = \"/health\"\ntimeout = \"20s\"\n",
+        script.display()
+    );
+    let mut d = Daemon::start(&(pool("ram", "10GB") + &workload)).await;
+    d.started("slow", "s").await;
+    let port = until(async || {
+        let i = d.get("s").await;
+        (i.port != 0).then_some(i.port)
+    })
+    .await
+    .expect("a port");
+    let squat = "import http.server, sys\nclass H(http.server.BaseHTTPRequestHandler):\n    def do_GET(self):\n        self.send_response(200)\n        self.end_headers()\n    def log_message(self, *a):\n        pass\nhttp.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n";
+    let squatter = Killed(
+        Command::new("setpriv")
+            .args(["--reuid=1234", "--regid=1234", "--clear-groups"])
+            .args(["python3", "-c", squat, &port.to_string()])
+            .process_group(0)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("setpriv runs"),
+    );
+    let listening =
+        eventually(async || std::net::TcpStream::connect(("127.0.0.1", port as u16)).is_ok());
+    assert!(listening.await, "the squatter listens on {port}");
+    // The model, loading 3 s, then finds its port taken and exits; it is
+    // never READY meanwhile.
+    let settled = until(async || {
+        let i = d.get("s").await;
+        let done = [
+            pb::State::Ready,
+            pb::State::Failed,
+            pb::State::Backoff,
+            pb::State::Exited,
+        ]
+        .iter()
+        .any(|s| i.state == *s as i32);
+        done.then_some(i)
+    })
+    .await
+    .expect("the instance settled");
+    assert_ne!(
+        settled.state,
+        pb::State::Ready as i32,
+        "READY on a squatter's port: {settled:?}"
+    );
+    drop(squatter);
+}

@@ -356,7 +356,14 @@ impl Mounted {
     fn tmpfs(dir: &std::path::Path, size: &str) -> Option<Self> {
         std::fs::create_dir_all(dir).ok()?;
         let ok = std::process::Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            // Mode 0700: a state directory others can write is refused.
+            .args([
+                "-t",
+                "tmpfs",
+                "-o",
+                &format!("size={size},mode=0700"),
+                "tmpfs",
+            ])
             .arg(dir)
             .status()
             .is_ok_and(|s| s.success());
