@@ -26,6 +26,12 @@ const MIB: u64 = 1 << 20;
 pub struct Projection {
     /// Model + context + compute on the host.
     pub host: u64,
+    /// The model column of the host row alone. The tool's dry run counts
+    /// there only what it would allocate: a model it maps is about 1 MiB,
+    /// and one it would hand to an extra buffer type (AMX repacking) is 0,
+    /// so the weights are sized from the GGUF file instead, and the host's
+    /// context and compute are `host - host_model`.
+    pub host_model: u64,
     /// The same per device (`CUDA0`, ...), in the tool's order.
     pub devices: Vec<(String, u64)>,
 }
@@ -135,6 +141,7 @@ fn run(tool: &Path, ask: &Ask) -> Result<String, String> {
 /// and one `Host`.
 pub fn parse(out: &str) -> Result<Projection, String> {
     let mut host = None;
+    let mut host_model = 0;
     let mut devices = Vec::new();
     for line in out.lines() {
         let fields: Vec<&str> = line.split_whitespace().collect();
@@ -153,7 +160,10 @@ pub fn parse(out: &str) -> Result<Projection, String> {
         }
         let bytes = parts.iter().sum::<u64>().saturating_mul(MIB);
         match *name {
-            "Host" => host = Some(bytes),
+            "Host" => {
+                host = Some(bytes);
+                host_model = parts[0].saturating_mul(MIB);
+            }
             device => devices.push((device.to_string(), bytes)),
         }
     }
@@ -161,7 +171,11 @@ pub fn parse(out: &str) -> Result<Projection, String> {
         let start: String = out.chars().take(80).collect();
         format!("no Host row in its answer ({start:?})")
     })?;
-    Ok(Projection { host, devices })
+    Ok(Projection {
+        host,
+        host_model,
+        devices,
+    })
 }
 
 #[cfg(test)]
@@ -172,6 +186,7 @@ mod tests {
     fn rows_are_read_and_anything_else_is_refused() {
         let p = parse("CUDA0 4096 512 300\nHost 181 64 28\n").expect("rows");
         assert_eq!(p.host, (181 + 64 + 28) * MIB);
+        assert_eq!(p.host_model, 181 * MIB);
         assert_eq!(p.devices, [("CUDA0".to_string(), (4096 + 512 + 300) * MIB)]);
         for garbage in ["", "error: no model\n", "Host 1 2\n", "Host a b c\n"] {
             assert!(parse(garbage).is_err(), "{garbage:?}");

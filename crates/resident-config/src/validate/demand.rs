@@ -168,15 +168,15 @@ pub(super) fn demand(
         (None, Some(process)) => {
             let projected = dem.projection.as_ref().map(|p| {
                 host.projection(&p.program, p.path.as_deref(), &p.ask)
-                    .map(|found| found.map(|f| (f.host, p.program.clone())))
+                    .map(|found| found.map(|f| (f.host, f.host_model, p.program.clone())))
             });
             match projected {
-                Some(Ok(Some((total, program)))) => (
-                    // The projection is of the model alone: a vision
-                    // projector's tensors are not in it.
-                    process.saturating_add(
-                        total.saturating_sub((weights - sized.mmproj).saturating_add(kv)),
-                    ),
+                Some(Ok(Some((total, model, program)))) => (
+                    // Its context and compute, less the KV cache sized
+                    // here: the weights come from the GGUF file, whatever
+                    // the tool's dry run counted of them (a mapped model
+                    // is ~1 MiB there, one for AMX repacking 0).
+                    process.saturating_add(total.saturating_sub(model).saturating_sub(kv)),
                     format!(
                         "the flavor's process {} + what {}'s {} projects beyond weights and kv, of {} in all",
                         mb(process),
@@ -277,8 +277,6 @@ struct Sized {
     compute: u64,
     /// The output (logits) buffer (0 for bytes).
     output: u64,
-    /// Of `weights`, a vision projector's tensors.
-    mmproj: u64,
     weights_source: String,
     kv_source: String,
     /// A figure not sized as llama.cpp would allocate it.
@@ -292,7 +290,6 @@ impl Sized {
             kv,
             compute: 0,
             output: 0,
-            mmproj: 0,
             weights_source: "declared".into(),
             kv_source: "declared".into(),
             warning: None,
@@ -356,13 +353,11 @@ fn from_gguf(
         .map_err(|m| src.err(path.span(), k("from_gguf"), m))?;
     let mut weights = model.weights_bytes;
     let mut weights_source = "GGUF tensor data".to_string();
-    let mut mmproj_bytes = 0;
     if let Some(mmproj) = &dem.mmproj {
         let projector = host
             .gguf_tensor_bytes(mmproj.get_ref())
             .map_err(|m| src.err(mmproj.span(), k("mmproj"), m))?;
         weights = weights.saturating_add(projector);
-        mmproj_bytes = projector;
         weights_source = format!("GGUF tensor data, with the mmproj's {}", mb(projector));
     }
     let ctx = dem
@@ -461,7 +456,6 @@ fn from_gguf(
         kv,
         compute: model.compute_bytes(memory.cells, serving.flash_attn),
         output: memory.output,
-        mmproj: mmproj_bytes,
         weights_source,
         kv_source,
         warning,

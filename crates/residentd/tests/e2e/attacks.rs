@@ -300,7 +300,7 @@ async fn a_port_squatted_while_a_model_loads_never_makes_it_ready() {
     let squatter = Killed(
         Command::new("setpriv")
             .args(["--reuid=1234", "--regid=1234", "--clear-groups"])
-            .args(["python3", "-c", squat, &port.to_string()])
+            .args(["/usr/bin/python3", "-c", squat, &port.to_string()])
             .process_group(0)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
