@@ -81,10 +81,22 @@ impl Lookups {
                 Err(e) => return Err(format!("cannot look up user {name:?}: {e}")),
             }
         };
+        // Its groups, as a login would give them (a model's user in the
+        // group of the GPU's device nodes reaches them).
+        let groups = if self.local() {
+            std::ffi::CString::new(name)
+                .ok()
+                .and_then(|c| nix::unistd::getgrouplist(&c, nix::unistd::Gid::from_raw(gid)).ok())
+                .map(|list| list.iter().map(|g| g.as_raw()).collect())
+                .unwrap_or_default()
+        } else {
+            Vec::new()
+        };
         Ok(User {
             name: name.to_string(),
             uid,
             gid,
+            groups,
         })
     }
 
@@ -263,6 +275,7 @@ mod tests {
             can_change_user: agent.2,
         };
         let user = User {
+            groups: Vec::new(),
             name: "llm".into(),
             uid: user.0,
             gid: user.1,

@@ -199,6 +199,9 @@ pub struct User {
     pub uid: u32,
     /// Its primary gid.
     pub gid: u32,
+    /// Its supplementary groups as the machine lists them (`getgrouplist`,
+    /// the primary one among them); empty where nothing was looked up.
+    pub groups: Vec<u32>,
 }
 
 /// A `[[pool]]`.
@@ -424,11 +427,9 @@ impl Workload {
         devices: &[u32],
     ) -> LaunchSpec {
         let default_user = node.run_as.as_ref();
-        let user = self
-            .run_as
-            .as_ref()
-            .or(default_user)
-            .map(|u| (u.uid, u.gid));
+        let user = self.run_as.as_ref().or(default_user);
+        let groups = user.map(|u| u.groups.clone()).unwrap_or_default();
+        let user = user.map(|u| (u.uid, u.gid));
         let (mut argv, mut env) = (self.argv.clone(), self.env.clone());
         if !devices.is_empty() {
             let list: Vec<String> = devices.iter().map(u32::to_string).collect();
@@ -451,6 +452,7 @@ impl Workload {
             pass_env: self.pass_env.clone(),
             cwd: self.cwd.clone(),
             user,
+            groups,
             readiness: self.readiness.clone(),
             readiness_timeout: self.readiness_timeout,
             restart: self.restart,

@@ -49,6 +49,8 @@ pub struct Prepared {
     envp: Vec<CString>,
     cwd: Option<CString>,
     user: Option<(u32, u32)>,
+    /// The supplementary groups it takes with `user`.
+    groups: Vec<libc::gid_t>,
     /// `cgroup.procs` of each cgroup the child joins before it execs.
     cgroups: Vec<OwnedFd>,
     /// The write ends its stdout and stderr go to.
@@ -135,11 +137,19 @@ impl Prepared {
             envp,
             cwd,
             user: user.filter(|&target| target != own_identity()),
+            groups: Vec::new(),
             cgroups: Vec::new(),
             output,
             reset_oom: crate::procfs::own_oom_score_adj() != Some(0),
             parent_death: true,
         })
+    }
+
+    /// The supplementary groups the child takes with its user (none: its
+    /// primary group only).
+    pub fn with_groups(mut self, groups: &[u32]) -> Self {
+        self.groups = groups.iter().map(|g| *g as libc::gid_t).collect();
+        self
     }
 
     /// Lets the child run on when the agent ends (no parent-death signal).
@@ -213,6 +223,8 @@ fn clone_exec_with(p: &Prepared, slots: &mut Slots) -> io::Result<Spawned> {
     let cwd = p.cwd.as_ref().map_or(std::ptr::null(), |c| c.as_ptr());
     let who = Who {
         user: p.user,
+        groups: p.groups.as_ptr(),
+        ngroups: p.groups.len(),
         reset_oom: p.reset_oom,
         parent_death: p.parent_death,
     };
@@ -390,6 +402,11 @@ fn start_ticks(before: Option<u64>, after: Option<u64>) -> Option<u64> {
 #[derive(Debug, Clone, Copy)]
 struct Who {
     user: Option<(u32, u32)>,
+    /// Its supplementary groups (`Prepared::groups`, which the parent
+    /// keeps alive while the child runs on its memory); none: its primary
+    /// group alone.
+    groups: *const libc::gid_t,
+    ngroups: usize,
     reset_oom: bool,
     parent_death: bool,
 }
@@ -562,11 +579,17 @@ unsafe fn child_main(
     if let Some((uid, gid)) = who.user {
         // Raw system calls: glibc's wrappers would signal every thread of
         // the parent, whose memory this child shares.
-        let groups = [gid];
-        // SAFETY: setgroups with a one-element local array, then setgid
-        // and setuid with plain integers.
+        let own = [gid];
+        let (groups, n) = if who.ngroups > 0 {
+            (who.groups, who.ngroups)
+        } else {
+            (own.as_ptr(), 1)
+        };
+        // SAFETY: setgroups with the parent's prepared list (or a
+        // one-element local array) and its length, then setgid and setuid
+        // with plain integers.
         let changed = unsafe {
-            libc::syscall(libc::SYS_setgroups, 1, groups.as_ptr()) == 0
+            libc::syscall(libc::SYS_setgroups, n, groups) == 0
                 && libc::syscall(libc::SYS_setgid, gid) == 0
                 && libc::syscall(libc::SYS_setuid, uid) == 0
         };

@@ -91,6 +91,7 @@ pub fn command(
         env.push((k.clone(), macros.expand(v)));
     }
     Prepared::new(&argv, &env, spec.cwd.as_deref(), spec.user, output)
+        .map(|p| p.with_groups(&spec.groups))
 }
 
 /// Starts the spawner threads now, while the agent's descriptor table is

@@ -94,10 +94,13 @@ pub struct LaunchSpec {
     pub pass_env: Vec<String>,
     /// Working directory; the agent's when `None`.
     pub cwd: Option<PathBuf>,
-    /// Run as this uid and gid (supplementary groups are dropped); the
-    /// agent's own uid and gid leave the child as the agent is, with its
-    /// supplementary groups.
+    /// Run as this uid and gid, with `groups` as its supplementary groups;
+    /// the agent's own uid and gid leave the child as the agent is, with
+    /// its supplementary groups.
     pub user: Option<(u32, u32)>,
+    /// The supplementary groups of `user` (its own, as `getgrouplist`
+    /// lists them); empty: its primary group only.
+    pub groups: Vec<u32>,
     /// How readiness is probed.
     pub readiness: Readiness,
     /// How long readiness may take.
@@ -129,6 +132,7 @@ impl LaunchSpec {
             pass_env: Vec::new(),
             cwd: None,
             user: None,
+            groups: Vec::new(),
             readiness: Readiness::None,
             readiness_timeout: Duration::from_secs(120),
             restart: RestartPolicy::default(),

@@ -355,6 +355,24 @@ async fn a_child_starts_with_no_capability_and_no_new_privileges() {
     }
 }
 
+/// With its user's supplementary groups (a model's user added to the
+/// group of the GPU's device nodes), the child has them, and nothing of
+/// root's.
+#[tokio::test]
+async fn run_as_takes_the_users_supplementary_groups() {
+    if !nix::unistd::getuid().is_root() {
+        return skip("changing users needs root");
+    }
+    let mut h = Harness::new();
+    let mut spec = child("grouped", &[]);
+    spec.argv = vec!["/bin/sh".into(), "-c".into(), "id -G".into()];
+    spec.user = Some((65534, 65534));
+    spec.groups = vec![65534, 4242];
+    h.sup.start(spec).await.expect("starts");
+    h.until("grouped", State::Exited).await;
+    assert_eq!(h.lines("grouped", 1), ["65534 4242"]);
+}
+
 #[tokio::test]
 async fn programs_are_found_on_path_and_exec_errors_are_reported() {
     let h = Harness::new();

@@ -4,6 +4,7 @@
 //! inherit that protection; the packaged config, run by an unprivileged
 //! agent as the unit runs it, starts a model as that same user.
 
+use std::os::unix::fs::PermissionsExt as _;
 use std::process::Command;
 
 use resident_api::pb;
@@ -134,30 +135,40 @@ async fn children_do_not_inherit_the_agents_oom_protection() {
 }
 
 /// The packaged config for an agent in `dir`: its paths moved into `dir`,
-/// its user and socket group `user`'s (the packaged `residentd` exists
-/// only where the package is installed), a workload that runs here added
-/// (as shipped it has none, so that it loads on any machine).
-fn packaged_config_in(dir: &std::path::Path, user: &nix::unistd::User) -> String {
+/// its socket group `agent`'s and its models' user `model` (the packaged
+/// `residentd` and `residentd-model` exist only where the package is
+/// installed), and `workload` added (as shipped it has none, so that it
+/// loads on any machine).
+fn packaged_config_in(
+    dir: &std::path::Path,
+    agent: &nix::unistd::User,
+    model: &nix::unistd::User,
+    workload: &str,
+) -> String {
     let text = std::fs::read_to_string(workspace().join("systemd/residentd.toml"))
         .expect("the packaged config");
     for key in [
-        "run_as = \"residentd\"",
+        "run_as = \"residentd-model\"",
         "socket_group = \"residentd\"",
         "listen = \"unix:///run/residentd/residentd.sock\"",
         "state_dir = \"/var/lib/residentd\"",
     ] {
         assert!(text.contains(key), "the packaged config sets {key}");
     }
-    let group = nix::unistd::Group::from_gid(user.gid)
+    let group = nix::unistd::Group::from_gid(agent.gid)
         .ok()
         .flatten()
-        .expect("the user's group")
+        .expect("the agent user's group")
         .name;
     assert!(
         !text.lines().any(|l| l.starts_with("[[workload]]")),
         "the packaged config declares no workload, only a commented example"
     );
-    text.replace("\"residentd\"", &format!("\"{}\"", user.name))
+    text.replace("\"residentd-model\"", &format!("\"{}\"", model.name))
+        .replace(
+            "socket_group = \"residentd\"",
+            &format!("socket_group = \"{group}\""),
+        )
         .replace(
             "\"unix:///run/residentd/residentd.sock\"",
             &format!("\"unix://{}/agent.sock\"", dir.display()),
@@ -166,11 +177,7 @@ fn packaged_config_in(dir: &std::path::Path, user: &nix::unistd::User) -> String
             "\"/var/lib/residentd\"",
             &format!("\"{}/state\"", dir.display()),
         )
-        .replace(
-            &format!("socket_group = \"{}\"", user.name),
-            &format!("socket_group = \"{group}\""),
-        )
-        + &sleeper("coder", "ram", 1, "")
+        + workload
 }
 
 /// The uid a live process runs as (the real one, from `/proc/PID/status`).
@@ -186,85 +193,126 @@ fn uid_of(pid: u32) -> u32 {
         .expect("a uid")
 }
 
-#[tokio::test]
+/// The packaged node (issue #43.5): the agent runs as the unit's user with
+/// the unit's ambient capabilities (CAP_SETUID, CAP_SETGID, CAP_KILL), and
+/// its models as a user of their own, which reaches neither the agent's
+/// socket (the agent's own uid is always an admin: a model running as the
+/// agent could Reload, Upgrade, Stop and Adopt) nor its state directory
+/// (the journal, the FIFOs), and holds no capability. Before, the shipped
+/// config ran models as the agent's own user.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_packaged_node_starts_a_model_as_its_own_unprivileged_user() {
     let unit =
         std::fs::read_to_string(workspace().join("systemd/residentd.service")).expect("the unit");
     assert!(unit.contains("User=residentd") && unit.contains("Group=residentd"));
+    for line in [
+        "AmbientCapabilities=CAP_SETUID CAP_SETGID CAP_KILL",
+        "CapabilityBoundingSet=CAP_SETUID CAP_SETGID CAP_KILL",
+        "StateDirectoryMode=0700",
+        "RuntimeDirectoryMode=0750",
+    ] {
+        assert!(unit.contains(line), "the unit says {line}");
+    }
+    let postinst =
+        std::fs::read_to_string(workspace().join("packaging/deb/postinst")).expect("the postinst");
+    assert!(
+        postinst.contains("useradd --system --gid residentd-model"),
+        "the package makes the models' user"
+    );
     if !nix::unistd::geteuid().is_root() {
         return skip("starting the agent as another user needs root");
     }
-    // The unit's user stands in as `nobody`: an unprivileged account with a
-    // group of its own, as the package's system user is.
-    let user = nix::unistd::User::from_name("nobody")
+    // Stand-ins: `nobody` for the unit's user (an unprivileged account
+    // with a group of its own), `daemon` for the models' user.
+    let agent = nix::unistd::User::from_name("nobody")
         .ok()
         .flatten()
         .expect("user nobody");
+    let model = nix::unistd::User::from_name("daemon")
+        .ok()
+        .flatten()
+        .expect("user daemon");
     let dir = tempfile::tempdir().expect("tempdir");
-    nix::unistd::chown(dir.path(), Some(user.uid), Some(user.gid)).expect("chown");
-    let text = packaged_config_in(dir.path(), &user);
+    nix::unistd::chown(dir.path(), Some(agent.uid), Some(agent.gid)).expect("chown");
+    // The model tries the attack's ways in, and says what it got.
+    let probe = format!(
+        "import os, socket\ntry:\n    s = socket.socket(socket.AF_UNIX)\n    s.connect({sock:?})\n    print('SOCKET reached', flush=True)\nexcept OSError as e:\n    print('SOCKET refused', e.errno, flush=True)\ntry:\n    open({state:?} + '/planted', 'w').write('x')\n    print('STATE wrote', flush=True)\nexcept OSError as e:\n    print('STATE refused', e.errno, flush=True)\nimport time\ntime.sleep(3600)\n",
+        sock = dir.path().join("agent.sock").display().to_string(),
+        state = dir.path().join("state").display().to_string(),
+    );
+    let workload = format!(
+        "\n[[workload]]\nname = \"coder\"\ncommand = [\"/usr/bin/python3\", \"-c\", {probe:?}]\n[workload.memory.ram]\nweights = \"1GB\"\n"
+    );
+    let text = packaged_config_in(dir.path(), &agent, &model, &workload);
     std::fs::write(dir.path().join("residentd.toml"), &text).expect("write");
-    let as_user = |cmd: &mut Command| {
-        use std::os::unix::process::CommandExt as _;
-        // std drops root's supplementary groups when it changes the uid.
-        cmd.uid(user.uid.as_raw()).gid(user.gid.as_raw());
-    };
-    // Valid, without a warning, as the agent's user checks it (its state
-    // directory is that user's: root would not trust it).
-    let mut check = Command::new(RESIDENTD);
-    check
+    nix::unistd::chown(&dir.path().join("residentd.toml"), Some(agent.uid), None).expect("chown");
+    // The agent as the unit starts it: its user, its capabilities.
+    let bin = tempfile::tempdir().expect("tempdir");
+    let program = bin.path().join("residentd-as-unit");
+    let wrapper = format!(
+        "#!/bin/sh\nexec setpriv --reuid={uid} --regid={gid} --clear-groups --inh-caps +setuid,+setgid,+kill --ambient-caps +setuid,+setgid,+kill {real} \"$@\"\n",
+        uid = agent.uid,
+        gid = agent.gid,
+        real = RESIDENTD
+    );
+    std::fs::write(&program, wrapper).expect("write");
+    std::fs::set_permissions(&program, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    std::fs::set_permissions(bin.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    // Valid, without a warning, as the agent's user checks it.
+    let check = Command::new(&program)
         .arg("--check-config")
-        .arg(dir.path().join("residentd.toml"));
-    as_user(&mut check);
-    let out = check.output().expect("run --check-config");
-    let said = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "the packaged config is valid: {said}");
+        .arg(dir.path().join("residentd.toml"))
+        .output()
+        .expect("run --check-config");
+    let said = String::from_utf8_lossy(&check.stderr);
+    assert!(
+        check.status.success(),
+        "the packaged config is valid: {said}"
+    );
     assert!(!said.contains("warning"), "{said}");
 
-    // Told to run its children as someone else, the unprivileged agent
-    // says at load that it cannot, naming the key.
-    let other = text.replace(&format!("run_as = \"{}\"", user.name), "run_as = \"root\"");
-    std::fs::write(dir.path().join("other.toml"), &other).expect("write");
-    let mut check = Command::new(RESIDENTD);
-    check
-        .arg("--check-config")
-        .arg(dir.path().join("other.toml"));
-    as_user(&mut check);
-    let out = check.output().expect("run --check-config");
-    let said = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(78), "{said}");
-    assert!(
-        said.contains("node.run_as") && said.contains("cannot run children as \"root\""),
-        "{said}"
-    );
-
-    // As its own user, it starts a model through residentctl.
-    let d = Daemon::start_in_with(dir, as_user).await;
+    let mut d = Daemon::start_program(&program, dir, |_| {}).await;
     assert_eq!(
         uid_of(d.pid() as u32),
-        user.uid.as_raw(),
+        agent.uid.as_raw(),
         "the agent is unprivileged"
     );
-    let out = Command::new(env!("CARGO_BIN_EXE_residentctl"))
-        .arg("--socket")
-        .arg(&d.socket)
-        .args(["start", "coder", "--id", "c", "--wait"])
-        .output()
-        .expect("run residentctl");
-    assert!(
-        out.status.success(),
-        "residentctl start: {}{}\nagent log:\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
-        d.log()
-    );
-    let mut d = d;
-    let c = d.get("c").await;
-    assert_eq!(c.state(), pb::State::Ready, "{c:?}");
+    d.started("coder", "c").await;
+    let c = d.wait_state("c", pb::State::Ready).await;
     assert_eq!(
         uid_of(c.pid),
-        user.uid.as_raw(),
-        "the model runs as the unit's user"
+        model.uid.as_raw(),
+        "the model runs as its own user"
+    );
+    let said = until(async || {
+        let req = pb::LogsRequest {
+            instance_id: "c".into(),
+            tail: 10,
+            follow: false,
+        };
+        let mut stream = d.client.logs(req).await.ok()?.into_inner();
+        let mut lines = Vec::new();
+        while let Ok(Some(l)) = stream.message().await {
+            lines.push(l.line);
+        }
+        (lines.iter().any(|l| l.starts_with("STATE"))).then_some(lines)
+    })
+    .await
+    .expect("the model said what it reached");
+    assert!(
+        said.iter().any(|l| l.starts_with("SOCKET refused")),
+        "the model reached the agent's socket: {said:?}"
+    );
+    assert!(
+        said.iter().any(|l| l.starts_with("STATE refused")),
+        "the model wrote into the state directory: {said:?}"
+    );
+    let caps = std::fs::read_to_string(format!("/proc/{}/status", c.pid)).expect("status");
+    assert!(
+        caps.lines()
+            .filter(|l| l.starts_with("CapEff:") || l.starts_with("CapAmb:"))
+            .all(|l| l.ends_with("0000000000000000")),
+        "{caps}"
     );
     d.stopped("c").await;
 }

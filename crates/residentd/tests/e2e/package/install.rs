@@ -4,7 +4,6 @@
 //! and a purge that leaves nothing; purged after, failure or not.
 
 use std::os::unix::fs::MetadataExt as _;
-use std::os::unix::process::CommandExt as _;
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 
@@ -32,6 +31,13 @@ fn apt_get(args: &[&str]) -> Output {
 /// The system user the package makes, if it exists.
 fn packaged_user() -> Option<nix::unistd::User> {
     nix::unistd::User::from_name("residentd").ok().flatten()
+}
+
+/// The models' user the package makes, if it exists.
+fn model_user() -> Option<nix::unistd::User> {
+    nix::unistd::User::from_name("residentd-model")
+        .ok()
+        .flatten()
 }
 
 /// The package installed on this machine, purged when dropped (a failing
@@ -67,11 +73,13 @@ impl Drop for Installed {
         }
         let _ = std::fs::remove_dir_all(RUNTIME);
         if self.made_user {
-            let _ = Command::new("userdel").arg("residentd").status();
-            let _ = Command::new("groupdel")
-                .arg("residentd")
-                .stderr(Stdio::null())
-                .status();
+            for name in ["residentd", "residentd-model"] {
+                let _ = Command::new("userdel").arg(name).status();
+                let _ = Command::new("groupdel")
+                    .arg(name)
+                    .stderr(Stdio::null())
+                    .status();
+            }
         }
     }
 }
@@ -123,7 +131,21 @@ fn check_installed(made_user: bool) -> nix::unistd::User {
         state.is_dir() && state.uid() == user.uid.as_raw(),
         "{state:?}"
     );
-    assert_eq!(state.mode() & 0o777, 0o750);
+    assert_eq!(state.mode() & 0o777, 0o700, "the agent's alone");
+    // The models' own user: a system user of its own group, not in the
+    // agent's (which owns the socket).
+    let model = model_user().expect("postinst made the user residentd-model");
+    assert_ne!(model.uid, user.uid);
+    assert_eq!(model.shell, Path::new("/usr/sbin/nologin"));
+    let members = nix::unistd::Group::from_gid(user.gid)
+        .ok()
+        .flatten()
+        .map(|g| g.mem)
+        .unwrap_or_default();
+    assert!(
+        model.gid != user.gid && !members.contains(&model.name),
+        "residentd-model reaches the agent's socket: {members:?}"
+    );
     let version = run(Command::new("dpkg-query").args(["-W", "-f=${Version}", "residentd"]));
     run(Command::new("/var/lib/dpkg/info/residentd.postinst").args(["configure", &version]));
     let again = packaged_user().expect("still there");
@@ -181,17 +203,28 @@ fn cannot_install() -> Option<String> {
     })
 }
 
-/// `cmd` run as `user`, with only its primary group (std drops root's
-/// supplementary groups when it changes the uid), as the unit runs it.
-fn as_user<'a>(cmd: &'a mut Command, user: &nix::unistd::User) -> &'a mut Command {
-    cmd.uid(user.uid.as_raw()).gid(user.gid.as_raw())
+/// The installed agent run as the unit runs it: as `user`, with only its
+/// primary group, and the unit's ambient capabilities (CAP_SETUID,
+/// CAP_SETGID, CAP_KILL: to run and signal models as residentd-model).
+fn as_unit(user: &nix::unistd::User) -> Command {
+    let mut cmd = Command::new("setpriv");
+    cmd.arg(format!("--reuid={}", user.uid))
+        .arg(format!("--regid={}", user.gid))
+        .args([
+            "--clear-groups",
+            "--inh-caps",
+            "+setuid,+setgid,+kill",
+            "--ambient-caps",
+            "+setuid,+setgid,+kill",
+            "/usr/bin/residentd",
+        ]);
+    cmd
 }
 
 /// The installed config loads as shipped (so `systemctl enable --now`
 /// starts the agent), and the installed agent is the NVML build.
 fn check_shipped_agent(user: &nix::unistd::User, dir: &Path) {
-    let mut check = Command::new("/usr/bin/residentd");
-    run(as_user(check.arg("--check-config").arg(CONFFILE), user));
+    run(as_unit(user).arg("--check-config").arg(CONFFILE));
     let gpu = dir.join("gpu.toml");
     std::fs::write(&gpu, GPU_CONFIG).expect("write");
     let out = Command::new("/usr/bin/residentd")
@@ -211,14 +244,12 @@ async fn start_agent(installed: &mut Installed, user: &nix::unistd::User, log: &
         .args(["-d", "-m", "0750", "-o", "residentd", "-g", "residentd"])
         .arg(RUNTIME));
     let file = std::fs::File::create(log).expect("log");
-    let mut cmd = Command::new("/usr/bin/residentd");
+    let mut cmd = as_unit(user);
     cmd.args(["--config", CONFFILE])
         .env_remove("RESIDENTD_SOCKET")
         .stdout(file.try_clone().expect("dup"))
         .stderr(file);
-    let agent = as_user(&mut cmd, user)
-        .spawn()
-        .expect("start the packaged agent");
+    let agent = cmd.spawn().expect("start the packaged agent");
     let pid = agent.id();
     installed.agent = Some(agent);
     assert!(
@@ -233,9 +264,9 @@ async fn start_agent(installed: &mut Installed, user: &nix::unistd::User, log: &
     );
 }
 
-/// Starts `demo` through the packaged residentctl, sees it READY as
-/// `user`, and stops it.
-async fn start_and_stop_a_model(installed: &mut Installed, user: &nix::unistd::User, log: &Path) {
+/// Starts `demo` through the packaged residentctl, sees it READY as the
+/// models' user, and stops it.
+async fn start_and_stop_a_model(installed: &mut Installed, log: &Path) {
     let out = residentctl(&["start", "demo", "--id", "d", "--wait"]);
     assert!(
         out.status.success(),
@@ -254,10 +285,11 @@ async fn start_and_stop_a_model(installed: &mut Installed, user: &nix::unistd::U
         .and_then(|p| i32::try_from(p).ok())
         .expect("a pid");
     installed.model = Some(pid);
+    let model = model_user().expect("residentd-model");
     assert_eq!(
         uid_of(pid.into()),
-        user.uid.as_raw(),
-        "the model runs as the packaged user"
+        model.uid.as_raw(),
+        "the model runs as the models' own user"
     );
     let out = residentctl(&["stop", "d"]);
     assert!(out.status.success(), "residentctl stop: {out:?}");
@@ -308,7 +340,7 @@ async fn the_installed_package_starts_a_model_as_its_user_and_purges_clean() {
     std::fs::write(CONFFILE, shipped + DEMO).expect("edit the conffile");
     let log = dir.path().join("agent.log");
     start_agent(&mut installed, &user, &log).await;
-    start_and_stop_a_model(&mut installed, &user, &log).await;
+    start_and_stop_a_model(&mut installed, &log).await;
     stop_agent(&mut installed, &log).await;
 
     let out = apt_get(&["purge", "residentd"]);
