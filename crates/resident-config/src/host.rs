@@ -120,6 +120,15 @@ impl Lookups {
         crate::private_dir::check_or_creatable(dir, nix::unistd::geteuid().as_raw())
     }
 
+    /// The directory the agent runs in (which a relative `cwd` or program
+    /// path is taken against); elsewhere, `None`.
+    pub(crate) fn current_dir(self) -> Option<std::path::PathBuf> {
+        if !self.local() {
+            return None;
+        }
+        std::env::current_dir().ok()
+    }
+
     /// The contents of the file at `path`.
     pub(crate) fn read(self, path: &str) -> Result<Vec<u8>, String> {
         if !self.local() {

@@ -551,3 +551,34 @@ policy = "sometimes"
         "by line: {numbers:?}"
     );
 }
+
+/// A program named by a relative path is made absolute once, against the
+/// directory it runs in (its `cwd`, else the agent's): the file checked at
+/// load is the file spawned, wherever the agent is when it spawns. One on
+/// PATH, or already absolute, is left as written.
+#[test]
+fn a_relative_program_is_resolved_once_against_where_it_runs() {
+    let with = |command: &str, cwd: &str| {
+        let text = format!(
+            "[node]\nname = \"n\"\nlisten = \"unix:///tmp/residentd-unused/r.sock\"\n[[pool]]\nname = \"ram\"\nbudget = \"1GB\"\n[[workload]]\nname = \"w\"\ncommand = [{command:?}, \"x\"]\n{cwd}[workload.memory.ram]\nweights = \"1MB\"\n"
+        );
+        let c = resident_config::parse(std::path::Path::new("r.toml"), &text)
+            .unwrap_or_else(|e| panic!("{e}"));
+        c.workloads["w"].argv[0].clone()
+    };
+    assert_eq!(
+        with("bin/server", "cwd = \"/opt/m\"\n"),
+        "/opt/m/bin/server"
+    );
+    let here = std::env::current_dir().expect("cwd");
+    assert_eq!(
+        with("./server", ""),
+        here.join("./server").display().to_string()
+    );
+    assert_eq!(
+        with("bin/server", "cwd = \"models\"\n"),
+        here.join("models").join("bin/server").display().to_string()
+    );
+    assert_eq!(with("server", ""), "server", "looked up on PATH");
+    assert_eq!(with("/usr/bin/server", ""), "/usr/bin/server");
+}

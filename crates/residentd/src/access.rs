@@ -26,7 +26,7 @@ use std::task::{Context, Poll};
 
 use resident_config::{AccessRole, Config, Principal};
 use tonic::Request;
-use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo, UdsConnectInfo};
+use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
 use x509_parser::extensions::GeneralName;
 
 use crate::agent::Agent;
@@ -175,16 +175,24 @@ impl Caller {
     /// every request); a Unix caller's supplementary groups only when
     /// `groups` asks for them.
     pub fn from_extensions(ext: &http::Extensions, groups: bool) -> Self {
-        if let Some(cred) = ext.get::<UdsConnectInfo>().and_then(|i| i.peer_cred) {
-            let pid = cred.pid();
-            return Self::Unix {
-                uid: cred.uid(),
-                gid: cred.gid(),
-                pid,
-                groups: pid
+        if let Some(peer) = ext.get::<crate::authority::UnixPeer>()
+            && let Some(cred) = peer.uds.peer_cred
+        {
+            // Taken at connect (SO_PEERGROUPS); /proc is read only where
+            // the kernel could not say, and only when a group can matter.
+            let supplementary = match &peer.groups {
+                Some(list) => list.clone(),
+                None => cred
+                    .pid()
                     .filter(|_| groups)
                     .map(supplementary_groups)
                     .unwrap_or_default(),
+            };
+            return Self::Unix {
+                uid: cred.uid(),
+                gid: cred.gid(),
+                pid: cred.pid(),
+                groups: supplementary,
             };
         }
         if let Some(tls) = ext.get::<TlsConnectInfo<TcpConnectInfo>>() {
@@ -365,10 +373,14 @@ fn short(s: &str) -> String {
 pub fn required(path: &str) -> Option<AccessRole> {
     let (service, method) = path.trim_start_matches('/').split_once('/')?;
     match service {
+        // Every method is named: one the table does not list (a new RPC
+        // added without its role) needs the highest role, never the lowest.
         "resident.v1.NodeAgent" => match method {
+            "Get" | "List" | "Place" | "Watch" | "Logs" | "Node" | "Workloads" => {
+                Some(AccessRole::Viewer)
+            }
             "Start" | "Stop" | "Touch" | "Adopt" | "Sleep" => Some(AccessRole::Operator),
-            "Reload" | "ForgetFootprint" | "Upgrade" => Some(AccessRole::Admin),
-            _ => Some(AccessRole::Viewer),
+            _ => Some(AccessRole::Admin),
         },
         "grpc.health.v1.Health"
         | "grpc.reflection.v1.ServerReflection"
@@ -453,6 +465,40 @@ mod tests {
         );
         assert_eq!(required("/other.Service/Call"), None);
         assert_eq!(required("nonsense"), None);
+        // A method the table does not name needs the admin role.
+        assert_eq!(
+            required("/resident.v1.NodeAgent/SomethingNew"),
+            Some(AccessRole::Admin)
+        );
+    }
+
+    /// Every RPC of the proto is named in the table on purpose: the only
+    /// admin ones are those meant to be (a new RPC added without a role
+    /// would fall to admin, and this says which).
+    #[test]
+    fn every_rpc_of_the_proto_has_the_role_it_is_meant_to() {
+        use prost::Message as _;
+        let set = prost_types::FileDescriptorSet::decode(resident_api::pb::FILE_DESCRIPTOR_SET)
+            .expect("the descriptor set");
+        let methods: Vec<String> = set
+            .file
+            .iter()
+            .flat_map(|f| &f.service)
+            .filter(|s| s.name() == "NodeAgent")
+            .flat_map(|s| &s.method)
+            .map(|m| m.name().to_string())
+            .collect();
+        assert!(methods.len() >= 15, "{methods:?}");
+        let admin: Vec<&str> = methods
+            .iter()
+            .filter(|m| required(&format!("/resident.v1.NodeAgent/{m}")) == Some(AccessRole::Admin))
+            .map(String::as_str)
+            .collect();
+        assert_eq!(
+            admin,
+            ["Reload", "ForgetFootprint", "Upgrade"],
+            "{methods:?}"
+        );
     }
 
     #[test]

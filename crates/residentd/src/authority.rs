@@ -381,6 +381,10 @@ fn put_frame(out: &mut BytesMut, kind: u8, flags: u8, stream: u32, payload: &[u8
 #[derive(Debug)]
 pub struct AuthorityFix {
     inner: UnixStream,
+    /// The caller's supplementary groups, taken from the socket when it
+    /// connected (`SO_PEERGROUPS`): never read again later from a pid
+    /// that may have been reused.
+    groups: Option<Vec<u32>>,
     rewriter: Rewriter,
     /// Received, not yet rewritten (an incomplete frame).
     input: BytesMut,
@@ -392,8 +396,10 @@ pub struct AuthorityFix {
 impl AuthorityFix {
     /// Wraps an accepted connection.
     pub fn new(inner: UnixStream) -> Self {
+        let groups = peer_groups(&inner);
         Self {
             inner,
+            groups,
             rewriter: Rewriter::new(),
             input: BytesMut::new(),
             output: BytesMut::new(),
@@ -402,12 +408,62 @@ impl AuthorityFix {
     }
 }
 
+/// Who called over a Unix connection: its credentials (`SO_PEERCRED`)
+/// and supplementary groups (`SO_PEERGROUPS`), both as they were when it
+/// connected.
+#[derive(Debug, Clone)]
+pub struct UnixPeer {
+    /// tonic's: uid, gid, pid.
+    pub uds: UdsConnectInfo,
+    /// Its supplementary groups; `None` where the kernel cannot say
+    /// (before Linux 4.13).
+    pub groups: Option<Vec<u32>>,
+}
+
 impl Connected for AuthorityFix {
-    type ConnectInfo = UdsConnectInfo;
+    type ConnectInfo = UnixPeer;
 
     fn connect_info(&self) -> Self::ConnectInfo {
-        self.inner.connect_info()
+        UnixPeer {
+            uds: self.inner.connect_info(),
+            groups: self.groups.clone(),
+        }
     }
+}
+
+/// The supplementary groups of the process at the other end of `stream`,
+/// as they were when it connected (`SO_PEERGROUPS`, Linux 4.13).
+fn peer_groups(stream: &UnixStream) -> Option<Vec<u32>> {
+    use std::os::fd::AsRawFd as _;
+    const SO_PEERGROUPS: nix::libc::c_int = 59;
+    let fd = stream.as_raw_fd();
+    let mut groups: Vec<nix::libc::gid_t> = vec![0; 64];
+    for _ in 0..4 {
+        let mut len =
+            (groups.len() * std::mem::size_of::<nix::libc::gid_t>()) as nix::libc::socklen_t;
+        // SAFETY: getsockopt writes at most `len` bytes into `groups`,
+        // which holds that many, and says in `len` how many it wrote (or,
+        // with ERANGE, how many it needs).
+        let r = unsafe {
+            nix::libc::getsockopt(
+                fd,
+                nix::libc::SOL_SOCKET,
+                SO_PEERGROUPS,
+                groups.as_mut_ptr().cast(),
+                &mut len,
+            )
+        };
+        let n = len as usize / std::mem::size_of::<nix::libc::gid_t>();
+        if r == 0 {
+            groups.truncate(n);
+            return Some(groups);
+        }
+        if std::io::Error::last_os_error().raw_os_error() != Some(nix::libc::ERANGE) {
+            return None;
+        }
+        groups.resize(n.max(groups.len() * 2), 0);
+    }
+    None
 }
 
 impl AsyncRead for AuthorityFix {
@@ -481,3 +537,23 @@ mod hpack;
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod peer_groups_tests {
+    /// The groups the kernel gives for the peer of a connected socket are
+    /// the connecting process's own, taken at connect.
+    #[tokio::test]
+    async fn a_callers_groups_are_taken_at_connect() {
+        let (a, _b) = tokio::net::UnixStream::pair().expect("a pair");
+        let mine: Vec<u32> = nix::unistd::getgroups()
+            .expect("getgroups")
+            .iter()
+            .map(|g| g.as_raw())
+            .collect();
+        let mut got = super::peer_groups(&a).expect("SO_PEERGROUPS (Linux 4.13)");
+        got.sort_unstable();
+        let mut want = mine;
+        want.sort_unstable();
+        assert_eq!(got, want);
+    }
+}

@@ -157,6 +157,7 @@ pub async fn check_next() -> Result<String, String> {
         .get()
         .ok_or("the agent's invocation is not known")?;
     let bin = &inv.binary;
+    trusted_binary(bin)?;
     let run = |args: Vec<std::ffi::OsString>| async move {
         let out = tokio::process::Command::new(bin)
             .args(args)
@@ -189,6 +190,39 @@ pub async fn check_next() -> Result<String, String> {
             .map_err(|e| format!("{} --check-config {}: {e}", bin.display(), config.display()))?;
     }
     Ok(version)
+}
+
+/// Whether the agent may execute `bin` as its next self: it must belong
+/// to root or to the agent's own user, and neither its group nor others
+/// may write it or its directory (unless that is sticky): a binary another
+/// user can replace would run with everything the agent holds.
+fn trusted_binary(bin: &std::path::Path) -> Result<(), String> {
+    use std::os::unix::fs::MetadataExt as _;
+    let euid = nix::unistd::geteuid().as_raw();
+    let check = |path: &std::path::Path, what: &str, sticky_ok: bool| -> Result<(), String> {
+        let meta = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        if meta.uid() != 0 && meta.uid() != euid {
+            return Err(format!(
+                "{what} {} belongs to uid {}, neither root nor the agent's uid {euid}: it is not run",
+                path.display(),
+                meta.uid()
+            ));
+        }
+        let shared = meta.mode() & 0o022 != 0 && !(sticky_ok && meta.mode() & 0o1000 != 0);
+        if shared {
+            return Err(format!(
+                "{what} {} can be written by its group or others (mode {:o}): it is not run",
+                path.display(),
+                meta.mode() & 0o7777
+            ));
+        }
+        Ok(())
+    };
+    check(bin, "the new binary", false)?;
+    match bin.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => check(dir, "its directory", true),
+        _ => Ok(()),
+    }
 }
 
 /// The `RESIDENTD_INHERIT` text naming every handed-over listener.

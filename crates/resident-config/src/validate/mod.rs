@@ -47,7 +47,10 @@ pub(crate) fn validate(file: &Path, text: &str, host: Lookups) -> Result<Config>
     let mut flavor_errors = Vec::new();
     for w in &doc.workload {
         match flavor::apply(&src, w.get_ref(), &pools) {
-            Ok(raw) => flavored.push(Spanned::new(w.span(), raw)),
+            Ok(mut raw) => {
+                anchor_program(&mut raw, host);
+                flavored.push(Spanned::new(w.span(), raw))
+            }
             Err(e) => flavor_errors.push(e),
         }
     }
@@ -79,6 +82,31 @@ pub(crate) fn validate(file: &Path, text: &str, host: Lookups) -> Result<Config>
         workloads,
         warnings,
     })
+}
+
+/// A program named by a relative path (`bin/server`, `./server`) is made
+/// absolute here, once, against the directory it runs in (its `cwd`, or
+/// the agent's own): the file checked at load is the file spawned, whatever
+/// directory the agent is in when it spawns. A program without a `/` is
+/// looked up on PATH, and one with a macro is left as written.
+fn anchor_program(w: &mut raw::Workload, host: Lookups) {
+    let Some(command) = w.command.as_mut() else {
+        return;
+    };
+    let Some(program) = command.get_mut().first_mut() else {
+        return;
+    };
+    if !program.contains('/') || program.starts_with('/') || program.contains("${") {
+        return;
+    }
+    let runs_in = match w.cwd.as_ref().map(std::path::PathBuf::from) {
+        Some(cwd) if cwd.is_absolute() => Some(cwd),
+        Some(cwd) => host.current_dir().map(|d| d.join(cwd)),
+        None => host.current_dir(),
+    };
+    if let Some(dir) = runs_in {
+        *program = dir.join(&*program).display().to_string();
+    }
 }
 
 /// Each workload's program, as `Lookups::program` checks it: every one.

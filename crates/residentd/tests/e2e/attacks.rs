@@ -333,3 +333,37 @@ async fn a_port_squatted_while_a_model_loads_never_makes_it_ready() {
     );
     drop(squatter);
 }
+
+/// #43.9: an upgrade executes the binary at the agent's path with
+/// everything the agent holds; one that another user can write (mode
+/// 0777 here, or one owned by another user) is refused before it runs,
+/// and the same agent serves on. Before: checked with `--version` and
+/// run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgrade_refuses_a_binary_another_user_can_write() {
+    let bin = tempfile::tempdir().expect("tempdir");
+    let program = bin.path().join("residentd");
+    std::fs::copy(RESIDENTD, &program).expect("copy residentd");
+    std::fs::set_permissions(bin.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let dir = tempfile::tempdir().expect("tempdir");
+    write_config(
+        dir.path(),
+        &(pool("ram", "10GB") + &sleeper("nap", "ram", 1, "")),
+    );
+    let d = Daemon::start_program(&program, dir, |_| {}).await;
+    let pid = agent_pid(&d.socket).await;
+    // Writable by anyone: whoever wrote it would run as the agent.
+    std::fs::set_permissions(&program, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+    let socket = d.socket.clone();
+    let o = tokio::task::spawn_blocking(move || residentctl(&socket, &["upgrade"]))
+        .await
+        .expect("joined");
+    let said = text(&o);
+    assert!(!o.status.success(), "upgraded: {said}");
+    assert!(
+        said.contains("FAILED_PRECONDITION")
+            && said.contains("can be written by its group or others"),
+        "{said}"
+    );
+    assert_eq!(agent_pid(&d.socket).await, pid, "the same agent serves");
+}
