@@ -1,9 +1,17 @@
 //! residentd, the node agent: joins the placement core, the supervisor and
 //! the probes behind the `resident.v1.NodeAgent` gRPC service.
 //!
-//! Architecture invariant: all admission goes through `Books::admit` (via
-//! `Agent::start`), which plans and reserves under the one books lock;
-//! nothing else reserves, and only a run's end releases.
+//! Architecture invariant: every charge goes through the ledger's one
+//! `admit` (by `Books::admit`, `adopt`, `begin_sleep` and the wakes), which
+//! plans and reserves under the one books lock; only a run's end releases.
+//!
+//! The file system and /proc scans (clippy.toml's `disallowed-methods`)
+//! are kept out of the agent's async code: the lint is on in `agent/`
+//! alone, whose blocking work runs on blocking threads.
+
+// The sync modules (the journal, the server's set-up, the handover files)
+// may touch the file system; `agent/` may not (see its module).
+#![allow(clippy::disallowed_methods)]
 
 pub mod access;
 pub mod agent;

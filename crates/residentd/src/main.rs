@@ -1,6 +1,8 @@
 //! `residentd`: the node agent's binary. Thin: arguments, logging, config,
 //! then the server until a shutdown signal.
 
+#![allow(clippy::disallowed_methods)] // crates/residentd/clippy.toml is for agent/ only
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;

@@ -61,10 +61,19 @@ impl Agent {
                 w.spec.workload
             )));
         }
-        let stat = procfs::stat(pid as i32)
-            .filter(|s| s.state != 'Z' && s.state != 'X')
-            .filter(|s| start_ticks.is_none_or(|t| t == s.start_ticks))
-            .ok_or_else(|| ApiError::NotFound(format!("no process {pid} to adopt")))?;
+        // What the process is, what it may be adopted as, its port and
+        // the memory it holds: read from /proc on a blocking thread.
+        let looked = {
+            let (w, config, port, admin) = (w.clone(), config.clone(), call.port, call.admin);
+            tokio::task::spawn_blocking(move || look_at(pid, start_ticks, &w, &config, port, admin))
+                .await
+                .map_err(|e| ApiError::Internal(format!("looking at pid {pid}: {e}")))??
+        };
+        let Looked {
+            stat,
+            port,
+            present,
+        } = looked;
         if pid == std::process::id() {
             return Err(ApiError::FailedPrecondition(format!(
                 "pid {pid} is the agent itself"
@@ -87,12 +96,6 @@ impl Agent {
                 s.instance
             )));
         }
-        may_adopt(&w, &config.node, pid, call.admin)?;
-        let port = match call.port {
-            0 => discovered_port(pid, &w.readiness)?,
-            p => p,
-        };
-        let present = present_bytes(&config, &w.spec, &stat);
         let adoption = Adoption {
             pid,
             start_ticks: stat.start_ticks,
@@ -132,11 +135,50 @@ impl Agent {
     }
 }
 
+/// What an Adopt found of its process.
+struct Looked {
+    stat: procfs::ProcStat,
+    port: u16,
+    present: BTreeMap<PoolName, u64>,
+}
+
+/// The process `pid` (started at `start_ticks`, when given), checked as
+/// an instance of `w` for a caller (`admin` or not): alive, adoptable by
+/// that caller, its port (`port`, or the one it listens on) and what it
+/// holds. Reads /proc: runs on a blocking thread.
+#[allow(clippy::disallowed_methods)]
+fn look_at(
+    pid: u32,
+    start_ticks: Option<u64>,
+    w: &resident_config::Workload,
+    config: &resident_config::Config,
+    port: u16,
+    admin: bool,
+) -> Result<Looked, ApiError> {
+    let stat = procfs::stat(pid as i32)
+        .filter(|s| s.state != 'Z' && s.state != 'X')
+        .filter(|s| start_ticks.is_none_or(|t| t == s.start_ticks))
+        .ok_or_else(|| ApiError::NotFound(format!("no process {pid} to adopt")))?;
+    may_adopt(w, &config.node, pid, admin)?;
+    let port = match port {
+        0 => discovered_port(pid, &w.readiness)?,
+        p => p,
+    };
+    let present = present_bytes(config, &w.spec, &stat);
+    Ok(Looked {
+        stat,
+        port,
+        present,
+    })
+}
+
 /// Whether the caller may adopt `pid` as an instance of `w`: an admin
 /// may adopt any process; an operator (who may run the node's models,
 /// and with `manage` stop what it adopts) only one that runs the
 /// workload's own program as the user the workload runs as. Otherwise
-/// PERMISSION_DENIED naming what did not match.
+/// PERMISSION_DENIED naming what did not match. Reads /proc: called by
+/// `look_at`, on a blocking thread.
+#[allow(clippy::disallowed_methods)]
 fn may_adopt(
     w: &resident_config::Workload,
     node: &resident_config::NodeConfig,
@@ -215,6 +257,7 @@ fn discovered_port(pid: u32, readiness: &Readiness) -> Result<u16, ApiError> {
 /// its own otherwise. (A device pool's share is not known here; the
 /// device's probe shows it as foreign use until the agent's own reading
 /// counts it.)
+#[allow(clippy::disallowed_methods)] // called by `look_at`, on a blocking thread
 fn present_bytes(
     config: &resident_config::Config,
     spec: &resident_core::Spec,

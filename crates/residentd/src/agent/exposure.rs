@@ -3,9 +3,11 @@
 //! address beyond loopback is stopped, its message and events saying
 //! EXPOSED and the address; an adopted one is reported (message, event,
 //! metric), never stopped. Checked once a second, from the agent's tick,
-//! for READY instances: their process group's sockets (`/proc/PID/fd`)
-//! matched against the listening TCP sockets of `/proc/net/tcp` and
-//! `tcp6`. The same matching finds the port of a server being adopted.
+//! for READY instances, on a blocking thread: the listening TCP sockets of
+//! `/proc/net/tcp` and `tcp6` are read, and only when a listener beyond
+//! loopback or a guarded run is new since the last look (`Seen`) are the
+//! process groups' sockets (`/proc/PID/fd`) matched against them. The same
+//! matching finds the port of a server being adopted.
 
 use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -68,6 +70,7 @@ fn is_loopback(ip: IpAddr) -> bool {
 }
 
 /// Every listening TCP socket of this network namespace.
+#[allow(clippy::disallowed_methods)] // on a blocking thread (`Seen::look`, `look_at`)
 fn listening() -> HashMap<u64, SocketAddr> {
     let mut out = HashMap::new();
     for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
@@ -79,6 +82,7 @@ fn listening() -> HashMap<u64, SocketAddr> {
 }
 
 /// The socket inodes open in each of `groups` (process group ids).
+#[allow(clippy::disallowed_methods)] // on a blocking thread (`Seen::look`, `look_at`)
 fn group_sockets(groups: &HashSet<i32>) -> HashMap<i32, HashSet<u64>> {
     let mut out: HashMap<i32, HashSet<u64>> = HashMap::new();
     let Ok(procs) = std::fs::read_dir("/proc") else {
@@ -126,6 +130,7 @@ fn group_sockets(groups: &HashSet<i32>) -> HashMap<i32, HashSet<u64>> {
 
 /// The addresses process `pid` (with its whole group, when it leads one)
 /// listens on over TCP, in port order.
+#[allow(clippy::disallowed_methods)] // on a blocking thread (`Seen::look`, `look_at`)
 pub(super) fn listeners_of(pid: i32) -> Vec<SocketAddr> {
     let group = resident_supervisor::procfs::stat(pid).map_or(pid, |s| s.pgrp);
     // A process that does not lead its group is looked at alone: its group
@@ -147,6 +152,7 @@ pub(super) fn listeners_of(pid: i32) -> Vec<SocketAddr> {
 }
 
 /// The socket inodes open in process `pid`.
+#[allow(clippy::disallowed_methods)] // on a blocking thread (`Seen::look`, `look_at`)
 fn process_sockets(pid: i32) -> Option<HashSet<u64>> {
     let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?;
     let inodes = fds
@@ -163,10 +169,82 @@ fn process_sockets(pid: i32) -> Option<HashSet<u64>> {
     Some(inodes)
 }
 
+/// What the guard saw at its last look (a room of its own: only the
+/// guard reads or writes it): the listeners beyond loopback and the runs
+/// it checked. While neither changes there is nothing new to find, so a
+/// node whose only such listeners are foreign (sshd on 0.0.0.0:22) reads
+/// the two TCP tables a second and walks /proc only when a listener
+/// beyond loopback, or a guarded run, appears.
+#[derive(Debug, Default)]
+pub(super) struct Seen {
+    beyond: HashSet<u64>,
+    runs: HashSet<(String, u64)>,
+}
+
+/// One exposure found: the run, and the address it listens on.
+struct Exposed {
+    guarded: super::books::Guarded,
+    addr: SocketAddr,
+}
+
+impl Seen {
+    /// The guarded runs (each with its process group's leader) that
+    /// listen beyond loopback; nothing when nothing changed since the last
+    /// look. Reads /proc: runs on a blocking thread.
+    #[allow(clippy::disallowed_methods)]
+    fn look(&mut self, guarded: Vec<(super::books::Guarded, i32)>) -> Vec<Exposed> {
+        let listening = listening();
+        let beyond: HashSet<u64> = listening
+            .iter()
+            .filter(|(_, a)| !is_loopback(a.ip()))
+            .map(|(i, _)| *i)
+            .collect();
+        let runs: HashSet<(String, u64)> = guarded
+            .iter()
+            .map(|(g, _)| (g.id.clone(), g.generation))
+            .collect();
+        let new_listener = !beyond.is_subset(&self.beyond);
+        let new_run = !runs.is_subset(&self.runs);
+        self.beyond = beyond.clone();
+        self.runs = runs;
+        if beyond.is_empty() || !(new_listener || new_run) {
+            return Vec::new();
+        }
+        let groups: HashSet<i32> = guarded.iter().map(|(_, g)| *g).collect();
+        let sockets = group_sockets(&groups);
+        let mut out = Vec::new();
+        for (g, pid) in guarded {
+            let inodes = match sockets.get(&pid) {
+                Some(inodes) => Some(inodes.clone()),
+                // An adopted process that does not lead its group.
+                None if g.adopted => process_sockets(pid),
+                None => None,
+            };
+            let exposed = inodes.and_then(|inodes| {
+                inodes
+                    .iter()
+                    .filter(|i| beyond.contains(i))
+                    .find_map(|i| listening.get(i).copied())
+            });
+            if let Some(addr) = exposed {
+                // One being stopped is looked at again until it is gone;
+                // an adopted one is reported once.
+                if !g.adopted {
+                    self.runs.remove(&(g.id.clone(), g.generation));
+                }
+                out.push(Exposed { guarded: g, addr });
+            }
+        }
+        out
+    }
+}
+
 impl Agent {
     /// Stops every READY instance under `expose = "loopback"` that listens
     /// beyond loopback; an adopted one is reported instead (once per run).
-    pub(super) fn guard_exposure(self: &Arc<Self>) {
+    /// The look at /proc runs on a blocking thread, and only when a
+    /// listener beyond loopback or a guarded run is new (`Seen`).
+    pub(super) async fn guard_exposure(self: &Arc<Self>) {
         let guarded: Vec<(super::books::Guarded, i32)> = self
             .books
             .loopback_only()
@@ -184,23 +262,14 @@ impl Agent {
         if guarded.is_empty() {
             return;
         }
-        let groups: HashSet<i32> = guarded.iter().map(|(_, g)| *g).collect();
-        let sockets = group_sockets(&groups);
-        let listening = listening();
-        for (g, pid) in guarded {
-            let inodes = match sockets.get(&pid) {
-                Some(inodes) => Some(inodes.clone()),
-                // An adopted process that does not lead its group.
-                None if g.adopted => process_sockets(pid),
-                None => None,
-            };
-            let exposed = inodes.and_then(|inodes| {
-                inodes
-                    .iter()
-                    .filter_map(|i| listening.get(i).copied())
-                    .find(|a| !is_loopback(a.ip()))
-            });
-            let Some(addr) = exposed else { continue };
+        let me = self.clone();
+        let found = tokio::task::spawn_blocking(move || {
+            let mut seen = me.exposure.lock().unwrap_or_else(|e| e.into_inner());
+            seen.look(guarded)
+        })
+        .await
+        .unwrap_or_default();
+        for Exposed { guarded: g, addr } in found {
             let what =
                 format!("EXPOSED: listening on {addr}, beyond loopback (expose = \"loopback\")");
             if g.adopted {

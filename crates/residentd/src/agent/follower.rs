@@ -209,6 +209,6 @@ pub(super) async fn tick(agent: Weak<Agent>) {
         agent.expire_idle();
         agent.sleep_idle();
         agent.expire_leases();
-        agent.guard_exposure();
+        agent.guard_exposure().await;
     }
 }

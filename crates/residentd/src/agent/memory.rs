@@ -38,7 +38,10 @@ impl Agent {
         let _ = tokio::task::spawn_blocking(move || me.refresh_probes_with(&config)).await;
     }
 
-    /// [`Agent::refresh_probes`] under the request's config snapshot.
+    /// [`Agent::refresh_probes`] under the request's config snapshot. On a
+    /// blocking thread where a device probe is open; on a node of host
+    /// pools alone, in place: one read of /proc/meminfo.
+    #[allow(clippy::disallowed_methods)]
     pub(super) fn refresh_probes_with(&self, config: &Config) {
         let mut readings = Readings {
             available: self
@@ -110,7 +113,9 @@ impl Agent {
 
     /// What each instance holds on each device pool whose probe accounts
     /// per process (NVML, or a file with `PID BYTES` lines): the sum over
-    /// the instance's process group. One scan of /proc, only when needed.
+    /// the instance's process group. One scan of /proc, only when needed
+    /// (a device probe is open: on a blocking thread).
+    #[allow(clippy::disallowed_methods)]
     fn device_use(&self) -> Vec<(String, String, u64)> {
         let probes: Vec<(String, Arc<dyn resident_probe::MemoryProbe>)> = self
             .devices
@@ -162,7 +167,9 @@ impl Agent {
         }
         *self.devices.write().unwrap_or_else(|e| e.into_inner()) = probes;
     }
-    /// The live reading of `pool`, if it has a probe that answers.
+    /// The live reading of `pool`, if it has a probe that answers. Called
+    /// on a blocking thread (`await_memory_back`).
+    #[allow(clippy::disallowed_methods)]
     pub(super) fn read_pool(&self, pool: &str) -> Option<u64> {
         let device = self
             .devices
@@ -180,12 +187,28 @@ impl Agent {
     /// least `want` bytes available: drivers and the kernel free a large
     /// process's memory after it is reaped, and a new model should not
     /// start into memory that is not back yet. No reading: no wait.
-    pub(super) async fn await_memory_back(&self, config: &Config, wanted: &[(String, u64)]) {
+    pub(super) async fn await_memory_back(
+        self: &Arc<Self>,
+        config: &Config,
+        wanted: &[(String, u64)],
+    ) {
         let deadline = Instant::now() + config.node.memory_recovery;
         loop {
+            // The readings (an NVML call, /proc/meminfo) on a blocking
+            // thread.
+            let (me, pools) = (self.clone(), wanted.to_vec());
+            let readings = tokio::task::spawn_blocking(move || {
+                pools
+                    .iter()
+                    .map(|(pool, _)| me.read_pool(pool))
+                    .collect::<Vec<_>>()
+            })
+            .await
+            .unwrap_or_default();
             let short: Vec<(&str, u64, Option<u64>)> = wanted
                 .iter()
-                .map(|(pool, want)| (pool.as_str(), *want, self.read_pool(pool)))
+                .zip(readings)
+                .map(|((pool, want), now)| (pool.as_str(), *want, now))
                 .filter(|(_, want, now)| now.is_some_and(|a| a < *want))
                 .collect();
             if short.is_empty() {

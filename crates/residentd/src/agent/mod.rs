@@ -12,6 +12,13 @@
 //! `sleep.rs` puts servers to sleep and wakes them (`[workload.sleep]`);
 //! `exposure.rs` stops servers that listen beyond loopback where their
 //! workload says `expose = "loopback"` (and reports adopted ones).
+//!
+//! No code here reads the file system or scans /proc on a runtime thread:
+//! clippy's `disallowed_methods` (crates/residentd/clippy.toml) is on for
+//! this module, and what must read runs on a blocking thread, allowed
+//! function by function with the reason.
+
+#![warn(clippy::disallowed_methods)]
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -95,6 +102,8 @@ pub struct Agent {
     metrics: crate::metrics::Metrics,
     /// Where an upgrade stands (`upgrade.rs`).
     upgrade: tokio::sync::watch::Sender<u8>,
+    /// What the exposure guard saw at its last look.
+    exposure: Mutex<exposure::Seen>,
 }
 
 impl Agent {
@@ -144,6 +153,7 @@ impl Agent {
             metrics: crate::metrics::Metrics::new(),
             tls,
             pools_live: Mutex::new(std::collections::HashMap::new()),
+            exposure: Mutex::new(exposure::Seen::default()),
         });
         agent.open_device_probes();
         agent.refresh_probes();
@@ -203,7 +213,14 @@ impl Agent {
     pub async fn shutdown(&self) {
         self.books.close();
         self.closing.store(true, Ordering::Release);
-        self.write_journal_now(true);
+        // The last write fsyncs: off the runtime's worker (a runtime of
+        // one thread has no other to hand its tasks to).
+        let flavor = tokio::runtime::Handle::current().runtime_flavor();
+        if flavor == tokio::runtime::RuntimeFlavor::MultiThread {
+            tokio::task::block_in_place(|| self.write_journal_now(true));
+        } else {
+            self.write_journal_now(true);
+        }
         self.closed.send_replace(true);
         self.sup.shutdown().await;
         let released = async {

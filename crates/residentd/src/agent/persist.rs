@@ -34,7 +34,23 @@ impl Agent {
     /// are reported and dropped (a process left running for one is
     /// stopped).
     pub async fn restore(self: &Arc<Self>) {
-        let found = self.journal.read();
+        // The journal, which of its runs still run (to take over), and
+        // what else the previous run left (killed): read and done on a
+        // blocking thread.
+        let me = self.clone();
+        let outlive = self.config().node.instances_outlive_agent;
+        let (found, taken, killed) = tokio::task::spawn_blocking(move || {
+            let found = me.journal.read();
+            let (taken, others): (Vec<_>, Vec<_>) = found
+                .entries
+                .iter()
+                .cloned()
+                .partition(|e| outlive && taken_over(e).is_some_and(|p| still_runs(&p)));
+            let killed = journal::kill_leftovers(&others);
+            (found, taken, killed)
+        })
+        .await
+        .unwrap_or_default();
         self.books.set_learned(found.learned);
         let entries = found.entries;
         if entries.is_empty() {
@@ -42,12 +58,6 @@ impl Agent {
             self.sup.clear_dead_agents();
             return;
         }
-        let outlive = self.config().node.instances_outlive_agent;
-        let (taken, others): (Vec<_>, Vec<_>) = entries
-            .iter()
-            .cloned()
-            .partition(|e| outlive && taken_over(e).is_some_and(|p| still_runs(&p)));
-        let killed = journal::kill_leftovers(&others);
         tracing::info!(
             instances = entries.len(),
             taking_over = taken.len(),
@@ -158,14 +168,16 @@ impl Agent {
             tokio::spawn(async move { mover.finish_moves(moves).await });
             me.sup.clear_dead_agents();
             let deadline = Instant::now() + Duration::from_secs(5);
+            let groups = Arc::new(groups);
             while !groups.is_empty() && Instant::now() < deadline {
-                let left = resident_supervisor::procfs::scan()
-                    .iter()
-                    .any(|p| p.state != 'Z' && groups.contains(&p.pgrp));
+                let scanned = groups.clone();
+                let left = tokio::task::spawn_blocking(move || groups_left(&scanned))
+                    .await
+                    .unwrap_or(false);
                 if !left {
                     break;
                 }
-                tokio::time::sleep(Duration::from_millis(10)).await;
+                tokio::time::sleep(Duration::from_millis(50)).await;
             }
             for (e, request, a, _) in rest {
                 let me = me.clone();
@@ -335,7 +347,9 @@ impl Agent {
     /// What the journal should hold now: resident instances no Stop or
     /// eviction asked for, in admission order, with their running group.
     /// The books are read under their lock; the process table after it is
-    /// released.
+    /// released. Reads /proc: called by the journal writer, on a blocking
+    /// thread.
+    #[allow(clippy::disallowed_methods)]
     pub(super) fn journal_entries(&self) -> Vec<journal::Entry> {
         let live = self.books.journal_rows();
         // A group's start time comes from its spawn; when the spawn could
@@ -428,7 +442,18 @@ fn taken_over(e: &journal::Entry) -> Option<resident_supervisor::TakeOver> {
     )
 }
 
+/// Whether a process of `groups` (process group ids) is alive (a zombie
+/// holds no memory). Walks /proc: on a blocking thread.
+#[allow(clippy::disallowed_methods)]
+fn groups_left(groups: &std::collections::HashSet<i32>) -> bool {
+    resident_supervisor::procfs::scan()
+        .iter()
+        .any(|p| p.state != 'Z' && groups.contains(&p.pgrp))
+}
+
 /// Whether the process is still the one journaled (pid and start time).
+/// Reads /proc: on a blocking thread.
+#[allow(clippy::disallowed_methods)]
 fn still_runs(p: &resident_supervisor::TakeOver) -> bool {
     let pid = i32::try_from(p.pid).unwrap_or(0);
     resident_supervisor::procfs::stat(pid)

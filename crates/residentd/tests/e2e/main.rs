@@ -8,6 +8,8 @@
 //!
 //! `cargo test -p residentd --test e2e lifecycle::` runs one topic.
 
+#![allow(clippy::disallowed_methods)] // crates/residentd/clippy.toml is for agent/ only
+
 mod support;
 
 mod adopt;
