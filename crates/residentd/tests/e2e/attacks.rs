@@ -361,7 +361,7 @@ async fn an_upgrade_refuses_a_binary_another_user_can_write() {
     let said = text(&o);
     // An agent the upgrade started (were it to) goes with the test.
     let now = agent_pid(&d.socket).await;
-    let _next = (now != pid).then_some(Upgraded(now));
+    let _next = (now != pid).then(|| Upgraded(now));
     assert!(!o.status.success(), "upgraded: {said}");
     assert!(
         said.contains("FAILED_PRECONDITION")
