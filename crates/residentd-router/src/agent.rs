@@ -1,7 +1,8 @@
 //! The router's only way to the agent: its public gRPC API, over the Unix
 //! socket, plaintext TCP or TCP with mutual TLS (tonic's rustls client,
 //! as residentctl's). Each call is one RPC; a refusal is decoded from the
-//! status's ErrorInfo (reason, `temporary`).
+//! status's ErrorInfo (reason, `temporary`), a role refusal
+//! (PERMISSION_DENIED) kept as such.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -59,6 +60,9 @@ pub enum StartError {
     Failed(String),
     /// The agent could not be asked.
     Unavailable(String),
+    /// The agent refused the router's identity the call (its roles): its
+    /// words.
+    Denied(String),
 }
 
 /// The client side of the agent's mutual TLS, as PEM: what `--ca`,
@@ -370,6 +374,9 @@ pub fn start_error(status: &tonic::Status) -> StartError {
             holders: holders(status),
         },
         _ => match status.code() {
+            Code::PermissionDenied | Code::Unauthenticated => {
+                StartError::Denied(status.message().to_string())
+            }
             Code::Unavailable | Code::Unknown | Code::Cancelled | Code::DeadlineExceeded => {
                 StartError::Unavailable(status.message().to_string())
             }

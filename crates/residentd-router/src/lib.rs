@@ -325,7 +325,7 @@ async fn list_models(State(app): State<Arc<App>>) -> Response {
     .await;
     let instances = match listed {
         Ok(i) => i,
-        Err(s) => return app.failed("", RouterError::agent(s.message())),
+        Err(s) => return app.failed("", RouterError::from_status(&s)),
     };
     // The state of the instance that serves a workload: the router's own
     // (its id is the name) unless another of the workload's is READY (an
@@ -379,7 +379,7 @@ fn json(value: serde_json::Value) -> Response {
 async fn health(State(app): State<Arc<App>>) -> Response {
     match app.models.agent().workloads().await {
         Ok(_) => json(serde_json::json!({"status": "ok"})),
-        Err(s) => RouterError::agent(s.message()).into_response(),
+        Err(s) => RouterError::from_status(&s).into_response(),
     }
 }
 

@@ -659,6 +659,60 @@ async fn the_router_serves_through_an_agent_reached_over_mutual_tls() {
     }
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_without_the_operator_role_is_answered_403_with_the_agents_words() {
+    // The router's certificate is granted viewer only: it may read the
+    // roster, not hold or start a model.
+    let body = String::from("[[pool]]\nname = \"ram\"\nbudget = \"10GB\"\n\n")
+        + &sleeper("demo", "ram", 1, "");
+    let a = tls_agent_serving(
+        "[node.access]\nviewers = [\"cert-dns:router\"]",
+        false,
+        &body,
+    );
+    let (cert, key) = leaf(&a.client_ca, &["router"]);
+    let tls = AgentTls {
+        ca: a.server_ca.as_bytes().to_vec(),
+        cert: cert.as_bytes().to_vec(),
+        key: key.as_bytes().to_vec(),
+        name: None,
+    };
+    // Connected once the agent serves.
+    let mut agent = resident_api::pb::node_agent_client::NodeAgentClient::new(
+        connect_tls(&a, &cert, &key).await,
+    );
+    let r = router_to(
+        &format!("https://localhost:{}", a.port),
+        Some(tls),
+        PATIENCE,
+    )
+    .await;
+    let health = "GET /health HTTP/1.1\r\nHost: router\r\nConnection: close\r\n\r\n";
+    let (status, _, said) = raw(r.port, health.as_bytes()).await;
+    assert_eq!(status, 200, "a viewer reaches the agent: {said}");
+    let chat = post(
+        "/v1/chat/completions",
+        r#"{"model": "demo", "messages": []}"#,
+    );
+    let (status, _, said) = raw(r.port, &chat).await;
+    assert_eq!(status, 403, "{said}");
+    assert_eq!(
+        error_of(&said),
+        ("permission_denied".into(), "permission_denied".into())
+    );
+    assert!(
+        said.contains("needs the operator role") && said.contains("cert-dns:router"),
+        "the agent's words: {said}"
+    );
+    let list = agent
+        .list(pb::ListRequest {})
+        .await
+        .expect("a viewer lists")
+        .into_inner()
+        .instances;
+    assert!(list.is_empty(), "nothing started: {list:?}");
+}
+
 /// Pools `gpu` and `ram`; workload `big`, the sleep stand-in (20 MB,
 /// with `flags`), 3 GB of `gpu` awake and 3 GB of `ram` asleep.
 fn sleepy_big(flags: &str) -> String {
