@@ -13,8 +13,11 @@
 //! - `proxy.rs`: forwarding, streaming, and the hold that ends with the
 //!   response body.
 //! - `error.rs`: OpenAI-shaped errors. `metrics.rs`: `/metrics`.
-//! - `console/`: the read-only node console, `GET /ui` (its page under
-//!   `ui/`), fed by Server-Sent Events.
+//! - `guard.rs`: what a request must be to reach any handler (an allowed
+//!   `Host` and `Origin`, a JSON body) and which paths the passthrough
+//!   forwards.
+//! - `console/`: the node console, `GET /ui` (its page under `ui/`), fed
+//!   by Server-Sent Events; its actions only when turned on.
 //!
 //! docs/router.md is the operator's guide.
 
@@ -35,6 +38,7 @@ use serde::Deserialize;
 pub mod agent;
 pub mod console;
 pub mod error;
+pub mod guard;
 pub mod metrics;
 pub mod models;
 pub mod proxy;
@@ -70,6 +74,44 @@ pub struct Options {
     /// The console's actions (start, stop, sleep, wake from `/ui`): off
     /// when `None`; on for requests that carry this bearer token.
     pub console_token: Option<String>,
+    /// Hosts the router answers to beside the listen address and the
+    /// loopback names (`--allow-host`).
+    pub allow_hosts: Vec<String>,
+    /// The paths `/upstream/{model}/` forwards (`--upstream-allow`);
+    /// empty: [`guard::DEFAULT_UPSTREAM`].
+    pub upstream_allow: Vec<String>,
+}
+
+/// The defaults of the options (and of the flags that set them).
+pub mod defaults {
+    use std::time::Duration;
+
+    /// `--queue-timeout`.
+    pub const QUEUE_TIMEOUT: Duration = Duration::from_secs(120);
+    /// `--max-body`: 32 MiB.
+    pub const MAX_BODY: usize = 32 << 20;
+    /// `--body-timeout`.
+    pub const BODY_TIMEOUT: Duration = Duration::from_secs(30);
+    /// `--hold`.
+    pub const HOLD: Duration = Duration::from_secs(15);
+}
+
+impl Options {
+    /// The defaults, reaching the agent at `agent` and serving `listen`.
+    pub fn new(agent: impl Into<String>, listen: SocketAddr) -> Self {
+        Self {
+            agent: agent.into(),
+            tls: None,
+            listen,
+            queue_timeout: defaults::QUEUE_TIMEOUT,
+            max_body: defaults::MAX_BODY,
+            body_timeout: defaults::BODY_TIMEOUT,
+            hold: defaults::HOLD,
+            console_token: None,
+            allow_hosts: Vec::new(),
+            upstream_allow: Vec::new(),
+        }
+    }
 }
 
 /// The router's shared state.
@@ -81,6 +123,10 @@ pub struct App {
     options: Options,
     /// The agent's events for the console's pages.
     feed: console::feed::Feed,
+    /// The hosts it answers to.
+    hosts: guard::Hosts,
+    /// The paths its passthrough forwards.
+    upstream_paths: guard::UpstreamPaths,
 }
 
 impl App {
@@ -89,9 +135,16 @@ impl App {
         let metrics = Arc::new(Metrics::new());
         let agent = Agent::new(&options.agent, options.tls.as_ref())?;
         let models = Models::new(agent, options.hold, options.queue_timeout, metrics.clone());
+        let mut allowed = Vec::new();
+        for h in &options.allow_hosts {
+            allowed.push(guard::check_host_flag(h).map_err(anyhow::Error::msg)?);
+        }
         Ok(Arc::new(Self {
             models,
             upstream: proxy::upstream(),
+            hosts: guard::Hosts::new(options.listen, &allowed),
+            upstream_paths: guard::UpstreamPaths::new(&options.upstream_allow)
+                .map_err(anyhow::Error::msg)?,
             metrics,
             options,
             feed: console::feed::Feed::default(),
@@ -120,6 +173,10 @@ impl App {
             .route("/metrics", get(metrics))
             .merge(console::routes())
             .fallback(unknown_endpoint)
+            .layer(axum::middleware::from_fn_with_state(
+                self.clone(),
+                guard::check,
+            ))
             .with_state(self.clone())
     }
 
@@ -306,6 +363,10 @@ async fn upstream(
     let (model, rest) = after.split_once('/').unwrap_or((after, ""));
     let model = model.to_string();
     let mut path = format!("/{rest}");
+    if !app.upstream_paths.allows(&method, &path) {
+        app.metrics.refused("upstream_path");
+        return app.failed(&model, guard::upstream_refused(&method, &model, &path));
+    }
     if let Some(q) = uri.query() {
         path.push('?');
         path.push_str(q);

@@ -62,6 +62,19 @@ struct Cli {
     /// `Authorization: Bearer`. Without it the console is read-only.
     #[arg(long, env = "RESIDENTD_CONSOLE_TOKEN_FILE")]
     console_token_file: Option<PathBuf>,
+    /// A host this router answers to, as clients write it (node-7.example.org,
+    /// node-7.example.org:8080), beside the listen address and localhost,
+    /// 127.0.0.1 and [::1] (each with the port and without). Requests for
+    /// any other Host, or from pages of another origin, are refused (403).
+    #[arg(long = "allow-host", value_name = "HOST")]
+    allow_hosts: Vec<String>,
+    /// A path prefix /upstream/MODEL/ forwards to the model's server (/v1/,
+    /// /slots, 'GET /props' for GET and HEAD only, / for every path);
+    /// repeatable. Given, it replaces the default, inference and read paths
+    /// only, which `default` stands for: --upstream-allow default
+    /// --upstream-allow /slots adds /slots to it.
+    #[arg(long = "upstream-allow", value_name = "PREFIX")]
+    upstream_allow: Vec<String>,
     /// Log as JSON lines.
     #[arg(long)]
     log_json: bool,
@@ -197,6 +210,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         max_body: cli.max_body,
         body_timeout: cli.body_timeout,
         hold: cli.hold,
+        allow_hosts: cli.allow_hosts,
+        upstream_allow: cli.upstream_allow,
     };
     let (listen, agent) = (options.listen, options.agent.clone());
     let tls = options.tls.is_some();

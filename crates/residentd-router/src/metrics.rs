@@ -29,6 +29,11 @@ struct StartLabels {
     result: String,
 }
 
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WhyLabels {
+    why: &'static str,
+}
+
 fn latency() -> Histogram {
     // 100 µs to about 53 s.
     Histogram::new(exponential_buckets(0.0001, 2.0, 20))
@@ -48,6 +53,7 @@ pub struct Metrics {
     starts: Family<StartLabels, Histogram, fn() -> Histogram>,
     queue_timeouts: Family<ModelLabels, Counter>,
     waiting: Gauge,
+    refused: Family<WhyLabels, Counter>,
     /// The requests in flight per model again, readable (a Family is
     /// not): what the console shows.
     in_flight_now: Mutex<BTreeMap<String, i64>>,
@@ -118,6 +124,7 @@ impl Metrics {
             starts: Family::new_with_constructor(latency),
             queue_timeouts: Family::default(),
             waiting: Gauge::default(),
+            refused: Family::default(),
             in_flight_now: Mutex::default(),
             waiting_now: Mutex::default(),
             recent: Mutex::default(),
@@ -154,7 +161,17 @@ impl Metrics {
             "Starts waiting for memory that requests in flight hold",
             m.waiting.clone(),
         );
+        r.register(
+            "refused",
+            "Requests refused before any handler: a host, an origin, a content type or an upstream path not allowed",
+            m.refused.clone(),
+        );
         m
+    }
+
+    /// Counts a refusal before any handler.
+    pub fn refused(&self, why: &'static str) {
+        self.refused.get_or_create(&WhyLabels { why }).inc();
     }
 
     /// Counts an answered request.
