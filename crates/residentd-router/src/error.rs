@@ -158,6 +158,14 @@ impl RouterError {
         }
     }
 
+    /// 503 with Retry-After: a bound of the router's own is reached
+    /// (`code` says which, `message` which flag sets it).
+    pub fn busy(code: &str, message: String) -> Self {
+        let mut e = Self::new(StatusCode::SERVICE_UNAVAILABLE, "overloaded", code, message);
+        e.retry_after = Some(1);
+        e
+    }
+
     /// The JSON body.
     pub fn body(&self) -> serde_json::Value {
         serde_json::json!({

@@ -120,13 +120,14 @@ fn bad_flags_are_named() {
         "{err}"
     );
     // Values that parse but cannot work: 78 before serving, naming them.
-    let rows: [(&[&str], &str); 3] = [
+    let rows: [(&[&str], &str); 4] = [
         (
             &["--allow-host", "http://node-7"],
             "--allow-host 'http://node-7'",
         ),
         (&["--upstream-allow", "sleep"], "--upstream-allow 'sleep'"),
         (&["--upstream-allow", "/v1/../sleep"], "no . or .. segments"),
+        (&["--max-connections", "0"], "--max-connections 0"),
     ];
     for (args, said) in rows {
         let out = Command::new(ROUTER)

@@ -1,10 +1,14 @@
-//! The attacks a review found on residentd-router (issue #43), each
-//! performed against the router (its library, served in this process)
-//! in front of the real agent, over real sockets: a web page driving it
-//! (a cross-site `text/plain` POST, a name rebound to 127.0.0.1, a model
-//! server's own controls through `/upstream`). Each test fails on the
-//! router as it was before the check it shows (see the commit that added
-//! it).
+//! The attacks a review found on residentd-router (issue #43, points 7
+//! and 8), each performed against the router (its library, served in
+//! this process) in front of the real agent, over real sockets: a web
+//! page driving it (a cross-site `text/plain` POST, a name rebound to
+//! 127.0.0.1, a model server's own controls through `/upstream`), and
+//! clients that hold what the router has (slow headers, connections,
+//! bodies, the console's streams against the agent's calls), and the
+//! agent's own metrics endpoint held the same way. Each test fails on the
+//! router as it was before the bounds (see the commit that added them).
+
+use std::time::{Duration, Instant};
 
 use resident_api::pb;
 use serde_json::Value;
@@ -48,6 +52,35 @@ fn split(text: &str) -> (u16, String) {
     (status, body.to_string())
 }
 
+/// Reads one answer of a kept-alive connection (its head and its
+/// Content-Length of body): the status.
+async fn read_one(s: &mut TcpStream) -> u16 {
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    let whole = tokio::time::timeout(PATIENCE, async {
+        loop {
+            let text = String::from_utf8_lossy(&seen).to_string();
+            if let Some((head, body)) = text.split_once("\r\n\r\n") {
+                let length = head
+                    .lines()
+                    .find_map(|l| {
+                        let (k, v) = l.split_once(':')?;
+                        k.eq_ignore_ascii_case("content-length")
+                            .then(|| v.trim().parse::<usize>().ok())?
+                    })
+                    .unwrap_or(0);
+                if body.len() >= length {
+                    return split(&text).0;
+                }
+            }
+            let n = s.read(&mut buf).await.expect("read");
+            assert!(n > 0, "closed mid-answer: {text}");
+            seen.extend_from_slice(&buf[..n]);
+        }
+    });
+    whole.await.expect("an answer within the patience")
+}
+
 /// The OpenAI error code of a body.
 fn code(body: &str) -> String {
     let v: Value = serde_json::from_str(body.trim()).unwrap_or_else(|e| panic!("{e}: {body}"));
@@ -64,6 +97,13 @@ fn post_with(path: &str, headers: &str, body: &str) -> String {
 
 fn get_as(path: &str, host: &str) -> String {
     format!("GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n")
+}
+
+/// The router's metric `line` (a sample's name and labels): its value.
+async fn metric(port: u16, line: &str) -> Option<f64> {
+    let (_, body) = exchange(port, &get_as("/metrics", "localhost")).await;
+    body.lines()
+        .find_map(|l| l.strip_prefix(line)?.trim().parse().ok())
 }
 
 const CHAT: &str = r#"{"model": "big", "messages": [{"role": "user", "content": "hi"}]}"#;
@@ -232,4 +272,311 @@ async fn a_model_servers_own_controls_are_not_reachable_through_upstream() {
     .await;
     assert_eq!(status, 200, "{body}");
     assert!(asleep().await, "allowed, /sleep reached the server");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_never_finishes_its_headers_is_cut_off_while_others_are_served() {
+    let d = Daemon::start(&pool("ram", "1GB")).await;
+    let timeout = Duration::from_secs(1);
+    let r = serve_router_with(&d.socket.display().to_string(), |o| {
+        o.header_timeout = timeout;
+    })
+    .await;
+    // Half a request's headers, then nothing (slowloris).
+    let mut slow = TcpStream::connect(("127.0.0.1", r.port))
+        .await
+        .expect("connect");
+    let began = Instant::now();
+    slow.write_all(b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Slow: ")
+        .await
+        .expect("send");
+    // Served meanwhile.
+    let (status, body) = exchange(r.port, &get_as("/health", "localhost")).await;
+    assert_eq!(status, 200, "{body}");
+    // And an idle kept-alive connection is closed the same way.
+    let mut idle = TcpStream::connect(("127.0.0.1", r.port))
+        .await
+        .expect("connect");
+    idle.write_all(
+        get_as("/v1/models", "localhost")
+            .replace("Connection: close\r\n", "")
+            .as_bytes(),
+    )
+    .await
+    .expect("send");
+    assert_eq!(read_one(&mut idle).await, 200);
+    let idle_since = Instant::now();
+    let mut rest = Vec::new();
+    let cut = tokio::time::timeout(10 * timeout, slow.read_to_end(&mut rest)).await;
+    let took = began.elapsed();
+    assert!(
+        cut.is_ok(),
+        "the slow client was still connected after {took:?} (--header-timeout {timeout:?})"
+    );
+    assert!(
+        took >= timeout,
+        "cut off after {took:?}, before the timeout"
+    );
+    assert!(rest.is_empty(), "{}", String::from_utf8_lossy(&rest));
+    let cut = tokio::time::timeout(10 * timeout, idle.read_to_end(&mut rest)).await;
+    assert!(cut.is_ok(), "an idle connection stayed open");
+    assert!(idle_since.elapsed() >= timeout);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_beyond_the_cap_are_answered_503_and_the_cap_frees_as_they_close() {
+    let d = Daemon::start(&pool("ram", "1GB")).await;
+    let r = serve_router_with(&d.socket.display().to_string(), |o| {
+        o.max_connections = 4;
+    })
+    .await;
+    // Four connections, each answered once and kept open.
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        let mut s = TcpStream::connect(("127.0.0.1", r.port))
+            .await
+            .expect("connect");
+        s.write_all(b"GET /nothing HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            .await
+            .expect("send");
+        assert_eq!(read_one(&mut s).await, 404);
+        held.push(s);
+    }
+    // A fifth: 503, said as such, and closed.
+    let (status, body) = exchange(r.port, &get_as("/health", "localhost")).await;
+    assert_eq!(
+        (status, code(&body).as_str()),
+        (503, "too_many_connections"),
+        "{body}"
+    );
+    assert!(body.contains("--max-connections"), "{body}");
+    // One closes: a new one is served.
+    drop(held.pop());
+    let served =
+        eventually(async || exchange(r.port, &get_as("/health", "localhost")).await.0 == 200);
+    assert!(served.await, "a place came free once a connection closed");
+    // The refusal was counted.
+    let refused = "residentd_router_refused_total{why=\"connections\"}";
+    let count = until(async || metric(r.port, refused).await).await;
+    assert!(count >= Some(1.0), "{count:?}");
+    drop(held);
+}
+
+/// A POST whose 1 MiB body is declared and never sent beyond its start.
+async fn stalled_body(port: u16) -> TcpStream {
+    let mut s = TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect");
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{{\"model\":",
+        1 << 20
+    );
+    s.write_all(head.as_bytes()).await.expect("send");
+    s
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_are_buffered_within_the_budget_and_others_wait_their_turn() {
+    let d = Daemon::start(&pool("ram", "1GB")).await;
+    // Room for two bodies of the largest size (1 MiB); each has 2 s to
+    // arrive.
+    let r = serve_router_with(&d.socket.display().to_string(), |o| {
+        o.body_budget = 2 << 20;
+        o.body_timeout = Duration::from_secs(2);
+        o.queue_timeout = PATIENCE;
+    })
+    .await;
+    let port = r.port;
+    let reserved = "residentd_router_buffered_bytes";
+    let budget = f64::from(2 << 20);
+    // The most set aside, sampled throughout.
+    let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
+    let sampler = tokio::spawn(async move {
+        let mut most = 0.0f64;
+        loop {
+            most = most.max(metric(port, reserved).await.unwrap_or(0.0));
+            tokio::select! {
+                _ = &mut stopped => return most,
+                () = tokio::time::sleep(Duration::from_millis(20)) => {}
+            }
+        }
+    });
+    // Four clients declare 1 MiB each and stall: two are read, 2 MiB set
+    // aside, the other two wait without being read.
+    let began = Instant::now();
+    let mut stalled = Vec::new();
+    for _ in 0..4 {
+        stalled.push(stalled_body(port).await);
+    }
+    // Until two bodies' room is set aside (checked below: without the
+    // budget nothing is).
+    let full = until(async || metric(port, reserved).await.filter(|&b| b >= budget)).await;
+    // A small, whole request now waits for room, behind the two waiting:
+    // it is answered only after stalled bodies ran out of time (408).
+    let small = post_with(
+        "/v1/chat/completions",
+        "Host: localhost\r\nContent-Type: application/json\r\n",
+        r#"{"model": "nothing-by-this-name"}"#,
+    );
+    let asked = Instant::now();
+    let (status, body) = exchange(port, &small).await;
+    let waited = asked.elapsed();
+    assert_eq!(
+        (status, code(&body).as_str()),
+        (404, "model_not_found"),
+        "{body}"
+    );
+    // Room came free at the first stalled bodies' 2 s at the soonest.
+    assert!(
+        began.elapsed() >= Duration::from_secs(2) && waited >= Duration::from_secs(1),
+        "the small request was read before room came free: after {waited:?}"
+    );
+    assert_eq!(full, Some(budget), "two bodies' room set aside");
+    for s in &mut stalled {
+        let (status, body) = read_answer(s).await;
+        assert_eq!(status, 408, "{body}");
+    }
+    // Never more than the budget set aside, and all of it back at the end.
+    let settled = eventually(async || metric(port, reserved).await == Some(0.0)).await;
+    assert!(settled, "the room was given back");
+    let _ = stop.send(());
+    let most = sampler.await.expect("the sampler");
+    assert_eq!(most, budget, "at most the budget set aside");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_hundred_log_streams_do_not_keep_a_start_on_demand_waiting() {
+    let Some(python) = venv_python("the attack test's model server") else {
+        return;
+    };
+    // An instance whose logs are followed (a line, then quiet), and a
+    // model the chat request starts on demand.
+    let talker = "[[workload]]\nname = \"talker\"\ncommand = [\"/bin/sh\", \"-c\", \"echo hello; exec sleep 3600\"]\nstop_grace = \"2s\"\n[workload.memory.ram]\nweights = \"1GB\"\n";
+    let demo = format!(
+        "[[workload]]\nname = \"demo\"\ncommand = [\"{}\", \"{}\", \"${{PORT}}\"]\nstop_grace = \"2s\"\n[workload.memory.ram]\nweights = \"1GB\"\n[workload.readiness]\nhttp = \"/v1/models\"\ntimeout = \"30s\"\n",
+        python.display(),
+        workspace().join("tests/router/slow_server.py").display()
+    );
+    let mut d = Daemon::start(&(pool("ram", "10GB") + talker + &demo)).await;
+    d.ready("talker", "t").await;
+    let r = serve_router(&d.socket.display().to_string(), None, PATIENCE, None).await;
+    // 300 viewers follow t's logs at once (the agent serves 256 calls at
+    // once on a connection).
+    let mut streams = Vec::new();
+    for _ in 0..300 {
+        let mut s = TcpStream::connect(("127.0.0.1", r.port))
+            .await
+            .expect("connect");
+        s.write_all(get_as("/ui/logs/t", "localhost").as_bytes())
+            .await
+            .expect("send");
+        streams.push(s);
+    }
+    let mut heads = Vec::new();
+    for s in &mut streams {
+        let mut seen = Vec::new();
+        let mut buf = [0u8; 1024];
+        let head = tokio::time::timeout(PATIENCE, async {
+            while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+                let n = s.read(&mut buf).await.expect("read");
+                assert!(n > 0, "closed before its head");
+                seen.extend_from_slice(&buf[..n]);
+            }
+            String::from_utf8_lossy(&seen).to_string()
+        });
+        heads.push(head.await.expect("a head within the patience"));
+    }
+    // A request for a model that is not running: started on demand and
+    // answered within seconds, not after the log streams end.
+    let asked = Instant::now();
+    let chat = post_with(
+        "/v1/chat/completions",
+        "Host: localhost\r\nContent-Type: application/json\r\n",
+        r#"{"model": "demo", "messages": [{"role": "user", "content": "hi"}]}"#,
+    );
+    let answered = tokio::time::timeout(Duration::from_secs(20), exchange(r.port, &chat)).await;
+    let (status, body) = answered.unwrap_or_else(|_| {
+        panic!("the chat request was not answered within 20 s while 300 log streams were open")
+    });
+    assert_eq!(status, 200, "{body}");
+    println!(
+        "a start on demand beside 300 log streams answered in {:?}",
+        asked.elapsed()
+    );
+    // The streams beyond --max-streams (64) were refused, each saying so;
+    // those served follow the instance's output.
+    let served: Vec<usize> = (0..heads.len())
+        .filter(|&k| heads[k].starts_with("HTTP/1.1 200"))
+        .collect();
+    let refused = heads
+        .iter()
+        .filter(|h| h.starts_with("HTTP/1.1 503") && h.to_lowercase().contains("connection: close"))
+        .count();
+    assert_eq!((served.len(), refused), (64, 236), "{:?}", &heads[..2]);
+    for k in served {
+        let s = &mut streams[k];
+        // What came with the head counts.
+        let mut seen = heads[k].as_bytes().to_vec();
+        let mut buf = [0u8; 4096];
+        let line = tokio::time::timeout(PATIENCE, async {
+            while !String::from_utf8_lossy(&seen).contains("hello") {
+                let n = s.read(&mut buf).await.expect("read");
+                assert!(n > 0, "a served stream ended");
+                seen.extend_from_slice(&buf[..n]);
+            }
+        });
+        line.await.expect("t's line on every stream served");
+    }
+    drop(streams);
+    assert_eq!(d.get("demo").await.state, pb::State::Ready as i32);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agents_metrics_endpoint_cuts_off_slow_headers_and_caps_connections() {
+    let metrics = free_port();
+    let d = Daemon::start(
+        &(format!("metrics_listen = \"127.0.0.1:{metrics}\"\n\n") + &pool("ram", "1GB")),
+    )
+    .await;
+    let up = eventually(async || TcpStream::connect(("127.0.0.1", metrics)).await.is_ok());
+    assert!(up.await, "the metrics endpoint listens");
+    let cap = residentd::server::METRICS_CONNECTIONS;
+    let timeout = residentd::server::METRICS_HEADER_TIMEOUT;
+    // A client that never finishes its headers, and enough others to fill
+    // the cap.
+    let began = Instant::now();
+    let mut slow = TcpStream::connect(("127.0.0.1", metrics))
+        .await
+        .expect("connect");
+    slow.write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\n")
+        .await
+        .expect("send");
+    let mut held = Vec::new();
+    for _ in 1..cap {
+        let mut s = TcpStream::connect(("127.0.0.1", metrics))
+            .await
+            .expect("connect");
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            .await
+            .expect("send");
+        assert_eq!(read_one(&mut s).await, 200);
+        held.push(s);
+    }
+    // One more: closed without an answer.
+    let (status, body) = exchange(metrics, &get_as("/metrics", "localhost")).await;
+    assert_eq!(status, 0, "served beyond {cap} connections: {body}");
+    // The slow one is cut off after the timeout, and its place given back.
+    let mut rest = Vec::new();
+    let cut = tokio::time::timeout(3 * timeout, slow.read_to_end(&mut rest)).await;
+    assert!(
+        cut.is_ok(),
+        "the slow client was still connected after {:?}",
+        began.elapsed()
+    );
+    assert!(began.elapsed() >= timeout);
+    drop(held);
+    let served =
+        eventually(async || exchange(metrics, &get_as("/metrics", "localhost")).await.0 == 200);
+    assert!(served.await, "served again once places came free");
+    drop(d);
 }
