@@ -1,7 +1,14 @@
 //! The router's only way to the agent: its public gRPC API, over the Unix
 //! socket, plaintext TCP or TCP with mutual TLS (tonic's rustls client,
 //! as residentctl's). Each call is one RPC; a refusal is decoded from the
-//! status's ErrorInfo (reason, `temporary`).
+//! status's ErrorInfo (reason, `temporary`), a role refusal
+//! (PERMISSION_DENIED) kept as such.
+//!
+//! Two connections to the agent: one for the calls that serve requests
+//! and act (Start, Touch, Stop, Sleep, Workloads, List, Place), one for
+//! the console's streams and reads (Watch, Logs, Node). The agent serves
+//! at most 256 calls at once per connection, so streams that pile up on
+//! one (the console's logs, say) never keep a Start from being sent.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -59,6 +66,9 @@ pub enum StartError {
     Failed(String),
     /// The agent could not be asked.
     Unavailable(String),
+    /// The agent refused the router's identity the call (its roles): its
+    /// words.
+    Denied(String),
 }
 
 /// The client side of the agent's mutual TLS, as PEM: what `--ca`,
@@ -109,7 +119,10 @@ pub enum AgentAddressError {
 /// A client of one agent.
 #[derive(Debug, Clone)]
 pub struct Agent {
+    /// Requests' and actions' calls.
     client: NodeAgentClient<Channel>,
+    /// The console's streams (Watch, Logs) and its reads of the node.
+    streams: NodeAgentClient<Channel>,
 }
 
 impl Agent {
@@ -118,6 +131,14 @@ impl Agent {
     /// `https://HOST:PORT` with `tls`. Connects lazily, so the router can
     /// start before the agent.
     pub fn new(endpoint: &str, tls: Option<&AgentTls>) -> Result<Self, AgentAddressError> {
+        Ok(Self {
+            client: NodeAgentClient::new(Self::channel(endpoint, tls)?),
+            streams: NodeAgentClient::new(Self::channel(endpoint, tls)?),
+        })
+    }
+
+    /// A lazy channel (a connection of its own) to the agent at `endpoint`.
+    fn channel(endpoint: &str, tls: Option<&AgentTls>) -> Result<Channel, AgentAddressError> {
         let scheme = endpoint.split_once("://").map(|(scheme, _)| scheme);
         let channel = match (scheme, tls) {
             (Some("https"), Some(tls)) => Self::tls(endpoint, tls)?,
@@ -144,9 +165,7 @@ impl Agent {
                 resident_api::endpoint_unix_lazy(endpoint, path)
             }
         };
-        Ok(Self {
-            client: NodeAgentClient::new(channel),
-        })
+        Ok(channel)
     }
 
     /// A lazy channel to `https://HOST:PORT` presenting the router's
@@ -228,7 +247,7 @@ impl Agent {
 
     /// The node: its pools and every instance.
     pub async fn node(&self) -> Result<pb::NodeStatus, tonic::Status> {
-        let r = self.client.clone().node(quick(pb::NodeRequest {})).await?;
+        let r = self.streams.clone().node(quick(pb::NodeRequest {})).await?;
         Ok(r.into_inner())
     }
 
@@ -248,7 +267,7 @@ impl Agent {
         let req = pb::WatchRequest {
             since_revision: since,
         };
-        Ok(self.client.clone().watch(req).await?.into_inner())
+        Ok(self.streams.clone().watch(req).await?.into_inner())
     }
 
     /// The last `tail` lines of instance `id`'s output, then each new one
@@ -263,7 +282,7 @@ impl Agent {
             tail,
             follow: true,
         };
-        Ok(self.client.clone().logs(req).await?.into_inner())
+        Ok(self.streams.clone().logs(req).await?.into_inner())
     }
 
     /// What a Start of `workload` would do now (a dry run, under the
@@ -370,6 +389,9 @@ pub fn start_error(status: &tonic::Status) -> StartError {
             holders: holders(status),
         },
         _ => match status.code() {
+            Code::PermissionDenied | Code::Unauthenticated => {
+                StartError::Denied(status.message().to_string())
+            }
             Code::Unavailable | Code::Unknown | Code::Cancelled | Code::DeadlineExceeded => {
                 StartError::Unavailable(status.message().to_string())
             }

@@ -134,6 +134,38 @@ impl RouterError {
         )
     }
 
+    /// 403: the agent refused the router's identity the call (its roles,
+    /// `[node.access]`), in the agent's words.
+    pub fn denied(message: impl std::fmt::Display) -> Self {
+        Self::new(
+            StatusCode::FORBIDDEN,
+            "permission_denied",
+            "permission_denied",
+            format!(
+                "the residentd agent refused the router's call: {message} (the router's identity needs the operator role: docs/router.md, Roles)"
+            ),
+        )
+    }
+
+    /// What a failed call to the agent means: a role refusal is 403 with
+    /// the agent's words; anything else, that the agent did not answer.
+    pub fn from_status(status: &tonic::Status) -> Self {
+        match status.code() {
+            tonic::Code::PermissionDenied | tonic::Code::Unauthenticated => {
+                Self::denied(status.message())
+            }
+            _ => Self::agent(status.message()),
+        }
+    }
+
+    /// 503 with Retry-After: a bound of the router's own is reached
+    /// (`code` says which, `message` which flag sets it).
+    pub fn busy(code: &str, message: String) -> Self {
+        let mut e = Self::new(StatusCode::SERVICE_UNAVAILABLE, "overloaded", code, message);
+        e.retry_after = Some(1);
+        e
+    }
+
     /// The JSON body.
     pub fn body(&self) -> serde_json::Value {
         serde_json::json!({

@@ -13,8 +13,14 @@
 //! - `proxy.rs`: forwarding, streaming, and the hold that ends with the
 //!   response body.
 //! - `error.rs`: OpenAI-shaped errors. `metrics.rs`: `/metrics`.
-//! - `console/`: the read-only node console, `GET /ui` (its page under
-//!   `ui/`), fed by Server-Sent Events.
+//! - `guard.rs`: what a request must be to reach any handler (an allowed
+//!   `Host` and `Origin`, a JSON body) and which paths the passthrough
+//!   forwards.
+//! - `limits.rs`: the HTTP server within its bounds (connections, the
+//!   time to send headers), the bytes of bodies held at once, and the
+//!   console's streams.
+//! - `console/`: the node console, `GET /ui` (its page under `ui/`), fed
+//!   by Server-Sent Events; its actions only when turned on.
 //!
 //! docs/router.md is the operator's guide.
 
@@ -27,7 +33,6 @@ use axum::body::Body;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get, post};
-use axum::serve::ListenerExt as _;
 use bytes::Bytes;
 use http::{HeaderMap, Method, StatusCode, Uri, header};
 use serde::Deserialize;
@@ -35,6 +40,8 @@ use serde::Deserialize;
 pub mod agent;
 pub mod console;
 pub mod error;
+pub mod guard;
+pub mod limits;
 pub mod metrics;
 pub mod models;
 pub mod proxy;
@@ -70,6 +77,67 @@ pub struct Options {
     /// The console's actions (start, stop, sleep, wake from `/ui`): off
     /// when `None`; on for requests that carry this bearer token.
     pub console_token: Option<String>,
+    /// Hosts the router answers to beside the listen address and the
+    /// loopback names (`--allow-host`).
+    pub allow_hosts: Vec<String>,
+    /// The paths `/upstream/{model}/` forwards (`--upstream-allow`);
+    /// empty: [`guard::DEFAULT_UPSTREAM`].
+    pub upstream_allow: Vec<String>,
+    /// The longest a client may take to send a request's headers (and,
+    /// on a kept-alive connection, to begin the next request).
+    pub header_timeout: Duration,
+    /// The most connections open at once.
+    pub max_connections: usize,
+    /// The most bytes of request bodies held at once.
+    pub body_budget: usize,
+    /// The most console streams (`/ui/events`, `/ui/logs`) open at once.
+    pub max_streams: usize,
+}
+
+/// The defaults of the options (and of the flags that set them).
+pub mod defaults {
+    use std::time::Duration;
+
+    /// `--queue-timeout`.
+    pub const QUEUE_TIMEOUT: Duration = Duration::from_secs(120);
+    /// `--max-body`: 32 MiB.
+    pub const MAX_BODY: usize = 32 << 20;
+    /// `--body-timeout`.
+    pub const BODY_TIMEOUT: Duration = Duration::from_secs(30);
+    /// `--hold`.
+    pub const HOLD: Duration = Duration::from_secs(15);
+    /// `--header-timeout`: a client on a slow link sends its headers in
+    /// well under a second.
+    pub const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+    /// `--max-connections`: each proxied request takes two file
+    /// descriptors (the client's, the model server's).
+    pub const MAX_CONNECTIONS: usize = 512;
+    /// `--body-budget`: 256 MiB, eight bodies of the largest size.
+    pub const BODY_BUDGET: usize = 256 << 20;
+    /// `--max-streams`: 32 console pages, each with its logs followed.
+    pub const MAX_STREAMS: usize = 64;
+}
+
+impl Options {
+    /// The defaults, reaching the agent at `agent` and serving `listen`.
+    pub fn new(agent: impl Into<String>, listen: SocketAddr) -> Self {
+        Self {
+            agent: agent.into(),
+            tls: None,
+            listen,
+            queue_timeout: defaults::QUEUE_TIMEOUT,
+            max_body: defaults::MAX_BODY,
+            body_timeout: defaults::BODY_TIMEOUT,
+            hold: defaults::HOLD,
+            console_token: None,
+            allow_hosts: Vec::new(),
+            upstream_allow: Vec::new(),
+            header_timeout: defaults::HEADER_TIMEOUT,
+            max_connections: defaults::MAX_CONNECTIONS,
+            body_budget: defaults::BODY_BUDGET,
+            max_streams: defaults::MAX_STREAMS,
+        }
+    }
 }
 
 /// The router's shared state.
@@ -81,6 +149,14 @@ pub struct App {
     options: Options,
     /// The agent's events for the console's pages.
     feed: console::feed::Feed,
+    /// The hosts it answers to.
+    hosts: guard::Hosts,
+    /// The paths its passthrough forwards.
+    upstream_paths: guard::UpstreamPaths,
+    /// The bytes of bodies it holds at once.
+    bodies: limits::BodyBudget,
+    /// The console's streams.
+    streams: limits::Streams,
 }
 
 impl App {
@@ -89,9 +165,18 @@ impl App {
         let metrics = Arc::new(Metrics::new());
         let agent = Agent::new(&options.agent, options.tls.as_ref())?;
         let models = Models::new(agent, options.hold, options.queue_timeout, metrics.clone());
+        let mut allowed = Vec::new();
+        for h in &options.allow_hosts {
+            allowed.push(guard::check_host_flag(h).map_err(anyhow::Error::msg)?);
+        }
         Ok(Arc::new(Self {
             models,
             upstream: proxy::upstream(),
+            hosts: guard::Hosts::new(options.listen, &allowed),
+            upstream_paths: guard::UpstreamPaths::new(&options.upstream_allow)
+                .map_err(anyhow::Error::msg)?,
+            bodies: limits::BodyBudget::new(options.body_budget, metrics.clone()),
+            streams: limits::Streams::new(options.max_streams, metrics.clone()),
             metrics,
             options,
             feed: console::feed::Feed::default(),
@@ -120,6 +205,10 @@ impl App {
             .route("/metrics", get(metrics))
             .merge(console::routes())
             .fallback(unknown_endpoint)
+            .layer(axum::middleware::from_fn_with_state(
+                self.clone(),
+                guard::check,
+            ))
             .with_state(self.clone())
     }
 
@@ -134,25 +223,28 @@ impl App {
             tracing::warn!(error = %e.message(), "the agent's roster could not be read yet; asking again at the first request");
         }
         let renew = tokio::spawn(self.models.clone().renew_holds());
-        let routes = self.routes();
-        // Each SSE event is a small write: without TCP_NODELAY, Nagle's
-        // algorithm holds it back until the client's delayed ACK (about 40
-        // ms), and a stream crawls at ~25 events a second.
-        let listener = listener.tap_io(|tcp| {
-            if let Err(e) = tcp.set_nodelay(true) {
-                tracing::debug!(error = %e, "TCP_NODELAY not set");
-            }
-        });
-        let served = axum::serve(listener, routes)
-            .with_graceful_shutdown(shutdown)
-            .await;
+        limits::serve(
+            listener,
+            self.routes(),
+            self.options.max_connections,
+            self.options.header_timeout,
+            self.metrics.clone(),
+            shutdown,
+        )
+        .await;
         renew.abort();
         self.models.settle().await;
-        served
+        Ok(())
     }
 
-    /// Reads a request body within the size and time limits.
-    async fn body(&self, headers: &HeaderMap, body: Body) -> Result<Bytes, RouterError> {
+    /// Reads a request body within the size and time limits, once the
+    /// body budget has room for it (its declared length, else the largest
+    /// body); the room is held until the [`limits::Buffered`] is dropped.
+    async fn body(
+        &self,
+        headers: &HeaderMap,
+        body: Body,
+    ) -> Result<(Bytes, limits::Buffered), RouterError> {
         let max = self.options.max_body;
         let declared = headers
             .get(header::CONTENT_LENGTH)
@@ -161,10 +253,16 @@ impl App {
         if declared.is_some_and(|n| n > max as u64) {
             return Err(RouterError::too_large(max));
         }
+        let hint = http_body::Body::size_hint(&body);
+        let need = hint
+            .upper()
+            .and_then(|n| usize::try_from(n).ok())
+            .map_or(max, |n| n.min(max));
+        let room = self.bodies.room(need, self.options.queue_timeout).await?;
         let read = axum::body::to_bytes(body, max);
         match tokio::time::timeout(self.options.body_timeout, read).await {
             Err(_) => Err(RouterError::slow_body(self.options.body_timeout.as_secs())),
-            Ok(Ok(bytes)) => Ok(bytes),
+            Ok(Ok(bytes)) => Ok((bytes, room)),
             Ok(Err(e)) if is_length_limit(&e) => Err(RouterError::too_large(max)),
             Ok(Err(e)) => Err(RouterError::invalid(
                 "unreadable_body",
@@ -281,7 +379,7 @@ async fn openai(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    let body = match app.body(&headers, body).await {
+    let (body, room) = match app.body(&headers, body).await {
         Ok(b) => b,
         Err(e) => return app.failed("", e),
     };
@@ -290,7 +388,10 @@ async fn openai(
         Err(e) => return app.failed("", e),
     };
     let path = uri.path_and_query().map_or(uri.path(), |p| p.as_str());
-    app.route(&model, method, path, &headers, body).await
+    let answer = app.route(&model, method, path, &headers, body).await;
+    // Forwarded (or answered without): its room is given back.
+    drop(room);
+    answer
 }
 
 async fn upstream(
@@ -306,15 +407,21 @@ async fn upstream(
     let (model, rest) = after.split_once('/').unwrap_or((after, ""));
     let model = model.to_string();
     let mut path = format!("/{rest}");
+    if !app.upstream_paths.allows(&method, &path) {
+        app.metrics.refused("upstream_path");
+        return app.failed(&model, guard::upstream_refused(&method, &model, &path));
+    }
     if let Some(q) = uri.query() {
         path.push('?');
         path.push_str(q);
     }
-    let body = match app.body(&headers, body).await {
+    let (body, room) = match app.body(&headers, body).await {
         Ok(b) => b,
         Err(e) => return app.failed(&model, e),
     };
-    app.route(&model, method, &path, &headers, body).await
+    let answer = app.route(&model, method, &path, &headers, body).await;
+    drop(room);
+    answer
 }
 
 async fn list_models(State(app): State<Arc<App>>) -> Response {
@@ -325,7 +432,7 @@ async fn list_models(State(app): State<Arc<App>>) -> Response {
     .await;
     let instances = match listed {
         Ok(i) => i,
-        Err(s) => return app.failed("", RouterError::agent(s.message())),
+        Err(s) => return app.failed("", RouterError::from_status(&s)),
     };
     // The state of the instance that serves a workload: the router's own
     // (its id is the name) unless another of the workload's is READY (an
@@ -379,7 +486,7 @@ fn json(value: serde_json::Value) -> Response {
 async fn health(State(app): State<Arc<App>>) -> Response {
     match app.models.agent().workloads().await {
         Ok(_) => json(serde_json::json!({"status": "ok"})),
-        Err(s) => RouterError::agent(s.message()).into_response(),
+        Err(s) => RouterError::from_status(&s).into_response(),
     }
 }
 

@@ -62,6 +62,35 @@ struct Cli {
     /// `Authorization: Bearer`. Without it the console is read-only.
     #[arg(long, env = "RESIDENTD_CONSOLE_TOKEN_FILE")]
     console_token_file: Option<PathBuf>,
+    /// A host this router answers to, as clients write it (node-7.example.org,
+    /// node-7.example.org:8080), beside the listen address and localhost,
+    /// 127.0.0.1 and [::1] (each with the port and without). Requests for
+    /// any other Host, or from pages of another origin, are refused (403).
+    #[arg(long = "allow-host", value_name = "HOST")]
+    allow_hosts: Vec<String>,
+    /// A path prefix /upstream/MODEL/ forwards to the model's server (/v1/,
+    /// /slots, 'GET /props' for GET and HEAD only, / for every path);
+    /// repeatable. Given, it replaces the default, inference and read paths
+    /// only, which `default` stands for: --upstream-allow default
+    /// --upstream-allow /slots adds /slots to it.
+    #[arg(long = "upstream-allow", value_name = "PREFIX")]
+    upstream_allow: Vec<String>,
+    /// The longest a client may take to send a request's headers, and to
+    /// begin its next request on a kept-alive connection (then closed).
+    #[arg(long, default_value = "10s", value_parser = duration)]
+    header_timeout: Duration,
+    /// The most HTTP connections open at once; one more is answered 503
+    /// and closed.
+    #[arg(long, default_value_t = residentd_router::defaults::MAX_CONNECTIONS)]
+    max_connections: usize,
+    /// The most bytes of request bodies held at once (each body counts its
+    /// declared length, else --max-body, from before it is read until it
+    /// has been forwarded); a request waits for room up to --queue-timeout.
+    #[arg(long, default_value_t = residentd_router::defaults::BODY_BUDGET)]
+    body_budget: usize,
+    /// The most console streams (/ui/events, /ui/logs) open at once.
+    #[arg(long, default_value_t = residentd_router::defaults::MAX_STREAMS)]
+    max_streams: usize,
     /// Log as JSON lines.
     #[arg(long)]
     log_json: bool,
@@ -187,7 +216,43 @@ fn console_token(path: Option<&Path>) -> anyhow::Result<Option<String>> {
     Ok(Some(token.to_string()))
 }
 
+/// Raises the soft limit of open files to the hard one where it is below
+/// what `max_connections` may need (two descriptors a proxied request: the
+/// client's and the model server's, and a few of the router's own); warns
+/// when even the hard limit is short.
+fn files_for(max_connections: usize) {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    let need = (max_connections as u64)
+        .saturating_mul(2)
+        .saturating_add(64);
+    let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) else {
+        return;
+    };
+    if soft >= need {
+        return;
+    }
+    let raised = need.min(hard);
+    if let Err(e) = setrlimit(Resource::RLIMIT_NOFILE, raised, hard) {
+        tracing::warn!(error = %e, soft, "the limit of open files could not be raised");
+    } else if raised < need {
+        tracing::warn!(
+            limit = raised,
+            need,
+            "--max-connections may need more open files than the hard limit allows (LimitNOFILE=)"
+        );
+    }
+}
+
 async fn run(cli: Cli) -> anyhow::Result<()> {
+    for (flag, value) in [
+        ("--max-connections", cli.max_connections),
+        ("--body-budget", cli.body_budget),
+        ("--max-streams", cli.max_streams),
+    ] {
+        if value == 0 {
+            return Err(Misconfigured(anyhow::anyhow!("{flag} 0: must be at least 1")).into());
+        }
+    }
     let options = Options {
         console_token: console_token(cli.console_token_file.as_deref()).map_err(Misconfigured)?,
         tls: tls(&cli).map_err(Misconfigured)?,
@@ -197,7 +262,14 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         max_body: cli.max_body,
         body_timeout: cli.body_timeout,
         hold: cli.hold,
+        allow_hosts: cli.allow_hosts,
+        upstream_allow: cli.upstream_allow,
+        header_timeout: cli.header_timeout,
+        max_connections: cli.max_connections,
+        body_budget: cli.body_budget,
+        max_streams: cli.max_streams,
     };
+    files_for(options.max_connections);
     let (listen, agent) = (options.listen, options.agent.clone());
     let tls = options.tls.is_some();
     let console_actions = options.console_token.is_some();

@@ -29,6 +29,11 @@ struct StartLabels {
     result: String,
 }
 
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WhyLabels {
+    why: &'static str,
+}
+
 fn latency() -> Histogram {
     // 100 µs to about 53 s.
     Histogram::new(exponential_buckets(0.0001, 2.0, 20))
@@ -48,6 +53,10 @@ pub struct Metrics {
     starts: Family<StartLabels, Histogram, fn() -> Histogram>,
     queue_timeouts: Family<ModelLabels, Counter>,
     waiting: Gauge,
+    connections: Gauge,
+    refused: Family<WhyLabels, Counter>,
+    buffered: Gauge,
+    console_streams: Gauge,
     /// The requests in flight per model again, readable (a Family is
     /// not): what the console shows.
     in_flight_now: Mutex<BTreeMap<String, i64>>,
@@ -118,6 +127,10 @@ impl Metrics {
             starts: Family::new_with_constructor(latency),
             queue_timeouts: Family::default(),
             waiting: Gauge::default(),
+            connections: Gauge::default(),
+            refused: Family::default(),
+            buffered: Gauge::default(),
+            console_streams: Gauge::default(),
             in_flight_now: Mutex::default(),
             waiting_now: Mutex::default(),
             recent: Mutex::default(),
@@ -154,7 +167,47 @@ impl Metrics {
             "Starts waiting for memory that requests in flight hold",
             m.waiting.clone(),
         );
+        r.register(
+            "connections",
+            "Open HTTP connections (at most --max-connections)",
+            m.connections.clone(),
+        );
+        r.register(
+            "refused",
+            "Requests and connections refused before any handler: a host, an origin, a content type or an upstream path not allowed, or a bound reached (connections, streams, body_budget)",
+            m.refused.clone(),
+        );
+        r.register(
+            "buffered_bytes",
+            "Bytes set aside for request bodies being read or waiting to be forwarded (at most --body-budget)",
+            m.buffered.clone(),
+        );
+        r.register(
+            "console_streams",
+            "The console's open event and log streams (at most --max-streams)",
+            m.console_streams.clone(),
+        );
         m
+    }
+
+    /// A connection opened (+1) or closed (-1).
+    pub fn connections(&self, by: i64) {
+        self.connections.inc_by(by);
+    }
+
+    /// Counts a refusal before any handler.
+    pub fn refused(&self, why: &'static str) {
+        self.refused.get_or_create(&WhyLabels { why }).inc();
+    }
+
+    /// Bytes set aside for bodies (+) or given back (-).
+    pub fn buffered(&self, by: i64) {
+        self.buffered.inc_by(by);
+    }
+
+    /// A console stream opened (+1) or ended (-1).
+    pub fn console_stream(&self, by: i64) {
+        self.console_streams.inc_by(by);
     }
 
     /// Counts an answered request.

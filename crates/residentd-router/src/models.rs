@@ -249,7 +249,7 @@ impl Models {
         if read_at.is_none_or(|t| t.elapsed() >= REREAD) {
             self.refresh()
                 .await
-                .map_err(|s| RouterError::agent(s.message()))?;
+                .map_err(|s| RouterError::from_status(&s))?;
         }
         self.lookup(name)
             .ok_or_else(|| RouterError::unknown_model(name))
@@ -356,6 +356,7 @@ impl Models {
                     return Err(RouterError::upstream(&model.name, message));
                 }
                 Err(StartError::Unavailable(message)) => return Err(RouterError::agent(message)),
+                Err(StartError::Denied(message)) => return Err(RouterError::denied(message)),
             }
         }
     }
@@ -391,7 +392,7 @@ impl Models {
             .agent
             .hold(&holds.instance, self.hold)
             .await
-            .map_err(|s| RouterError::agent(s.message()))?;
+            .map_err(|s| RouterError::from_status(&s))?;
         match instance {
             Some(i) if i.state == pb::State::Ready as i32 && i.port != 0 => {
                 holds.count += 1;

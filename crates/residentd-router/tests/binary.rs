@@ -45,7 +45,7 @@ fn get(port: u16, path: &str) -> Option<(u16, String)> {
     s.set_read_timeout(Some(Duration::from_secs(30))).ok()?;
     write!(
         s,
-        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
     )
     .ok()?;
     let mut text = String::new();
@@ -119,6 +119,26 @@ fn bad_flags_are_named() {
         err.contains("--queue-timeout") && err.contains("'soon'"),
         "{err}"
     );
+    // Values that parse but cannot work: 78 before serving, naming them.
+    let rows: [(&[&str], &str); 4] = [
+        (
+            &["--allow-host", "http://node-7"],
+            "--allow-host 'http://node-7'",
+        ),
+        (&["--upstream-allow", "sleep"], "--upstream-allow 'sleep'"),
+        (&["--upstream-allow", "/v1/../sleep"], "no . or .. segments"),
+        (&["--max-connections", "0"], "--max-connections 0"),
+    ];
+    for (args, said) in rows {
+        let out = Command::new(ROUTER)
+            .args(["--listen", "127.0.0.1:0"])
+            .args(args)
+            .output()
+            .expect("run");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(78), "{args:?}: {err}");
+        assert!(err.contains(said), "{args:?}: {err}");
+    }
 }
 
 #[test]

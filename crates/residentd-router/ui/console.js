@@ -69,11 +69,15 @@ function drawPool(p) {
     legend.append(el("li", {}, el("i", { class: "other" }), `other ${bytes(p.used - held)}`));
   }
   if (p.effective !== null && p.budget && p.effective < p.budget) {
-    // What memory outside the books takes off the budget, at its end.
-    const foreign = el("div", { class: "foreign", title: `foreign ${bytes(p.foreign)}` });
-    foreign.style.left = pct(p.effective, scale);
-    bar.append(foreign);
-    legend.append(el("li", { "data-foreign": p.foreign }, el("i", { class: "foreign" }), `foreign ${bytes(p.foreign)}`));
+    // The part of the budget a live reading says is not there, at its
+    // end: held by processes outside the books, or beyond the memory the
+    // machine has (a budget larger than it).
+    const what = `not available ${bytes(p.unavailable)}`;
+    const why = "budget beyond what the machine has free for it: memory other processes hold, or more than the machine has";
+    const gone = el("div", { class: "unavailable", title: `${what}: ${why}` });
+    gone.style.left = pct(p.effective, scale);
+    bar.append(gone);
+    legend.append(el("li", { "data-unavailable": p.unavailable, title: why }, el("i", { class: "unavailable" }), what));
   }
   const figures = [`used ${bytes(p.used)}`];
   figures.push(p.budget === null ? "no budget" : `budget ${bytes(p.budget)}`);
@@ -103,20 +107,23 @@ function span(ms) {
   return `${Math.floor(s / 86400)} d ${Math.floor((s % 86400) / 3600)} h`;
 }
 
+// The last cell, the row's buttons, stays at the table's right edge while
+// the rest scrolls (console.css: .tools), so they are on screen at any
+// width: logs, then the actions when they are on.
 function newRow(id) {
-  const logs = el("button", { type: "button", "aria-pressed": "false",
+  const logs = el("button", { type: "button", "aria-pressed": "false", "data-logs": "",
     "aria-label": `follow the logs of ${id}` }, "logs");
   logs.addEventListener("click", () => follow(id));
   const td = (cls) => el("td", { class: cls });
-  const acts = el("td", { class: "act" });
+  const tools = el("td", { class: "tools" }, logs);
   for (const action of ["stop", "sleep", "wake"]) {
-    const b = el("button", { type: "button", "data-action": action, "aria-label": `${action} ${id}` }, action);
+    const b = el("button", { type: "button", class: "act", "data-action": action, "aria-label": `${action} ${id}` }, action);
     b.addEventListener("click", () => act(action, b.closest("tr").dataset.workload, id));
-    acts.append(b);
+    tools.append(b);
   }
   return el("tr", { "data-id": id }, el("th", { scope: "row" }, id), td(""), td(""),
     td("num"), td("num"), td("num"), td("num"), td("num"), td("num"), td("num"), td("num"), td("msg"),
-    el("td", {}, logs), acts);
+    tools);
 }
 
 // Which actions an instance in `state` offers.
@@ -132,7 +139,7 @@ function fillRow(row, i) {
   const n = (v) => (v ? String(v) : "–");
   row.dataset.state = i.state;
   row.dataset.workload = i.workload;
-  for (const b of cells[13].children) b.hidden = !OFFERS[b.dataset.action](i.state);
+  for (const b of row.querySelectorAll("button[data-action]")) b.hidden = !OFFERS[b.dataset.action](i.state);
   cells[2].className = `st-${i.state}`;
   put(1, i.workload); put(2, i.state); put(3, n(i.pid)); put(4, n(i.port));
   put(5, bytes(i.reserved)); put(6, bytes(i.measured));
@@ -317,7 +324,7 @@ let logSource = null;
 function follow(id) {
   if (logSource) logSource.close();
   following = id;
-  for (const b of document.querySelectorAll("#instances button")) {
+  for (const b of document.querySelectorAll("#instances button[data-logs]")) {
     b.setAttribute("aria-pressed", String(b.closest("tr").dataset.id === id));
   }
   $("logs-of").textContent = `of ${id}`;

@@ -391,8 +391,19 @@ fn start_watchdog() {
     });
 }
 
-/// Serves `GET /metrics` (plain HTTP) on `addr` until the process ends,
-/// the gauges read from the agent at each scrape.
+/// Most connections the metrics endpoint keeps open at once; one more is
+/// closed at accept. A scraper needs one.
+pub const METRICS_CONNECTIONS: usize = 64;
+
+/// The longest a client of the metrics endpoint may take to send its
+/// request's headers, or to begin its next one on a kept-alive
+/// connection (then closed).
+pub const METRICS_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Serves `GET /metrics` (plain HTTP/1) on `addr` until the process ends,
+/// the gauges read from the agent at each scrape; within
+/// [`METRICS_CONNECTIONS`] and [`METRICS_HEADER_TIMEOUT`], so that no one
+/// who reaches the port can hold the agent's file descriptors.
 async fn serve_metrics(
     listener: tokio::net::TcpListener,
     addr: SocketAddr,
@@ -418,5 +429,37 @@ async fn serve_metrics(
             }
         }),
     );
-    axum::serve(listener, app).await
+    let open = Arc::new(tokio::sync::Semaphore::new(METRICS_CONNECTIONS));
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(METRICS_HEADER_TIMEOUT);
+    let mut warned: Option<std::time::Instant> = None;
+    loop {
+        let (tcp, peer) = match listener.accept().await {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!(%addr, error = %e, "the metrics endpoint could not accept");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let Ok(slot) = open.clone().try_acquire_owned() else {
+            if warned.is_none_or(|w| w.elapsed() >= Duration::from_secs(10)) {
+                warned = Some(std::time::Instant::now());
+                tracing::warn!(%addr, %peer, "metrics connection closed at accept: {METRICS_CONNECTIONS} are open");
+            }
+            drop(tcp);
+            continue;
+        };
+        let conn = http.serve_connection(
+            hyper_util::rt::TokioIo::new(tcp),
+            hyper_util::service::TowerToHyperService::new(app.clone()),
+        );
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(%peer, error = %e, "a metrics connection ended");
+            }
+            drop(slot);
+        });
+    }
 }

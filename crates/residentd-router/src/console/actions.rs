@@ -13,7 +13,10 @@
 //! - `GET /ui/workloads`: the workloads' names and whether actions are on.
 //! - `GET /ui/place?workload=NAME`: Place's answer.
 //! - `POST /ui/act`: `{"action": "start"|"stop"|"sleep"|"wake",
-//!   "workload": ..., "id": ...}`.
+//!   "workload": ..., "id": ...}`. A start without an id starts the
+//!   instance the router would start on demand, whose id is the
+//!   workload's name (an ended one of that id is replaced, not left
+//!   beside it).
 
 use std::sync::Arc;
 
@@ -121,8 +124,11 @@ pub async fn act(
             {
                 return r;
             }
+            // The id of a start on demand, so the console and the
+            // router's requests start (and find) the same instance.
+            let id = if a.id.is_empty() { &a.workload } else { &a.id };
             agent
-                .start_admitted(&a.workload, &a.id)
+                .start_admitted(&a.workload, id)
                 .await
                 .map(|r| started(&a.action, &r))
         }

@@ -13,6 +13,10 @@
 //!   (`status`) and asked again every [`REFRESH`].
 //! - `GET /ui/logs/{id}`: the last lines of one instance, then each new
 //!   one (`line`), from the agent's Logs.
+//!
+//! Both kinds of stream count against `--max-streams` together (see
+//! `limits.rs`); one more is answered 503 `too_many_streams` and its
+//! connection closed.
 
 pub mod actions;
 pub mod feed;
@@ -34,6 +38,7 @@ use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::App;
+use crate::limits::Streams;
 
 const PAGE: &str = include_str!("../../ui/index.html");
 const STYLE: &str = include_str!("../../ui/console.css");
@@ -44,6 +49,8 @@ const TICK: Duration = Duration::from_millis(200);
 /// How often the node is read without events, and the agent asked again
 /// when out of reach.
 const REFRESH: Duration = Duration::from_secs(2);
+/// The largest body of `POST /ui/act`.
+const ACT_BODY: usize = 16 << 10;
 /// How many lines of output the logs pane starts with.
 const LOG_TAIL: u32 = 200;
 
@@ -72,7 +79,11 @@ pub fn routes() -> Router<Arc<App>> {
         .route("/ui/events", get(events))
         .route("/ui/workloads", get(actions::workloads))
         .route("/ui/place", get(actions::place))
-        .route("/ui/act", axum::routing::post(actions::act))
+        // An action is a few words: its body is kept small.
+        .route(
+            "/ui/act",
+            axum::routing::post(actions::act).layer(axum::extract::DefaultBodyLimit::max(ACT_BODY)),
+        )
         .route("/ui/logs/{id}", get(logs))
 }
 
@@ -90,13 +101,32 @@ fn asset(kind: &'static str, body: &'static str) -> Response {
 }
 
 /// An SSE response fed by `feed`, which ends when the viewer leaves (its
-/// sends fail).
-fn stream<F>(feed: impl FnOnce(mpsc::Sender<Result<Event, Infallible>>) -> F) -> Response
+/// sends fail), counted as one of the console's streams until then; 503
+/// when `--max-streams` are open.
+fn stream<F>(
+    streams: &Streams,
+    feed: impl FnOnce(mpsc::Sender<Result<Event, Infallible>>) -> F,
+) -> Response
 where
     F: std::future::Future<Output = ()> + Send + 'static,
 {
+    let slot = match streams.open() {
+        Ok(s) => s,
+        Err(e) => {
+            let mut r = e.into_response();
+            // The client's next try opens a connection of its own: this
+            // one is not left idle, holding a place among the connections.
+            r.headers_mut()
+                .insert(header::CONNECTION, http::HeaderValue::from_static("close"));
+            return r;
+        }
+    };
     let (tx, rx) = mpsc::channel(64);
-    tokio::spawn(feed(tx));
+    let fed = feed(tx);
+    tokio::spawn(async move {
+        fed.await;
+        drop(slot);
+    });
     Sse::new(ReceiverStream::new(rx))
         .keep_alive(KeepAlive::default())
         .into_response()
@@ -107,7 +137,8 @@ fn sse(name: &str, data: &serde_json::Value) -> Result<Event, Infallible> {
 }
 
 async fn events(State(app): State<Arc<App>>) -> Response {
-    stream(|tx| follow_node(app, tx))
+    let fed = app.clone();
+    stream(&app.streams, |tx| follow_node(fed, tx))
 }
 
 /// Feeds one viewer until it leaves.
@@ -166,7 +197,8 @@ fn down(s: &tonic::Status) -> Result<Event, Infallible> {
 }
 
 async fn logs(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response {
-    stream(|tx| follow_logs(app, id, tx))
+    let fed = app.clone();
+    stream(&app.streams, |tx| follow_logs(fed, id, tx))
 }
 
 /// Feeds one viewer the output of instance `id` until it leaves or the

@@ -43,8 +43,11 @@ pub fn instance(i: &pb::Instance) -> Value {
 
 /// One pool with its figures and, for each instance that holds memory
 /// in it, the bytes its reservation there comes to (and its state, so a
-/// sleeper's residue is told apart); `foreign`: what the budget lost to
-/// memory held outside the books (budget less effective budget).
+/// sleeper's residue is told apart); `unavailable`: the part of the
+/// budget a live reading says is not there to be had (budget less
+/// effective budget): memory that processes outside the books hold, or
+/// that the machine does not have at all (a budget larger than its
+/// memory).
 fn pool(p: &pb::PoolStatus, instances: &[pb::Instance]) -> Value {
     let held: Vec<Value> = instances
         .iter()
@@ -67,7 +70,7 @@ fn pool(p: &pb::PoolStatus, instances: &[pb::Instance]) -> Value {
         "used": p.used_bytes,
         "free": p.free_bytes,
         "available": p.available_bytes,
-        "foreign": p.budget_bytes.zip(p.effective_budget_bytes).map(|(b, e)| b.saturating_sub(e)),
+        "unavailable": p.budget_bytes.zip(p.effective_budget_bytes).map(|(b, e)| b.saturating_sub(e)),
         "held": held,
     })
 }

@@ -327,7 +327,7 @@ async fn open_stream(base: &str, model: &str) -> TcpStream {
         r#"{{"model": "{model}", "stream": true, "max_tokens": 2000, "messages": [{{"role": "user", "content": "hi"}}]}}"#
     );
     let request = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     );
     let address = base.strip_prefix("http://").expect("http");
@@ -414,7 +414,7 @@ async fn read_stream(base: &str, model: &str, max_tokens: u32) -> String {
         r#"{{"model": "{model}", "stream": true, "max_tokens": {max_tokens}, "messages": [{{"role": "user", "content": "hi"}}]}}"#
     );
     let request = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     );
     let address = base.strip_prefix("http://").expect("http");
@@ -433,7 +433,7 @@ async fn read_stream(base: &str, model: &str, max_tokens: u32) -> String {
 async fn act(base: &str, token: Option<&str>, body: &str) -> (u16, String) {
     let auth = token.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
     let request = format!(
-        "POST /ui/act HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n{auth}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        "POST /ui/act HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n{auth}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     );
     let address = base.strip_prefix("http://").expect("http");
@@ -453,10 +453,32 @@ async fn act(base: &str, token: Option<&str>, body: &str) -> (u16, String) {
     (status, body.to_string())
 }
 
+/// For the row of `ROW`: the window's width, how far its table is
+/// scrolled sideways, and for each button shown whether it lies inside
+/// the table's frame and the window, and is the element at its own
+/// centre.
+const BUTTONS_ON_SCREEN: &str = "(() => {\
+  const row = document.querySelector('#instances tr[data-id=\"ROW\"]');\
+  const frame = row.closest('.scroll');\
+  window.scrollTo(0, row.getBoundingClientRect().top + window.scrollY - 100);\
+  const f = frame.getBoundingClientRect();\
+  const buttons = [...row.querySelectorAll('button')]\
+    .filter((b) => getComputedStyle(b).display !== 'none')\
+    .map((b) => {\
+      const r = b.getBoundingClientRect();\
+      const inside = r.left >= f.left && r.right <= f.right && r.right <= window.innerWidth\
+        && r.top >= 0 && r.bottom <= window.innerHeight;\
+      const on_top = document.elementFromPoint((r.left + r.right) / 2, (r.top + r.bottom) / 2) === b;\
+      return { text: b.textContent, left: Math.round(r.left), right: Math.round(r.right), inside, on_top };\
+    });\
+  return JSON.stringify({ width: window.innerWidth, frame_right: Math.round(f.right), scroll_left: frame.scrollLeft, buttons });\
+})()";
+
 #[tokio::test]
 async fn what_if_shows_places_answer_and_actions_are_off_until_turned_on() {
+    // And a pool of the machine's memory with a budget far beyond it.
     let config = format!(
-        "{}{}{}",
+        "{}{}{}[[pool]]\nname = \"mem\"\nbudget = \"100TB\"\nhost = true\n\n",
         pool("gpu0", "10GB"),
         sleeper("small", "gpu0", 4, ""),
         sleeper("big", "gpu0", 8, "")
@@ -473,15 +495,22 @@ async fn what_if_shows_places_answer_and_actions_are_off_until_turned_on() {
     b.run(&["open", &format!("{}/ui", r.base)]).await;
     b.text("#mode", "Read-only").await;
     b.text("#instances tr[data-id=\"s1\"]", "READY").await;
+    // The budget beyond the machine's memory is said for what it is.
+    b.text("[data-pool=\"mem\"] .legend", "not available").await;
+    // (`absent` answers ok only where the words are nowhere on the page.)
+    b.run(&["absent", "foreign"]).await;
     // What happened before the page (and the router) began is shown,
     // without a time of its own.
     b.text("#events [data-live=\"false\"]", "s1 (small) → READY")
         .await;
     b.text("#events [data-live=\"false\"] time", "earlier")
         .await;
-    let shown =
-        "getComputedStyle(document.querySelector('#instances tr[data-id=\"s1\"] td.act')).display";
-    assert_eq!(b.run(&["js", shown]).await["value"], "none");
+    for action in ["stop", "sleep", "wake"] {
+        let shown = format!(
+            "getComputedStyle(document.querySelector('#instances tr[data-id=\"s1\"] button[data-action={action}]')).display"
+        );
+        assert_eq!(b.run(&["js", &shown]).await["value"], "none", "{action}");
+    }
     let token_box = "getComputedStyle(document.querySelector('#token-form')).display";
     assert_eq!(b.run(&["js", token_box]).await["value"], "none");
     assert_eq!(
@@ -544,7 +573,8 @@ async fn what_if_shows_places_answer_and_actions_are_off_until_turned_on() {
     let r = router_with(&d.socket, Some(token)).await;
     b.run(&["open", &format!("{}/ui", r.base)]).await;
     b.text("#mode", "Actions on").await;
-    b.text("#instances tr[data-id=\"s1\"] td.act", "stop").await;
+    b.text("#instances tr[data-id=\"s1\"] td.tools", "stop")
+        .await;
     b.run(&[
         "js",
         "(document.querySelector('#token').value = 'wrong', true)",
@@ -581,15 +611,32 @@ async fn what_if_shows_places_answer_and_actions_are_off_until_turned_on() {
     ])
     .await;
     b.run(&["click", "#start"]).await;
-    b.text("#act-answer", "start small-").await;
-    let started = until(async || {
-        let list = d.list().await;
-        list.into_iter().find(|i| {
-            i.instance_id != "s1" && i.workload == "small" && i.state == pb::State::Ready as i32
-        })
-    })
-    .await
-    .expect("the page's Start started an instance of small");
+    // The id a start on demand gets: the workload's name.
+    b.text("#act-answer", "start small: ").await;
+    let started = d.wait_state("small", pb::State::Ready).await;
+    assert_eq!(started.workload, "small");
+    // Stopped and started again from the page: the new run takes the
+    // ended one's row, none is left beside it.
+    b.run(&[
+        "click",
+        "#instances tr[data-id=\"small\"] button[data-action=stop]",
+    ])
+    .await;
+    d.wait_state("small", pb::State::Exited).await;
+    b.text("#instances tr[data-id=\"small\"]", "EXITED").await;
+    b.run(&["click", "#start"]).await;
+    d.wait_state("small", pb::State::Ready).await;
+    b.text("#instances tr[data-id=\"small\"]", "READY").await;
+    let rows = "[...document.querySelectorAll('#instances tbody tr')].filter(r => r.dataset.workload === 'small').map(r => r.dataset.id + ' ' + r.dataset.state)";
+    let rows = b.run(&["js", rows]).await;
+    assert_eq!(
+        rows["value"],
+        serde_json::json!(["s1 EXITED", "small READY"]),
+        "one row per instance id"
+    );
+    let mut ids = d.ids().await;
+    ids.sort();
+    assert_eq!(ids, ["s1", "small"], "nothing started beside small");
     let log = d.log();
     let audited = |rpc: &str, id: &str| {
         log.lines().any(|l| {
@@ -606,6 +653,50 @@ async fn what_if_shows_places_answer_and_actions_are_off_until_turned_on() {
     );
     b.text("#instances tr[data-state=\"READY\"]", "small").await;
     b.shot(shots.path(), "actions-on.png").await;
+    if std::env::var_os("RESIDENT_KEEP_SHOTS").is_some() {
+        println!("screenshots kept in {}", shots.keep().display());
+    }
+}
+
+#[tokio::test]
+async fn the_buttons_are_on_screen_at_1280_px_with_a_models_long_name() {
+    // An instance as a router starts one on demand: its id is its
+    // workload's name, here a model's as people write them.
+    let name = "qwen2.5-coder-32b-instruct-q4_k_m";
+    let config = format!("{}{}", pool("gpu0", "40GB"), sleeper(name, "gpu0", 20, ""));
+    let mut d = Daemon::start(&config).await;
+    d.started(name, name).await;
+    let r = router_with(&d.socket, Some("console-test-token")).await;
+    let Some(mut b) = Browser::start().await else {
+        return;
+    };
+    b.run(&["size", "1280", "900"]).await;
+    b.run(&["open", &format!("{}/ui", r.base)]).await;
+    b.text("#mode", "Actions on").await;
+    let row = format!("#instances tr[data-id=\"{name}\"]");
+    b.text(&row, "READY").await;
+    // Inside the table's frame, unscrolled, and each the element at its
+    // own centre (nothing drawn over it).
+    let seen = b
+        .run(&["js", &BUTTONS_ON_SCREEN.replace("ROW", name)])
+        .await;
+    let seen: Value = serde_json::from_str(seen["value"].as_str().expect("JSON")).expect("JSON");
+    let buttons = seen["buttons"].as_array().expect("buttons");
+    assert!(
+        seen["width"].as_f64() <= Some(1280.0) && seen["scroll_left"] == 0,
+        "{seen}"
+    );
+    let texts: Vec<&str> = buttons.iter().filter_map(|b| b["text"].as_str()).collect();
+    assert_eq!(texts, ["logs", "stop", "sleep"], "{seen}");
+    for button in buttons {
+        assert_eq!(
+            (&button["inside"], &button["on_top"]),
+            (&Value::Bool(true), &Value::Bool(true)),
+            "a button off screen at 1280 px: {seen}"
+        );
+    }
+    let shots = tempfile::tempdir().expect("a temporary directory");
+    b.shot(shots.path(), "actions-1280.png").await;
     if std::env::var_os("RESIDENT_KEEP_SHOTS").is_some() {
         println!("screenshots kept in {}", shots.keep().display());
     }

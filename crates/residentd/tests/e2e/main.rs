@@ -1,7 +1,8 @@
 //! The end-to-end tests of residentd: one binary, a module per topic, each
 //! starting the real `residentd` (and `residentctl`) and talking to it over
 //! its socket, with the helpers of `support`. `router` runs
-//! residentd-router (its library, in the test process) in front of it;
+//! residentd-router (its library, in the test process) in front of it,
+//! and `router_attacks` performs on it the attacks a review found;
 //! `console` opens the router's page in a headless chromium; `package`
 //! builds the Debian package and, as root, installs it for real and
 //! purges it.
@@ -36,6 +37,7 @@ mod placement;
 mod prometheus;
 mod residentctl;
 mod router;
+mod router_attacks;
 mod security;
 mod shutdown;
 mod sleep;

@@ -77,7 +77,7 @@ pub(crate) async fn raw(port: u16, request: &[u8]) -> (u16, String, String) {
 
 pub(crate) fn post(path: &str, body: &str) -> Vec<u8> {
     format!(
-        "POST {path} HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        "POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     )
     .into_bytes()
@@ -337,7 +337,7 @@ async fn holds_limits_queue_timeouts_and_bad_input_are_answered_openai_style() {
     };
     let metric = |body: &str| body.contains("residentd_router_starts_waiting 1");
     let get_metrics =
-        "GET /metrics HTTP/1.1\r\nHost: router\r\nConnection: close\r\n\r\n".as_bytes();
+        "GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n".as_bytes();
     assert!(
         eventually(async || metric(&raw(r.port, get_metrics).await.2)).await,
         "the start of other never waited"
@@ -432,7 +432,7 @@ async fn holds_limits_queue_timeouts_and_bad_input_are_answered_openai_style() {
     );
     assert_eq!(status, 413);
     // A client that sends 10 of its 100 bytes and stalls: 408 after 2 s.
-    let stalled = b"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\nContent-Length: 100\r\nConnection: close\r\n\r\n{\"model\":";
+    let stalled = b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: 100\r\nConnection: close\r\n\r\n{\"model\":";
     let (status, _, body) = raw(port, stalled).await;
     assert_eq!(
         (status, error_of(&body).1.as_str()),
@@ -459,7 +459,7 @@ async fn holds_limits_queue_timeouts_and_bad_input_are_answered_openai_style() {
 
     // The passthrough, health and metrics.
     let get = |path: &str| {
-        format!("GET {path} HTTP/1.1\r\nHost: router\r\nConnection: close\r\n\r\n").into_bytes()
+        format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").into_bytes()
     };
     let (status, _, body) = raw(port, &get("/upstream/other/v1/models")).await;
     assert_eq!(status, 200, "{body}");
@@ -467,12 +467,22 @@ async fn holds_limits_queue_timeouts_and_bad_input_are_answered_openai_style() {
         body.contains("\"slow\""),
         "the model server's own answer: {body}"
     );
-    // The server's root, with and without the trailing slash.
+    // The server's root, with and without the trailing slash: not among
+    // the paths forwarded by default (a server's own web page), forwarded
+    // by a router told to pass every path.
+    let everything = serve_router_with(&d.socket.display().to_string(), |o| {
+        o.upstream_allow = vec!["/".into()];
+    })
+    .await;
     for root in ["/upstream/other", "/upstream/other/"] {
         let (status, _, body) = raw(port, &get(root)).await;
+        assert_eq!(status, 403, "{root}: {body}");
+        assert_eq!(error_of(&body).1, "upstream_path_not_allowed", "{root}");
+        let (status, _, body) = raw(everything.port, &get(root)).await;
         assert_eq!(status, 200, "{root}: {body}");
         assert!(body.contains("\"root\": \"slow\""), "{root}: {body}");
     }
+    drop(everything);
     let (status, _, _) = raw(port, &get("/health")).await;
     assert_eq!(status, 200);
     let (status, _, body) = raw(port, &get("/metrics")).await;
@@ -502,7 +512,7 @@ async fn an_instance_started_under_another_id_is_served_not_started_again() {
     d.client.start(req).await.expect("started under its own id");
     let r = router(&d.socket, Duration::from_secs(5)).await;
     let get = |path: &str| {
-        format!("GET {path} HTTP/1.1\r\nHost: router\r\nConnection: close\r\n\r\n").into_bytes()
+        format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").into_bytes()
     };
     let (status, _, body) = raw(r.port, &get("/v1/models")).await;
     assert_eq!(status, 200, "{body}");
@@ -607,7 +617,7 @@ async fn the_router_serves_through_an_agent_reached_over_mutual_tls() {
         name: None,
     };
     let https = format!("https://localhost:{}", a.port);
-    let health = "GET /health HTTP/1.1\r\nHost: router\r\nConnection: close\r\n\r\n";
+    let health = "GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n";
 
     // With the router's certificate: the model is started on demand and
     // answers through the router.
@@ -659,6 +669,60 @@ async fn the_router_serves_through_an_agent_reached_over_mutual_tls() {
     }
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_without_the_operator_role_is_answered_403_with_the_agents_words() {
+    // The router's certificate is granted viewer only: it may read the
+    // roster, not hold or start a model.
+    let body = String::from("[[pool]]\nname = \"ram\"\nbudget = \"10GB\"\n\n")
+        + &sleeper("demo", "ram", 1, "");
+    let a = tls_agent_serving(
+        "[node.access]\nviewers = [\"cert-dns:router\"]",
+        false,
+        &body,
+    );
+    let (cert, key) = leaf(&a.client_ca, &["router"]);
+    let tls = AgentTls {
+        ca: a.server_ca.as_bytes().to_vec(),
+        cert: cert.as_bytes().to_vec(),
+        key: key.as_bytes().to_vec(),
+        name: None,
+    };
+    // Connected once the agent serves.
+    let mut agent = resident_api::pb::node_agent_client::NodeAgentClient::new(
+        connect_tls(&a, &cert, &key).await,
+    );
+    let r = router_to(
+        &format!("https://localhost:{}", a.port),
+        Some(tls),
+        PATIENCE,
+    )
+    .await;
+    let health = "GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n";
+    let (status, _, said) = raw(r.port, health.as_bytes()).await;
+    assert_eq!(status, 200, "a viewer reaches the agent: {said}");
+    let chat = post(
+        "/v1/chat/completions",
+        r#"{"model": "demo", "messages": []}"#,
+    );
+    let (status, _, said) = raw(r.port, &chat).await;
+    assert_eq!(status, 403, "{said}");
+    assert_eq!(
+        error_of(&said),
+        ("permission_denied".into(), "permission_denied".into())
+    );
+    assert!(
+        said.contains("needs the operator role") && said.contains("cert-dns:router"),
+        "the agent's words: {said}"
+    );
+    let list = agent
+        .list(pb::ListRequest {})
+        .await
+        .expect("a viewer lists")
+        .into_inner()
+        .instances;
+    assert!(list.is_empty(), "nothing started: {list:?}");
+}
+
 /// Pools `gpu` and `ram`; workload `big`, the sleep stand-in (20 MB,
 /// with `flags`), 3 GB of `gpu` awake and 3 GB of `ram` asleep.
 fn sleepy_big(flags: &str) -> String {
@@ -692,7 +756,7 @@ async fn a_request_for_a_sleeping_model_wakes_it_through_the_router() {
         .expect("asleep")
         .into_inner();
     assert_eq!(slept.state, pb::State::Sleeping as i32);
-    let get = b"GET /v1/models HTTP/1.1\r\nHost: router\r\nConnection: close\r\n\r\n";
+    let get = b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n";
     let (status, _, body) = raw(r.port, get).await;
     assert_eq!(status, 200, "{body}");
     let listed: Value = serde_json::from_str(&body).expect("JSON");
@@ -790,7 +854,7 @@ async fn a_real_llama_server_sleeps_by_itself_and_a_request_through_the_router_w
     );
     let (status, _, listed) = raw(
         r.port,
-        b"GET /v1/models HTTP/1.1\r\nHost: router\r\nConnection: close\r\n\r\n",
+        b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n",
     )
     .await;
     assert_eq!(status, 200);

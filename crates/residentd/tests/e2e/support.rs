@@ -469,21 +469,31 @@ pub async fn serve_router(
     queue_timeout: Duration,
     console_token: Option<&str>,
 ) -> Router {
+    serve_router_with(agent, |o| {
+        o.tls = tls;
+        o.queue_timeout = queue_timeout;
+        o.console_token = console_token.map(str::to_string);
+    })
+    .await
+}
+
+/// A router of the agent at `agent` with the tests' options (1 MiB
+/// bodies sent within 2 s, holds of 30 s, the defaults otherwise) as
+/// `adjust` leaves them.
+pub async fn serve_router_with(
+    agent: &str,
+    adjust: impl FnOnce(&mut residentd_router::Options),
+) -> Router {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
     let listen = listener.local_addr().expect("address");
-    let app = residentd_router::App::new(residentd_router::Options {
-        agent: agent.to_string(),
-        tls,
-        listen,
-        queue_timeout,
-        max_body: 1 << 20,
-        body_timeout: Duration::from_secs(2),
-        hold: Duration::from_secs(30),
-        console_token: console_token.map(str::to_string),
-    })
-    .expect("router");
+    let mut options = residentd_router::Options::new(agent, listen);
+    options.max_body = 1 << 20;
+    options.body_timeout = Duration::from_secs(2);
+    options.hold = Duration::from_secs(30);
+    adjust(&mut options);
+    let app = residentd_router::App::new(options).expect("router");
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     tokio::spawn(app.serve(listener, async move {
         let _ = stopped.await;
