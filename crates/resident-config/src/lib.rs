@@ -216,13 +216,17 @@ pub struct PoolDef {
     /// The device index its children see (`CUDA_VISIBLE_DEVICES`,
     /// `${DEVICE}`): the pool's `index`, or N of `device = "nvml:N"`.
     pub index: Option<u32>,
+    /// A disk pool: the directory its bytes are stored under (the saved
+    /// conversations of `keep_kv` workloads); its budget bounds them. It
+    /// holds no memory: no workload's memory table may name it.
+    pub path: Option<std::path::PathBuf>,
 }
 
 impl PoolDef {
-    /// Bound to no device (no probe, no index): host memory, or a budget
-    /// of the operator's own.
+    /// Bound to no device (no probe, no index) and not a disk pool: host
+    /// memory, or a budget of the operator's own.
     pub fn device_free(&self) -> bool {
-        self.device.is_none() && self.index.is_none()
+        self.device.is_none() && self.index.is_none() && self.path.is_none()
     }
 }
 
@@ -309,6 +313,20 @@ pub struct Workload {
     /// How its server sleeps and wakes (`[workload.sleep]`); `None`: it
     /// cannot. What it holds asleep is `spec.asleep`.
     pub sleep: Option<Sleep>,
+    /// Where its server's conversations (llama-server's slots) are saved
+    /// when it is stopped, and restored from at its next start
+    /// (`keep_kv`); `None`: not kept.
+    pub keep_kv: Option<KeepKv>,
+}
+
+/// A workload's saved conversations (`keep_kv = "POOL"`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeepKv {
+    /// The disk pool they are charged to.
+    pub pool: String,
+    /// The directory its server saves into (`--slot-save-path`): the
+    /// pool's directory and the workload's name.
+    pub dir: std::path::PathBuf,
 }
 
 /// How a workload's server sleeps and wakes (`[workload.sleep]`).

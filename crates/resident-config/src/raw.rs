@@ -162,6 +162,8 @@ pub struct Pool {
     pub device: Option<Spanned<String>>,
     pub index: Option<Spanned<u32>>,
     pub reserve: Option<Spanned<Quantity>>,
+    /// A disk pool: the directory its bytes are stored under.
+    pub path: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -217,6 +219,9 @@ pub struct Workload {
     pub aliases: Vec<Spanned<String>>,
     pub concurrency_limit: Option<Spanned<u32>>,
     pub sleep: Option<Spanned<Sleep>>,
+    /// The disk pool (`[[pool]] path`) a llama-server workload's
+    /// conversations are saved to when its server is stopped.
+    pub keep_kv: Option<Spanned<String>>,
 }
 
 /// `[workload.sleep]`: how its server sleeps and wakes, and what it holds

@@ -570,3 +570,74 @@ fn llama_servers_repacked_weights_are_off_or_reserved() {
         c.warnings
     );
 }
+
+/// `keep_kv = "POOL"`: a llama-server's conversations saved to a disk pool
+/// (`[[pool]] path`): the flavor passes `--slot-save-path` (the pool's
+/// directory and the workload's name); a disk pool holds no memory, needs
+/// a budget and an absolute path; keep_kv names a disk pool, on
+/// llama-server.
+#[test]
+fn keep_kv_saves_slots_to_a_disk_pool() {
+    let node = "[[pool]]\nname = \"ram\"\nbudget = \"64GB\"\n\n[[pool]]\nname = \"kv\"\nbudget = \"10GB\"\npath = \"/var/lib/residentd/kv\"\n\n";
+    let c = parse(&format!(
+        "{node}[[workload]]\nname = \"l\"\nflavor = \"llama-server\"\nmodel = \"/m/l.gguf\"\nctx = 512\nparallel = 1\nkeep_kv = \"kv\"\n[workload.memory.ram]\nweights = \"1GB\"\n"
+    ))
+    .unwrap_or_else(|e| panic!("{e}"));
+    let l = &c.workloads["l"];
+    let at = l
+        .argv
+        .iter()
+        .position(|a| a == "--slot-save-path")
+        .expect("--slot-save-path");
+    assert_eq!(l.argv[at + 1], "/var/lib/residentd/kv/l");
+    let keep = l.keep_kv.as_ref().expect("keeps its conversations");
+    assert_eq!(
+        (keep.pool.as_str(), keep.dir.as_path()),
+        ("kv", std::path::Path::new("/var/lib/residentd/kv/l"))
+    );
+    assert_eq!(l.spec.footprint("kv"), 0, "no memory in a disk pool");
+    let disk = c
+        .pools
+        .iter()
+        .find(|p| p.pool.name.as_str() == "kv")
+        .expect("kv");
+    assert!(!disk.device_free(), "never a host table");
+
+    let refused = |text: &str, want: &str| {
+        let e = parse(text).expect_err(want);
+        assert!(e.contains(want), "want {want:?} in: {e}");
+    };
+    let flavored = |extra: &str| {
+        format!(
+            "{node}[[workload]]\nname = \"l\"\nflavor = \"llama-server\"\nmodel = \"/m/l.gguf\"\n{extra}\n[workload.memory.ram]\nweights = \"1GB\"\n"
+        )
+    };
+    refused(
+        &flavored("keep_kv = \"ram\""),
+        "workload[l].keep_kv: no disk pool \"ram\"",
+    );
+    refused(
+        &format!(
+            "{node}[[workload]]\nname = \"p\"\nflavor = \"llama-cpp-python\"\nmodel = \"/m/l.gguf\"\nkeep_kv = \"kv\"\n[workload.memory.ram]\nweights = \"1GB\"\n"
+        ),
+        "workload[p].keep_kv: keep_kv saves llama-server's slots",
+    );
+    refused(
+        &format!(
+            "{node}[[workload]]\nname = \"w\"\ncommand = [\"/bin/sleep\", \"1\"]\n[workload.memory.kv]\nweights = \"1GB\"\n"
+        ),
+        "workload[w].memory.kv: pool \"kv\" is a disk pool",
+    );
+    refused(
+        "[[pool]]\nname = \"kv\"\npath = \"/var/lib/kv\"\n",
+        "pool[kv].budget: a disk pool needs a budget",
+    );
+    refused(
+        "[[pool]]\nname = \"kv\"\nbudget = \"1GB\"\npath = \"kv\"\n",
+        "pool[kv].path: \"kv\": a disk pool's directory must be absolute",
+    );
+    refused(
+        "[[pool]]\nname = \"kv\"\nbudget = \"1GB\"\nhost = true\npath = \"/kv\"\n",
+        "pool[kv].path: a disk pool (path) holds saved conversations",
+    );
+}

@@ -101,6 +101,15 @@ pub(super) fn memory(
             );
             return Err(src.err(d.span(), key(&format!("memory.{label}")), msg));
         }
+        if pools
+            .iter()
+            .any(|p| p.pool.name.as_str() == label && p.path.is_some())
+        {
+            let msg = format!(
+                "pool {label:?} is a disk pool (path): it holds saved conversations (keep_kv), not memory"
+            );
+            return Err(src.err(d.span(), key(&format!("memory.{label}")), msg));
+        }
         let (demand, note, warning) = demand(src, d, &k, host)?;
         warnings.extend(warning);
         notes.push(format!("{label}: {note}"));
@@ -130,6 +139,13 @@ fn candidate_pools(
             let msg = format!("no pool {:?} on this node", c.get_ref());
             return Err(src.err(c.span(), format!("{key}[{i}]"), msg));
         };
+        if p.path.is_some() {
+            let msg = format!(
+                "pool {:?} is a disk pool (path): it holds saved conversations (keep_kv), not memory",
+                c.get_ref()
+            );
+            return Err(src.err(c.span(), format!("{key}[{i}]"), msg));
+        }
         if out.contains(&p.pool.name) {
             return Err(src.err(c.span(), format!("{key}[{i}]"), "listed twice"));
         }

@@ -13,7 +13,7 @@ use std::ops::Range;
 
 use toml::Spanned;
 
-use super::Result;
+use super::{Result, spanned_str};
 use crate::PoolDef;
 use crate::error::Source;
 use crate::raw;
@@ -581,6 +581,18 @@ pub(super) fn apply(
         }
         if f == "llama-server" && repacks.is_none() {
             argv.push("--no-repack".to_string());
+        }
+        // Its conversations saved to the disk pool keep_kv names, in a
+        // directory of the workload's own.
+        if f == "llama-server"
+            && let Some(pool) = &w.keep_kv
+            && let Some(dir) = pools
+                .iter()
+                .find(|p| p.pool.name.as_str() == pool.get_ref())
+                .and_then(|p| p.path.as_ref())
+        {
+            let dir = dir.join(spanned_str(&w.name));
+            argv.extend(["--slot-save-path".to_string(), dir.display().to_string()]);
         }
         if sleeps {
             argv.push("--enable-sleep-mode".to_string());

@@ -39,6 +39,7 @@ pub(super) fn pools(
                         host: false,
                         device: None,
                         index: None,
+                        path: None,
                     });
                 }
             }
@@ -74,7 +75,7 @@ fn pool(
             .transpose()?
             .unwrap_or(0);
         if let Some(d) = &p.device {
-            device(src, d, p.host, span, &key("device"))?;
+            device(src, d, p.host, span.clone(), &key("device"))?;
         }
         let live = p.host || p.device.is_some();
         let nvml = p.device.as_ref().and_then(|d| {
@@ -97,6 +98,25 @@ fn pool(
             (Some(i), _) => Some(*i.get_ref()),
             (None, n) => n,
         };
+        let path = match &p.path {
+            None => None,
+            Some(at) if p.host || p.device.is_some() || p.index.is_some() => {
+                let msg = "a disk pool (path) holds saved conversations, not memory: it is bound to no host memory or device";
+                return Err(src.err(at.span(), key("path"), msg));
+            }
+            Some(at) if !at.get_ref().starts_with('/') => {
+                let msg = format!(
+                    "{:?}: a disk pool's directory must be absolute",
+                    at.get_ref()
+                );
+                return Err(src.err(at.span(), key("path"), msg));
+            }
+            Some(_) if budget.is_none() => {
+                let msg = "a disk pool needs a budget: the bytes its directory may hold";
+                return Err(src.err(span, key("budget"), msg));
+            }
+            Some(at) => Some(std::path::PathBuf::from(at.get_ref())),
+        };
         Ok(PoolDef {
             pool: PoolConfig {
                 name,
@@ -107,6 +127,7 @@ fn pool(
             host: p.host,
             device: p.device.as_ref().map(|d| d.get_ref().clone()),
             index,
+            path,
         })
     }
 }

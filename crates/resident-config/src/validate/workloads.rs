@@ -56,6 +56,55 @@ pub(super) fn workloads(
     Ok(out)
 }
 
+/// `keep_kv = "POOL"`: a disk pool of the node, on a llama-server whose
+/// command saves its slots there (`--slot-save-path`, which the flavor
+/// passes: the pool's directory and the workload's name).
+fn keep_kv(
+    src: &Source<'_>,
+    name: &WorkloadName,
+    w: &raw::Workload,
+    pools: &[PoolDef],
+    argv: &[String],
+    key: &dyn Fn(&str) -> String,
+) -> Result<Option<crate::KeepKv>> {
+    let Some(asked) = &w.keep_kv else {
+        return Ok(None);
+    };
+    let pool = asked.get_ref();
+    let Some(dir) = pools
+        .iter()
+        .find(|p| p.pool.name.as_str() == pool)
+        .and_then(|p| p.path.as_ref())
+    else {
+        let msg = format!(
+            "no disk pool {pool:?} on this node: declare one with [[pool]] name = {pool:?}, path = \"DIR\" and a budget"
+        );
+        return Err(src.err(asked.span(), key("keep_kv"), msg));
+    };
+    if w.flavor
+        .as_ref()
+        .is_none_or(|f| f.get_ref() != "llama-server")
+    {
+        let msg = "keep_kv saves llama-server's slots: set flavor = \"llama-server\"";
+        return Err(src.err(asked.span(), key("keep_kv"), msg));
+    }
+    let dir = dir.join(name.as_str());
+    let saves_there = argv
+        .windows(2)
+        .any(|p| p[0] == "--slot-save-path" && std::path::Path::new(&p[1]) == dir);
+    if !saves_there {
+        let msg = format!(
+            "the command does not save its slots where keep_kv keeps them: give it --slot-save-path {} (the flavor does, when it writes the command)",
+            dir.display()
+        );
+        return Err(src.err(asked.span(), key("keep_kv"), msg));
+    }
+    Ok(Some(crate::KeepKv {
+        pool: pool.clone(),
+        dir,
+    }))
+}
+
 /// Every alias names one workload: none repeats a workload's name or
 /// another alias.
 fn aliases_unique(
@@ -101,6 +150,7 @@ fn workload(
         None => None,
     };
     let (argv, env) = command(src, w, &key)?;
+    let keep_kv = keep_kv(src, name, w, pools, &argv, &key)?;
     let uses_device = argv
         .iter()
         .chain(env.values())
@@ -165,6 +215,7 @@ fn workload(
         .is_some_and(|f| ["llama-server", "llama-cpp-python"].contains(&f.get_ref().as_str()));
     Ok(Workload {
         sleep,
+        keep_kv,
         reports_buffers,
         reservation: memory.notes,
         reservation_warnings: memory.warnings,
