@@ -113,6 +113,13 @@ pub struct Metrics {
     wakes: Family<WorkloadLabels, Counter>,
     wake_seconds: Family<WorkloadLabels, Histogram, fn() -> Histogram>,
     journal_writable: Gauge,
+    kv_states: Family<KvLabels, Counter>,
+}
+
+/// What happened to a saved conversation (`keep_kv`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KvLabels {
+    event: &'static str,
 }
 
 /// Wake times: 10 ms to about 80 s.
@@ -158,6 +165,7 @@ impl Metrics {
             sleeps: Family::default(),
             wakes: Family::default(),
             wake_seconds: Family::new_with_constructor(wake_histogram),
+            kv_states: Family::default(),
         };
         let r = &mut m.registry;
         r.register(
@@ -232,6 +240,11 @@ impl Metrics {
             m.journal_writable.clone(),
         );
         r.register(
+            "kv_states",
+            "Saved conversations (keep_kv): slots saved before a stop, restored after a start, saves or restores that failed, states evicted from a disk pool",
+            m.kv_states.clone(),
+        );
+        r.register(
             "pool_live",
             "1 while a probe-bound pool has live readings, 0 while its configured budget stands in",
             m.pool_live.clone(),
@@ -283,6 +296,22 @@ impl Metrics {
             workload: workload.to_string(),
         };
         self.admissions.get_or_create(&labels).inc();
+    }
+
+    /// Counts saved conversations (`keep_kv`): slots saved before a stop,
+    /// restored after a start, saves or restores that failed, states
+    /// evicted to keep a disk pool within its budget.
+    pub fn kv(&self, saved: u64, restored: u64, failed: u64, evicted: u64) {
+        for (event, n) in [
+            ("saved", saved),
+            ("restored", restored),
+            ("failed", failed),
+            ("evicted", evicted),
+        ] {
+            if n > 0 {
+                self.kv_states.get_or_create(&KvLabels { event }).inc_by(n);
+            }
+        }
     }
 
     /// Counts an instance of `workload` put to sleep.

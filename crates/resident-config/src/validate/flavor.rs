@@ -450,9 +450,11 @@ pub(super) fn apply(
     }
     let gguf = model.get_ref().ends_with(".gguf");
     // The memory: a pool table without weights or from_gguf takes the
-    // model's GGUF file; no table at all means the node's only pool.
+    // model's GGUF file; no table at all means the node's only memory
+    // pool (a disk pool holds no memory).
     if out.memory.is_empty() {
-        match pools {
+        let memory: Vec<&PoolDef> = pools.iter().filter(|p| p.path.is_none()).collect();
+        match memory.as_slice() {
             [only] if gguf => {
                 let d = raw::Demand::default();
                 out.memory

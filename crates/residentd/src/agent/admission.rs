@@ -345,7 +345,7 @@ impl Agent {
     }
 
     async fn spawn(
-        &self,
+        self: &Arc<Self>,
         r: &Request,
         generation: u64,
         devices: &[u32],
@@ -373,6 +373,10 @@ impl Agent {
                 return Err(e);
             }
         }
+        if r.workload.keep_kv.is_some() {
+            let w = r.workload.clone();
+            let _ = tokio::task::spawn_blocking(move || super::kv::KvStore::prepare(&w)).await;
+        }
         let spec = r.workload.launch(id, generation, &r.config.node, devices);
         let launched = match r.take_over {
             Some(process) => self.sup.take_over(spec, process).await,
@@ -395,6 +399,11 @@ impl Agent {
                 return Err(ApiError::Unavailable(e.to_string()));
             }
         }
+        // A fresh run of a workload that keeps its KV restores its saved
+        // conversations once READY (a run taken over has them still).
+        if r.take_over.is_none() {
+            self.restore_conversations(id, generation, &r.workload);
+        }
         // The journal records the process group too (for the leftovers a
         // next agent clears); the answer does not wait for that write.
         self.persist();
@@ -410,6 +419,7 @@ impl Agent {
         }
         if r.wait_ready {
             self.ready_or_failed(id, generation).await?;
+            self.conversations_restored(id, generation).await;
         }
         // The answer is this run: by now a Stop may have ended it and
         // another Start begun a newer one, which the id's record names.
@@ -504,6 +514,7 @@ impl Agent {
         };
         let (mut stopping, mut ended) = (None, None);
         if c.resident {
+            self.keep_conversations(id, c.generation).await;
             match self.sup.stop_run(id, c.generation, grace, cause).await {
                 Ok(s) => stopping = Some(s),
                 // Not spawned yet: the Start that finds it cancelled ends
@@ -596,6 +607,79 @@ fn pin(w: Arc<Workload>, pinned: &[Vec<String>]) -> (Arc<Workload>, Option<Strin
     let mut pinned = (*w).clone();
     pinned.spec = Arc::new(spec);
     (Arc::new(pinned), unpinned)
+}
+
+impl Agent {
+    /// Before a stop: a READY server of a workload that keeps its KV
+    /// (`keep_kv`) saves its conversations to its disk pool. Whatever comes
+    /// of it, the stop goes on.
+    async fn keep_conversations(&self, id: &str, generation: u64) {
+        let Some(record) = self.books.record(id).filter(|r| r.generation == generation) else {
+            return;
+        };
+        if record.workload.keep_kv.is_none() {
+            return;
+        }
+        let Some(status) = self
+            .sup
+            .status(id)
+            .filter(|s| s.generation == generation && s.state == State::Ready)
+        else {
+            return;
+        };
+        let slots = super::kv::slots_of(&record.workload.argv);
+        let counts = self.kv.save(id, &record.workload, status.port, slots).await;
+        self.metrics
+            .kv(counts.saved, counts.restored, counts.failed, counts.evicted);
+    }
+
+    /// After a spawn: once run `generation` of `id` is READY, its saved
+    /// conversations (`keep_kv`) are restored, before a Start that waits
+    /// for READY answers (`conversations_restored`).
+    fn restore_conversations(self: &Arc<Self>, id: &str, generation: u64, w: &Arc<Workload>) {
+        if w.keep_kv.is_none() {
+            return;
+        }
+        let (tx, rx) = tokio::sync::watch::channel(false);
+        self.restoring
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert((id.to_string(), generation), rx);
+        let (me, id, w) = (self.clone(), id.to_string(), w.clone());
+        tokio::spawn(async move {
+            let ready = me
+                .sup
+                .wait_for(&id, |s| {
+                    s.generation != generation || s.state == State::Ready || s.state.is_terminal()
+                })
+                .await
+                .filter(|s| s.generation == generation && s.state == State::Ready);
+            if let Some(status) = ready {
+                let counts = me.kv.restore(&id, &w, status.port).await;
+                me.metrics
+                    .kv(counts.saved, counts.restored, counts.failed, counts.evicted);
+            }
+            let _ = tx.send(true);
+            me.restoring
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&(id, generation));
+        });
+    }
+
+    /// Waits until the restore of run `generation` of `id`, if any, is
+    /// done.
+    async fn conversations_restored(&self, id: &str, generation: u64) {
+        let rx = self
+            .restoring
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&(id.to_string(), generation))
+            .cloned();
+        if let Some(mut rx) = rx {
+            let _ = rx.wait_for(|done| *done).await;
+        }
+    }
 }
 
 /// The workload `name` (or alias) of `config`'s roster.

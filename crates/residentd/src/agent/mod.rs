@@ -38,6 +38,8 @@ mod adoption;
 mod books;
 mod exposure;
 mod follower;
+mod http;
+mod kv;
 mod memory;
 mod overrun;
 mod persist;
@@ -104,6 +106,10 @@ pub struct Agent {
     upgrade: tokio::sync::watch::Sender<u8>,
     /// What the exposure guard saw at its last look.
     exposure: Mutex<exposure::Seen>,
+    /// The disk pools and the conversations saved in them (`keep_kv`).
+    kv: Arc<kv::KvStore>,
+    /// Runs whose saved conversations are being restored: done when true.
+    restoring: Mutex<std::collections::HashMap<(String, u64), tokio::sync::watch::Receiver<bool>>>,
 }
 
 impl Agent {
@@ -154,7 +160,10 @@ impl Agent {
             tls,
             pools_live: Mutex::new(std::collections::HashMap::new()),
             exposure: Mutex::new(exposure::Seen::default()),
+            kv: Arc::new(kv::KvStore::default()),
+            restoring: Mutex::new(std::collections::HashMap::new()),
         });
+        agent.kv.configure(&agent.config());
         agent.open_device_probes();
         agent.refresh_probes();
         tokio::spawn(follower::follow_supervisor(Arc::downgrade(&agent), rx));

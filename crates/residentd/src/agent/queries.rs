@@ -115,9 +115,17 @@ impl Agent {
         records.iter().map(|(id, r)| self.view(id, r)).collect()
     }
 
-    /// The pools as they are.
+    /// The pools as they are; a disk pool's used bytes are what its
+    /// saved conversations hold (`keep_kv`).
     pub fn pools(&self) -> Vec<pb::PoolStatus> {
-        self.books.pools()
+        let mut pools = self.books.pools();
+        for (name, budget, used) in self.kv.figures() {
+            if let Some(p) = pools.iter_mut().find(|p| p.name == name) {
+                p.used_bytes = used;
+                p.free_bytes = Some(budget.saturating_sub(used));
+            }
+        }
+        pools
     }
 
     /// The placement query: what a Start would do, changing nothing.
@@ -233,6 +241,7 @@ impl Agent {
         let new = Arc::new(new);
         *self.config.write().unwrap_or_else(|e| e.into_inner()) = new.clone();
         self.books.reconfigure(&new);
+        self.kv.configure(&new);
         self.open_device_probes();
         self.refresh_probes();
         Ok(warnings)

@@ -13,14 +13,10 @@ use std::time::{Duration, Instant};
 use resident_api::{ApiError, pb};
 use resident_config::HttpCall;
 use resident_supervisor::State;
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-use tokio::net::TcpStream;
 
 use super::Agent;
 use super::books::{Sleeper, Sleepy};
-
-/// Most of a sleep or wake call's answer read.
-const MAX_ANSWER: usize = 64 * 1024;
+use super::http::http_call;
 
 impl Agent {
     /// Puts `id` to sleep (the Sleep RPC); answers once it is SLEEPING.
@@ -451,48 +447,6 @@ impl Agent {
 fn is_sleeping(body: &str) -> Option<bool> {
     let v: serde_json::Value = serde_json::from_str(body).ok()?;
     v.get("is_sleeping")?.as_bool()
-}
-
-/// One HTTP/1.0 call on loopback `port`: the body of a 2xx answer.
-async fn http_call(port: u16, call: &HttpCall, timeout: Duration) -> Result<String, String> {
-    let exchange = async {
-        let mut stream = TcpStream::connect((std::net::Ipv4Addr::LOCALHOST, port))
-            .await
-            .map_err(|e| format!("could not connect to port {port}: {e}"))?;
-        let request = format!(
-            "{} {} HTTP/1.0\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
-            call.method, call.path
-        );
-        stream
-            .write_all(request.as_bytes())
-            .await
-            .map_err(|e| format!("could not be sent: {e}"))?;
-        let mut answer = Vec::with_capacity(1024);
-        let mut chunk = [0u8; 4096];
-        while answer.len() < MAX_ANSWER {
-            match stream.read(&mut chunk).await {
-                Ok(0) => break,
-                Ok(n) => answer.extend_from_slice(&chunk[..n]),
-                Err(e) => return Err(format!("broke off: {e}")),
-            }
-        }
-        let head = String::from_utf8_lossy(&answer[..answer.len().min(64)]).into_owned();
-        let status = head.split_whitespace().nth(1).unwrap_or("");
-        if status.starts_with('2') && status.len() == 3 {
-            let text = String::from_utf8_lossy(&answer).into_owned();
-            Ok(text
-                .split_once("\r\n\r\n")
-                .map(|(_, b)| b.to_string())
-                .unwrap_or_default())
-        } else {
-            let line = head.lines().next().unwrap_or("").trim();
-            Err(format!("answered {line:?}"))
-        }
-    };
-    match tokio::time::timeout(timeout, exchange).await {
-        Ok(result) => result,
-        Err(_) => Err(format!("took longer than {timeout:?}")),
-    }
 }
 
 /// Waits until `GET path` answers 2xx on `port`, for at most `within`.

@@ -26,6 +26,7 @@ mod footprint;
 mod gpu_choice;
 mod hostile_input;
 mod interop;
+mod keep_kv;
 mod leases;
 mod lifecycle;
 mod llama;
