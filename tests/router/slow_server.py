@@ -4,7 +4,10 @@ chat completion sends one chunk every 50 ms, `max_tokens` chunks in all.
 It prints `client went away after N chunks` when its client hangs up, and
 `served N chunks` when a stream ends whole.
 
-Usage: slow_server.py PORT
+Usage: slow_server.py PORT [--slow-load SECONDS]
+
+--slow-load: it loads for that long before it listens (not ready
+meanwhile), as a large model does.
 """
 
 import json
@@ -73,4 +76,6 @@ class Handler(BaseHTTPRequestHandler):
 
 
 if __name__ == "__main__":
+    if "--slow-load" in sys.argv:
+        time.sleep(float(sys.argv[sys.argv.index("--slow-load") + 1]))
     ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()

@@ -45,6 +45,7 @@ pub mod limits;
 pub mod metrics;
 pub mod models;
 pub mod proxy;
+mod waiting;
 
 pub use agent::AgentTls;
 pub use error::RouterError;
@@ -92,6 +93,11 @@ pub struct Options {
     pub body_budget: usize,
     /// The most console streams (`/ui/events`, `/ui/logs`) open at once.
     pub max_streams: usize,
+    /// How long a start on demand that needs a loaded model's memory lets
+    /// that model's new requests go first (`--swap-after`): within it they
+    /// are served (no A-B-A thrash), after it they queue behind the start
+    /// (nobody starves).
+    pub swap_after: Duration,
 }
 
 /// The defaults of the options (and of the flags that set them).
@@ -116,6 +122,8 @@ pub mod defaults {
     pub const BODY_BUDGET: usize = 256 << 20;
     /// `--max-streams`: 32 console pages, each with its logs followed.
     pub const MAX_STREAMS: usize = 64;
+    /// `--swap-after`.
+    pub const SWAP_AFTER: Duration = Duration::from_secs(5);
 }
 
 impl Options {
@@ -136,6 +144,7 @@ impl Options {
             max_connections: defaults::MAX_CONNECTIONS,
             body_budget: defaults::BODY_BUDGET,
             max_streams: defaults::MAX_STREAMS,
+            swap_after: defaults::SWAP_AFTER,
         }
     }
 }
@@ -164,7 +173,15 @@ impl App {
     pub fn new(options: Options) -> anyhow::Result<Arc<Self>> {
         let metrics = Arc::new(Metrics::new());
         let agent = Agent::new(&options.agent, options.tls.as_ref())?;
-        let models = Models::new(agent, options.hold, options.queue_timeout, metrics.clone());
+        let models = Models::new(
+            agent,
+            models::Timing {
+                hold: options.hold,
+                queue_timeout: options.queue_timeout,
+                swap_after: options.swap_after,
+            },
+            metrics.clone(),
+        );
         let mut allowed = Vec::new();
         for h in &options.allow_hosts {
             allowed.push(guard::check_host_flag(h).map_err(anyhow::Error::msg)?);
@@ -271,53 +288,88 @@ impl App {
         }
     }
 
-    /// Holds `model` READY and forwards the request to it.
+    /// Holds `model` READY and forwards the request to it. A streamed
+    /// request (`streaming`) still waiting for its model after
+    /// [`waiting::FIRST`] (a load) is answered at once with an event
+    /// stream that says it waits, then carries the model's events
+    /// (`waiting.rs`).
     async fn route(
-        &self,
+        self: &Arc<Self>,
         model: &str,
         method: Method,
         path_and_query: &str,
         headers: &HeaderMap,
         body: Bytes,
+        streaming: bool,
     ) -> Response {
         let arrived = proxy::Arrival::now();
         let began = arrived.at;
-        let answer = async {
-            let m = self.models.resolve(model).await?;
-            let held = self.models.acquire(m).await?;
-            let (name, pid) = (held.model.name.clone(), held.pid);
-            let response = proxy::forward(
-                &self.upstream,
-                &self.metrics,
-                arrived,
-                held,
-                method,
-                path_and_query,
-                headers,
-                body,
-            )
-            .await?;
-            self.metrics.first_byte(&name, began.elapsed());
-            Ok::<_, RouterError>((name, pid, response))
-        }
-        .await;
-        match answer {
-            Ok((name, pid, response)) => {
-                let status = response.status();
-                self.metrics.answered(&name, status.as_u16());
-                tracing::info!(model = %name, instance = %name, pid, status = status.as_u16(), first_byte_ms = began.elapsed().as_millis() as u64, path = path_and_query, "forwarded");
-                response
+        let (app, wanted, path, headers) = (
+            self.clone(),
+            model.to_string(),
+            path_and_query.to_string(),
+            headers.clone(),
+        );
+        let work = async move {
+            let answer = async {
+                let m = app.models.resolve(&wanted).await?;
+                let held = app.models.acquire(m).await?;
+                let (name, pid) = (held.model.name.clone(), held.pid);
+                let response = proxy::forward(
+                    &app.upstream,
+                    &app.metrics,
+                    arrived,
+                    held,
+                    method,
+                    &path,
+                    &headers,
+                    body,
+                )
+                .await?;
+                app.metrics.first_byte(&name, began.elapsed());
+                Ok::<_, RouterError>((name, pid, response))
             }
-            Err(e) => self.failed(model, e),
+            .await;
+            match answer {
+                Ok((name, pid, response)) => {
+                    let status = response.status();
+                    app.metrics.answered(&name, status.as_u16());
+                    tracing::info!(model = %name, instance = %name, pid, status = status.as_u16(), first_byte_ms = began.elapsed().as_millis() as u64, path = %path, "forwarded");
+                    Ok(response)
+                }
+                Err(e) => {
+                    app.failed_quietly(&wanted, &e);
+                    Err(e)
+                }
+            }
+        };
+        if !streaming {
+            return work.await.unwrap_or_else(IntoResponse::into_response);
+        }
+        let mut task = tokio::spawn(work);
+        tokio::select! {
+            done = &mut task => match done {
+                Ok(answer) => answer.unwrap_or_else(IntoResponse::into_response),
+                Err(e) => RouterError::agent(format!("the request's task failed: {e}")).into_response(),
+            },
+            () = tokio::time::sleep(waiting::FIRST) => {
+                let name = self.models.known(model).unwrap_or_else(|| model.to_string());
+                waiting::stream_while(name, task)
+            }
         }
     }
 
-    fn failed(&self, model: &str, e: RouterError) -> Response {
+    /// Counts and logs a request answered with `e` (not forwarded).
+    fn failed_quietly(&self, model: &str, e: &RouterError) {
         // Labelled with the workload a known name stands for; anything
         // else a client sends would make a series per string.
         let label = self.models.known(model).unwrap_or_default();
         self.metrics.answered(&label, e.status.as_u16());
         tracing::info!(model = %error::excerpt(model), status = e.status.as_u16(), kind = e.kind, code = %e.code, message = %e.message, "not forwarded");
+    }
+
+    fn failed(&self, model: &str, e: RouterError) -> Response {
+        self.failed_quietly(model, &e);
         e.into_response()
     }
 }
@@ -338,6 +390,16 @@ fn is_length_limit(e: &axum::Error) -> bool {
 #[derive(Deserialize)]
 struct Named {
     model: Option<serde_json::Value>,
+    #[serde(default)]
+    stream: Option<serde_json::Value>,
+}
+
+/// Whether an OpenAI request asks for a streamed answer.
+fn streamed(body: &[u8]) -> bool {
+    serde_json::from_slice::<Named>(body)
+        .ok()
+        .and_then(|n| n.stream)
+        .is_some_and(|s| s == serde_json::Value::Bool(true))
 }
 
 /// The model an OpenAI request names.
@@ -388,7 +450,10 @@ async fn openai(
         Err(e) => return app.failed("", e),
     };
     let path = uri.path_and_query().map_or(uri.path(), |p| p.as_str());
-    let answer = app.route(&model, method, path, &headers, body).await;
+    let streaming = streamed(&body);
+    let answer = app
+        .route(&model, method, path, &headers, body, streaming)
+        .await;
     // Forwarded (or answered without): its room is given back.
     drop(room);
     answer
@@ -419,7 +484,9 @@ async fn upstream(
         Ok(b) => b,
         Err(e) => return app.failed(&model, e),
     };
-    let answer = app.route(&model, method, &path, &headers, body).await;
+    let answer = app
+        .route(&model, method, &path, &headers, body, false)
+        .await;
     drop(room);
     answer
 }

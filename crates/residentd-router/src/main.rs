@@ -91,6 +91,12 @@ struct Cli {
     /// The most console streams (/ui/events, /ui/logs) open at once.
     #[arg(long, default_value_t = residentd_router::defaults::MAX_STREAMS)]
     max_streams: usize,
+    /// How long a start on demand that needs a loaded model's memory lets
+    /// that model's new requests go first: within it they are served (a
+    /// loaded model's requests before a swap), after it they queue behind
+    /// the start (so no model starves).
+    #[arg(long, default_value = "5s", value_parser = duration)]
+    swap_after: Duration,
     /// Log as JSON lines.
     #[arg(long)]
     log_json: bool,
@@ -268,6 +274,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         max_connections: cli.max_connections,
         body_budget: cli.body_budget,
         max_streams: cli.max_streams,
+        swap_after: cli.swap_after,
     };
     files_for(options.max_connections);
     let (listen, agent) = (options.listen, options.agent.clone());

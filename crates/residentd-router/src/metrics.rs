@@ -52,6 +52,7 @@ pub struct Metrics {
     in_flight: Family<ModelLabels, Gauge>,
     starts: Family<StartLabels, Histogram, fn() -> Histogram>,
     queue_timeouts: Family<ModelLabels, Counter>,
+    loads_abandoned: Family<ModelLabels, Counter>,
     waiting: Gauge,
     connections: Gauge,
     refused: Family<WhyLabels, Counter>,
@@ -126,6 +127,7 @@ impl Metrics {
             in_flight: Family::default(),
             starts: Family::new_with_constructor(latency),
             queue_timeouts: Family::default(),
+            loads_abandoned: Family::default(),
             waiting: Gauge::default(),
             connections: Gauge::default(),
             refused: Family::default(),
@@ -161,6 +163,11 @@ impl Metrics {
             "queue_timeouts",
             "Requests answered 503 queue_timeout",
             m.queue_timeouts.clone(),
+        );
+        r.register(
+            "loads_abandoned",
+            "Starts on demand stopped while loading because every request waiting for them went away",
+            m.loads_abandoned.clone(),
         );
         r.register(
             "starts_waiting",
@@ -256,6 +263,15 @@ impl Metrics {
             model: model.to_string(),
         };
         self.queue_timeouts.get_or_create(&labels).inc();
+    }
+
+    /// A start on demand of `model` stopped while it loaded: nobody waited
+    /// for it any more.
+    pub fn load_abandoned(&self, model: &str) {
+        let labels = ModelLabels {
+            model: model.to_string(),
+        };
+        self.loads_abandoned.get_or_create(&labels).inc();
     }
 
     /// A start of `model` began (+1) or stopped (-1) waiting on holds.

@@ -13,11 +13,15 @@
 //!   overtake a newer hold.
 //! - Starts go through one FIFO gate. A start the agent refuses as
 //!   *temporary* (memory held by requests in flight) waits at the head of
-//!   the gate until a hold drops, bounded by the queue timeout. While it
-//!   waits, new requests for the models whose instances it waits for (the
-//!   refusal's holders) queue behind it instead of renewing their holds,
-//!   so a swap cannot be starved; requests for other resident models are
-//!   served meanwhile.
+//!   the gate until a hold drops, bounded by the queue timeout. For its
+//!   first `swap_after`, new requests for the loaded models it waits for
+//!   (the refusal's holders) are still served: a loaded model's requests
+//!   go before a swap, so A-B-A does not thrash. After it, they queue
+//!   behind the start instead of renewing their holds, so a swap cannot be
+//!   starved; requests for other resident models are served meanwhile.
+//! - A start on demand whose every waiting request has gone (clients that
+//!   hung up) is stopped while it still loads, unless a request waits for
+//!   it again: memory is not held for a model nobody waits for.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, RwLock};
@@ -52,6 +56,10 @@ pub struct Model {
     limits: Mutex<(u32, Arc<Semaphore>)>,
     /// Requests in flight holding the instance, and which instance.
     holds: tokio::sync::Mutex<Holds>,
+    /// Requests waiting for its start on demand.
+    waiters: std::sync::atomic::AtomicUsize,
+    /// Whether a start on demand of it is under way.
+    loading: std::sync::atomic::AtomicBool,
 }
 
 /// The instance a model is served through and the requests holding it.
@@ -79,6 +87,8 @@ impl Model {
                 count: 0,
                 instance: name.to_string(),
             }),
+            waiters: std::sync::atomic::AtomicUsize::new(0),
+            loading: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -109,18 +119,32 @@ struct Roster {
     workloads: Vec<pb::Workload>,
 }
 
+/// The times that shape the queue.
+#[derive(Debug, Clone, Copy)]
+pub struct Timing {
+    /// How long each hold lasts (renewed while a request is in flight).
+    pub hold: Duration,
+    /// The longest a request waits for its start.
+    pub queue_timeout: Duration,
+    /// How long a start waiting for a loaded model's memory lets that
+    /// model's new requests go first.
+    pub swap_after: Duration,
+}
+
 /// Everything the router knows about its models.
 #[derive(Debug)]
 pub struct Models {
     agent: Agent,
     hold: Duration,
     queue_timeout: Duration,
+    swap_after: Duration,
     roster: RwLock<Roster>,
     gate: tokio::sync::Mutex<()>,
     /// The instances that starts now waiting on holds wait for, each with
-    /// how many starts wait for it. A request for one of them queues
-    /// behind the waiting start instead of holding it again.
-    blocking: Mutex<HashMap<String, usize>>,
+    /// when each of those starts began to wait. A request for one of them
+    /// queues behind a start that has waited `swap_after` instead of
+    /// holding it again.
+    blocking: Mutex<HashMap<String, Vec<Instant>>>,
     /// Signalled whenever a model's last hold was released.
     released: Notify,
     metrics: Arc<Metrics>,
@@ -168,16 +192,12 @@ impl Drop for Held {
 impl Models {
     /// Models served through `agent`, each request holding its instance for
     /// `hold` (renewed) and a start waiting at most `queue_timeout`.
-    pub fn new(
-        agent: Agent,
-        hold: Duration,
-        queue_timeout: Duration,
-        metrics: Arc<Metrics>,
-    ) -> Arc<Self> {
+    pub fn new(agent: Agent, timing: Timing, metrics: Arc<Metrics>) -> Arc<Self> {
         Arc::new(Self {
             agent,
-            hold,
-            queue_timeout,
+            hold: timing.hold,
+            queue_timeout: timing.queue_timeout,
+            swap_after: timing.swap_after,
             roster: RwLock::new(Roster::default()),
             gate: tokio::sync::Mutex::new(()),
             blocking: Mutex::new(HashMap::new()),
@@ -274,6 +294,9 @@ impl Models {
         {
             return Ok(held.with(permit));
         }
+        // From here it waits for a start: counted, so that a start nobody
+        // waits for any more is stopped while it loads.
+        let _waiting = Waiter::new(self, &model);
         let Ok(turn) = tokio::time::timeout_at(deadline.into(), self.gate.lock()).await else {
             self.metrics.queue_timeout(&model.name);
             return Err(self.timed_out(&model, "other starts were ahead of it"));
@@ -313,7 +336,14 @@ impl Models {
             tokio::pin!(released);
             released.as_mut().enable();
             let began = Instant::now();
-            match self.agent.start(&model.name, &model.name).await {
+            model
+                .loading
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+            let started = self.agent.start(&model.name, &model.name).await;
+            model
+                .loading
+                .store(false, std::sync::atomic::Ordering::SeqCst);
+            match started {
                 Ok(_) => {
                     starts += 1;
                     self.metrics.started(&model.name, "ok", began.elapsed());
@@ -361,13 +391,41 @@ impl Models {
         }
     }
 
-    fn blocking_lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, usize>> {
+    fn blocking_lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Vec<Instant>>> {
         self.blocking.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Whether a start waits for memory that `name`'s instance holds.
+    /// Whether a start has waited `swap_after` for memory that `name`'s
+    /// instance holds: then a new request for it queues behind that start.
     fn blocks(&self, name: &str) -> bool {
-        self.blocking_lock().contains_key(name)
+        self.blocking_lock()
+            .get(name)
+            .is_some_and(|since| since.iter().any(|t| t.elapsed() >= self.swap_after))
+    }
+
+    /// The last request waiting for `model`'s start went away: if that
+    /// start is still loading and nobody waits for it again, it is
+    /// stopped, so that no memory is held for a model nobody waits for.
+    async fn abandoned(self: Arc<Self>, model: Arc<Model>) {
+        use std::sync::atomic::Ordering;
+        if !model.loading.load(Ordering::SeqCst) || model.waiters.load(Ordering::SeqCst) > 0 {
+            return;
+        }
+        let loading = self.agent.list().await.ok().and_then(|list| {
+            list.into_iter().find(|i| {
+                i.instance_id == model.name
+                    && (i.state == pb::State::Pending as i32
+                        || i.state == pb::State::Starting as i32)
+            })
+        });
+        if loading.is_none() || model.waiters.load(Ordering::SeqCst) > 0 {
+            return;
+        }
+        tracing::info!(model = %model.name, "every request waiting for its start went away: stopping the load");
+        self.metrics.load_abandoned(&model.name);
+        if let Err(e) = self.agent.stop(&model.name).await {
+            tracing::warn!(model = %model.name, error = %e.message(), "could not stop the abandoned load");
+        }
     }
 
     fn timed_out(&self, model: &Model, why: &str) -> RouterError {
@@ -481,12 +539,44 @@ impl Models {
     }
 }
 
+/// A request waiting for its model's start, counted while it waits.
+struct Waiter {
+    models: Arc<Models>,
+    model: Arc<Model>,
+}
+
+impl Waiter {
+    fn new(models: &Arc<Models>, model: &Arc<Model>) -> Self {
+        model
+            .waiters
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Self {
+            models: models.clone(),
+            model: model.clone(),
+        }
+    }
+}
+
+impl Drop for Waiter {
+    fn drop(&mut self) {
+        let before = self
+            .model
+            .waiters
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        if before == 1 && self.model.loading.load(std::sync::atomic::Ordering::SeqCst) {
+            let (models, model) = (self.models.clone(), self.model.clone());
+            tokio::spawn(models.abandoned(model));
+        }
+    }
+}
+
 /// A start waiting on holds, and the instances it waits for, while it
 /// exists.
 struct Waiting<'a> {
     models: &'a Models,
     model: String,
     holders: Vec<String>,
+    since: Instant,
 }
 
 impl<'a> Waiting<'a> {
@@ -496,6 +586,7 @@ impl<'a> Waiting<'a> {
             models,
             model: model.to_string(),
             holders: Vec::new(),
+            since: Instant::now(),
         };
         w.wait_for(holders);
         w
@@ -504,19 +595,21 @@ impl<'a> Waiting<'a> {
     /// Now waits for `holders` (the latest refusal's) instead.
     fn wait_for(&mut self, holders: Vec<String>) {
         let mut blocking = self.models.blocking_lock();
-        unblock(&mut blocking, &self.holders);
+        unblock(&mut blocking, &self.holders, self.since);
         for h in &holders {
-            *blocking.entry(h.clone()).or_default() += 1;
+            blocking.entry(h.clone()).or_default().push(self.since);
         }
         self.holders = holders;
     }
 }
 
-fn unblock(blocking: &mut HashMap<String, usize>, holders: &[String]) {
+fn unblock(blocking: &mut HashMap<String, Vec<Instant>>, holders: &[String], since: Instant) {
     for h in holders {
-        if let Some(n) = blocking.get_mut(h) {
-            *n -= 1;
-            if *n == 0 {
+        if let Some(list) = blocking.get_mut(h) {
+            if let Some(i) = list.iter().position(|t| *t == since) {
+                list.swap_remove(i);
+            }
+            if list.is_empty() {
                 blocking.remove(h);
             }
         }
@@ -525,7 +618,7 @@ fn unblock(blocking: &mut HashMap<String, usize>, holders: &[String]) {
 
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
-        unblock(&mut self.models.blocking_lock(), &self.holders);
+        unblock(&mut self.models.blocking_lock(), &self.holders, self.since);
         self.models.metrics.waiting(&self.model, -1);
     }
 }

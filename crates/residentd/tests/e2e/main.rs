@@ -40,6 +40,7 @@ mod residentctl;
 mod router;
 mod router_attacks;
 mod security;
+mod serving;
 mod shutdown;
 mod sleep;
 mod systemd;
