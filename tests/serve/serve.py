@@ -176,15 +176,22 @@ def replay(base, requests, model_name, timeout):
                 model=model_name(r["model"]), stream=True, max_tokens=4,
                 messages=[{"role": "user", "content": prompt_of(r)}])
             for chunk in stream:
+                # Answered by the model it asked for (router mode names
+                # the model's file, residentd its workload).
+                said = getattr(chunk, "model", None) or ""
+                if said and r["model"] not in said:
+                    rec["failed"] = f"answered by {said!r}, not {r['model']!r}"
+                # The first token: the first chunk with a choice (a random
+                # test model may generate a byte token that is no text yet).
                 choices = getattr(chunk, "choices", None) or []
-                if rec["ttft"] is None and any(getattr(c.delta, "content", None) for c in choices):
+                if rec["ttft"] is None and choices:
                     rec["ttft"] = time.monotonic() - sent
                 extra = getattr(chunk, "model_extra", None) or {}
                 if "timings" in extra and extra["timings"]:
                     rec["prompt_n"] = extra["timings"].get("prompt_n")
             rec["done"] = time.monotonic() - sent
-            if rec["ttft"] is None:
-                rec["failed"] = "no token"
+            if rec["ttft"] is None and not rec["failed"]:
+                rec["failed"] = "the stream ended without a chunk"
         except Exception as e:  # a failed request, whatever the cause
             rec["failed"] = f"{type(e).__name__}: {e}"[:300]
         with lock:

@@ -214,3 +214,65 @@ async fn a_streamed_request_waiting_for_a_load_hears_that_it_waits() {
     assert!(all.contains("t0 ") && all.contains("data: [DONE]"), "{all}");
     drop(d);
 }
+
+/// The small version of the serve benchmark's trace (tests/serve/serve.py
+/// --small: 6 conversations, 14 requests over 4 real llama-servers whose
+/// memory holds two) against residentd + residentd-router and residentd
+/// with one model at a time: what must always hold, not timings. Every
+/// request answered by the model it asked for, none failed, and the
+/// servers' measured peak within the budget (the script exits non-zero
+/// otherwise).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_small_trace_is_served_whole_within_its_budget() {
+    let (Some(python), Some(bin)) = (crate::llama::python(), crate::llama::llama_server_bin())
+    else {
+        return;
+    };
+    // The router's binary beside the agent's (cargo test --workspace
+    // builds both).
+    let router = std::path::Path::new(RESIDENTD).with_file_name("residentd-router");
+    if !router.exists() {
+        let why = "no residentd-router binary beside residentd: run cargo build -p residentd-router (scripts/test builds it)";
+        assert!(std::env::var_os("CI").is_none(), "{why}");
+        return skip(why);
+    }
+    let work = tempfile::tempdir().expect("tempdir");
+    let json = work.path().join("serve.json");
+    let out = tokio::process::Command::new(&python)
+        .arg(workspace().join("tests/serve/serve.py"))
+        .arg("--llama-bin")
+        .arg(&bin)
+        .args(["--residentd", RESIDENTD])
+        .arg("--router")
+        .arg(&router)
+        .arg("--work")
+        .arg(work.path())
+        .args(["--small", "--systems", "a,c", "--json"])
+        .arg(&json)
+        .output()
+        .await
+        .expect("run serve.py");
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{said}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).expect("the figures")).expect("json");
+    let results = v["results"].as_array().expect("results");
+    assert_eq!(results.len(), 2, "{said}");
+    for r in results {
+        let system = r["system"].as_str().unwrap_or_default();
+        assert_eq!(
+            r["requests"], v["requests"],
+            "{system}: every request replayed"
+        );
+        assert_eq!(r["failed"], 0, "{system}: {said}");
+        let (peak, budget) = (r["peak_rss"].as_u64(), r["budget"].as_u64());
+        assert!(
+            peak.is_some_and(|p| p > 0) && peak <= budget,
+            "{system}: measured {peak:?} of {budget:?}: {said}"
+        );
+    }
+}
