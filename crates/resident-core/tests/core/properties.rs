@@ -10,7 +10,7 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestRng, TestRunner};
 use resident_core::{
     AdmitError, AnyOf, Asleep, Demand, Entry, GB, GpuChoice, GroupPolicy, InstanceId, NodeState,
-    Plan, Policy, Reason, Resident, Spec, Tier,
+    Plan, PlanError, Policy, Reason, Resident, Spec, Tier, WorkloadName,
 };
 
 const POOLS: [&str; 3] = ["p0", "p1", "p2"];
@@ -878,6 +878,80 @@ fn run(w: &World, ops: Vec<Op>, tally: &Tally) -> Result<(), TestCaseError> {
         check_pools(&n);
     }
     Ok(())
+}
+
+/// The property's one stored failure, made a named test. It was kept in
+/// `properties.proptest-regressions` (from the commit that added the
+/// property) and never replayed: the property ran with
+/// `failure_persistence: None`, and its seed would now draw another world,
+/// the world strategy having grown since (overhead, floors, any-of
+/// demands, sleep, gpu_choice). The world it shrank to: three static
+/// pools without a budget, workload w3 in a persistent group, every
+/// workload asking nothing of every pool, w1 at priority 1. The ops:
+/// Start i0 of w1 (refuse); a reading of 0 on p0; Start i0 of w2
+/// (refuse). What it holds: a start under an id another workload holds
+/// is an invalid request, under either policy and whatever the
+/// priorities: nothing is evicted, entered or touched, and the dry run
+/// says the same; a reading on a static pool bounds nothing.
+#[test]
+fn a_start_under_an_id_another_workload_holds_changes_nothing() {
+    let nothing = |name: &str| spec(name, &[("p0", 0), ("p1", 0), ("p2", 0)]);
+    let persistent = GroupPolicy {
+        persistent: true,
+        ..GroupPolicy::default()
+    };
+    let mut n = node(
+        POOLS.iter().map(|p| static_pool(p, None)).collect(),
+        vec![
+            group("g0", &["w3"], persistent),
+            group("g1", &[], GroupPolicy::default()),
+            group("g2", &[], GroupPolicy::default()),
+        ],
+    );
+    let w1 = Arc::new(Spec {
+        priority: 1,
+        ..nothing("w1")
+    });
+    let w2 = Arc::new(nothing("w2"));
+
+    let first = n
+        .admit(&id("i0"), Entry::Start(w1), Policy::Refuse, 0)
+        .expect("an empty node admits");
+    assert!(first.created && first.evict.is_empty() && first.sleep.is_empty());
+
+    assert!(n.set_available("p0", Some(0)), "p0 is a pool");
+    assert_eq!(
+        n.effective_budget("p0"),
+        None,
+        "a reading bounds only a live pool"
+    );
+
+    let before = snapshot(&n);
+    for (policy, now) in [(Policy::Refuse, 0), (Policy::Evict, 5)] {
+        let taken = AdmitError::Invalid(PlanError::AlreadyExists {
+            id: id("i0"),
+            existing: WorkloadName::new("w1").expect("valid"),
+        });
+        assert_eq!(
+            n.plan(&id("i0"), &w2, policy, now),
+            Err(PlanError::AlreadyExists {
+                id: id("i0"),
+                existing: WorkloadName::new("w1").expect("valid"),
+            }),
+            "{policy:?}: the dry run"
+        );
+        assert_eq!(
+            n.admit(&id("i0"), Entry::Start(w2.clone()), policy, now),
+            Err(taken),
+            "{policy:?}"
+        );
+        assert_eq!(
+            snapshot(&n),
+            before,
+            "{policy:?}: nothing entered, moved or touched"
+        );
+        check_pools(&n);
+    }
 }
 
 /// The figures every `Place` and `Node` answer carries (`pools()`, one
