@@ -145,7 +145,16 @@ async fn the_python_client_and_fleet_placement_against_three_agents() {
     let Some(python) = python() else {
         return;
     };
-    let agents = three_agents().await;
+    // n1 also has `talker`, whose known lines check.py reads with Logs.
+    let talker = "[[workload]]\nname = \"talker\"\ncommand = [\"/bin/sh\", \"-c\", \"echo out one; echo err one >&2; echo out two; echo err two >&2; exec sleep 3600\"]\nstop_grace = \"2s\"\n[workload.memory.ram]\nweights = \"1GB\"\n";
+    let agents = three_agents_with(
+        |_| String::new(),
+        |name| match name {
+            "n1" => workloads() + talker,
+            _ => workloads(),
+        },
+    )
+    .await;
     let nowhere = tempfile::tempdir().expect("tempdir");
     let setup = serde_json::json!({
         "agents": sockets(&agents),
