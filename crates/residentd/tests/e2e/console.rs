@@ -519,19 +519,34 @@ async fn what_if_shows_places_answer_and_actions_are_off_until_turned_on() {
     ])
     .await;
     b.run(&["click", "#whatif button[type=submit]"]).await;
-    if place.admitted {
-        b.text("#whatif-answer", "would be admitted").await;
-        for v in &place.victims {
-            b.text("#whatif-answer", &format!("would evict: {}", v.instance_id))
-                .await;
-        }
-    } else {
-        b.text("#whatif-answer", "would be refused").await;
-        b.text("#whatif-answer .why", &place.refusals[0].message)
-            .await;
-        b.text("#whatif-answer .why", "held by s1 (small) 4.0 GB")
-            .await;
-    }
+    // big (8 GB) beside s1 (4 GB) in 10 GB, and the page's Place refuses
+    // (policy refuse): refused, and the page says why in Place's words.
+    assert!(!place.admitted, "big does not fit beside s1: {place:?}");
+    b.text("#whatif-answer", "would be refused").await;
+    b.text("#whatif-answer .why", &place.refusals[0].message)
+        .await;
+    b.text("#whatif-answer .why", "held by s1 (small) 4.0 GB")
+        .await;
+    // And an admitted one: small (4 GB) fits beside s1 as the node is.
+    let place = d
+        .client
+        .place(pb::PlaceRequest {
+            workload: "small".into(),
+            on_full: 0,
+        })
+        .await
+        .expect("place")
+        .into_inner();
+    assert!(place.admitted && place.evict.is_empty(), "{place:?}");
+    b.run(&[
+        "js",
+        "(document.querySelector('#whatif-workload').value = 'small', true)",
+    ])
+    .await;
+    b.run(&["click", "#whatif button[type=submit]"]).await;
+    b.text("#whatif-answer", "A start of small would be admitted")
+        .await;
+    b.text("#whatif-answer", "It fits as the node is.").await;
     // Nothing was started by asking.
     assert_eq!(d.ids().await, ["s1"]);
     let shots = tempfile::tempdir().expect("a temporary directory");
