@@ -201,17 +201,6 @@ fn rss_and_peak(pid: u32) -> (u64, u64) {
     (kb("VmRSS:"), kb("VmHWM:"))
 }
 
-/// SIGKILLs and reaps a `resident-supervise` when the test ends, passed or
-/// failed (its child is killed with it: the parent-death signal).
-struct Supervise(std::process::Child);
-
-impl Drop for Supervise {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// The supervisor's memory under the flood, measured in a process of its
 /// own (`resident-supervise`, default log limits: 2,000 lines, 1 MB), where
 /// nothing else of the test runs: its peak once the flood is over, against
@@ -228,7 +217,7 @@ fn a_flooding_child_does_not_grow_the_supervisor() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .expect("start resident-supervise");
-    let mut agent = Supervise(agent);
+    let mut agent = Killed(agent);
     let pid = agent.0.id();
     let mut line = String::new();
     std::io::BufReader::new(agent.0.stdout.take().expect("piped"))

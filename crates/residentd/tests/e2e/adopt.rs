@@ -14,8 +14,9 @@ const CTL: &str = env!("CARGO_BIN_EXE_residentctl");
 
 /// An HTTP server answering 200 on GET /health and on POST /sleep and
 /// /wake (the calls of workload `sleepy`), bound to `host`, started by
-/// the test in a process group of its own; returns it and its port.
-fn server(host: &str) -> (Child, u16) {
+/// the test in a process group of its own, killed when the test ends;
+/// returns it and its port.
+fn server(host: &str) -> (Killed, u16) {
     use std::os::unix::process::CommandExt as _;
     let port = free_port();
     let script = format!(
@@ -38,7 +39,7 @@ fn server(host: &str) -> (Child, u16) {
         .stderr(Stdio::null())
         .spawn()
         .expect("python3 runs");
-    (child, port)
+    (Killed(child), port)
 }
 
 /// Waits (bounded) until `port` accepts connections.
