@@ -179,8 +179,8 @@ async fn a_flooding_child_neither_blocks_nor_loses_its_order() {
     assert_eq!(tail[98].line, format!("{written:08} {}", "x".repeat(99)));
     println!(
         "flood: {written} lines through the supervisor, {bare} drained bare beside it ({} MB and {} MB in 3 s)",
-        written * 108 >> 20,
-        bare * 108 >> 20
+        (written * 108) >> 20,
+        (bare * 108) >> 20
     );
     // The supervisor keeps the child's pace: at least half of what the
     // bare drain let the same child write beside it.
