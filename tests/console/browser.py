@@ -23,6 +23,7 @@ import base64
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 
@@ -126,6 +127,9 @@ def run(driver, command, args):
 
 
 def main():
+    # A SIGTERM ends it as the end of its input does: the driver quits
+    # (chromedriver and its chromium with it) in the finally below.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     driver, why = browser()
     if driver is None:
         say(skip=why)

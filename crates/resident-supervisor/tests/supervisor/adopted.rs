@@ -11,17 +11,18 @@ use crate::support::*;
 use resident_supervisor::{Adoption, LaunchSpec, Readiness, State, SupervisorConfig, procfs};
 
 /// The test child running `steps` in a process group of its own, started
-/// by the test, with the environment it needs.
-fn outsider(steps: &[&str], port: u16) -> Child {
+/// by the test, with the environment it needs; killed when dropped.
+fn outsider(steps: &[&str], port: u16) -> Killed {
     use std::os::unix::process::CommandExt as _;
-    Command::new(TESTCHILD)
+    let child = Command::new(TESTCHILD)
         .args(steps)
         .env("PORT", port.to_string())
         .process_group(0)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
-        .expect("start the outsider")
+        .expect("start the outsider");
+    Killed(child)
 }
 
 fn adoption(c: &Child, port: u16, manage: bool) -> Adoption {
@@ -52,7 +53,7 @@ fn spec(id: &str, readiness: Readiness) -> LaunchSpec {
 
 /// Reaps the outsider once it has exited (bounded), so it is not left as
 /// a zombie of the test.
-fn reaped(mut c: Child) -> std::process::ExitStatus {
+fn reaped(mut c: Killed) -> std::process::ExitStatus {
     let deadline = std::time::Instant::now() + PATIENCE;
     loop {
         if let Some(status) = c.try_wait().expect("try_wait") {

@@ -152,17 +152,50 @@ where
     }
 }
 
+/// A process the test started, SIGKILLed (with its process group, when
+/// it leads one and runs) and reaped when the test ends, passed or failed.
+pub struct Killed(pub std::process::Child);
+
+impl std::ops::Deref for Killed {
+    type Target = std::process::Child;
+    fn deref(&self) -> &std::process::Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Killed {
+    fn deref_mut(&mut self) -> &mut std::process::Child {
+        &mut self.0
+    }
+}
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let pid = i32::try_from(self.0.id()).expect("a pid");
+        let running = matches!(self.0.try_wait(), Ok(None));
+        let leads = resident_supervisor::procfs::stat(pid).is_some_and(|s| s.pgrp == pid);
+        if running && leads {
+            let group = nix::unistd::Pid::from_raw(pid);
+            let _ = nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGKILL);
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// Starts `resident-supervise` (an agent the test can kill -9) on
-/// `command`; returns it and its child's pid once the child runs.
-pub fn supervise(command: &[&str]) -> (std::process::Child, i32) {
+/// `command`; returns it (killed when dropped) and its child's pid once
+/// the child runs.
+pub fn supervise(command: &[&str]) -> (Killed, i32) {
     use std::io::BufRead as _;
-    let mut agent = std::process::Command::new(env!("CARGO_BIN_EXE_resident-supervise"))
+    let agent = std::process::Command::new(env!("CARGO_BIN_EXE_resident-supervise"))
         .arg("--")
         .args(command)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())
         .spawn()
         .expect("start the agent");
+    let mut agent = Killed(agent);
     let mut line = String::new();
     std::io::BufReader::new(agent.stdout.take().expect("piped"))
         .read_line(&mut line)

@@ -12,9 +12,11 @@ use tonic::Code;
 
 const CTL: &str = env!("CARGO_BIN_EXE_residentctl");
 
-/// An HTTP server answering 200 on /health, bound to `host`, started by
-/// the test in a process group of its own; returns it and its port.
-fn server(host: &str) -> (Child, u16) {
+/// An HTTP server answering 200 on GET /health and on POST /sleep and
+/// /wake (the calls of workload `sleepy`), bound to `host`, started by
+/// the test in a process group of its own, killed when the test ends;
+/// returns it and its port.
+fn server(host: &str) -> (Killed, u16) {
     use std::os::unix::process::CommandExt as _;
     let port = free_port();
     let script = format!(
@@ -22,6 +24,9 @@ fn server(host: &str) -> (Child, u16) {
          class H(http.server.BaseHTTPRequestHandler):\n\
          \x20   def do_GET(self):\n\
          \x20       self.send_response(200 if self.path == '/health' else 404)\n\
+         \x20       self.end_headers()\n\
+         \x20   def do_POST(self):\n\
+         \x20       self.send_response(200 if self.path in ('/sleep', '/wake') else 404)\n\
          \x20       self.end_headers()\n\
          \x20   def log_message(self, *a):\n\
          \x20       pass\n\
@@ -34,7 +39,7 @@ fn server(host: &str) -> (Child, u16) {
         .stderr(Stdio::null())
         .spawn()
         .expect("python3 runs");
-    (child, port)
+    (Killed(child), port)
 }
 
 /// Waits (bounded) until `port` accepts connections.
@@ -193,15 +198,37 @@ async fn an_adoption_without_manage_is_never_put_to_sleep() {
         assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
         assert!(e.message().contains("without manage"), "{}", e.message());
     }
-    // Unused for three times its idle time (the agent's idle tick is a
-    // second): watched throughout, it stays awake and READY.
-    let watched_until = std::time::Instant::now() + std::time::Duration::from_secs(3);
-    while std::time::Instant::now() < watched_until {
-        let i = d.get("hand").await;
-        assert_eq!(i.state, pb::State::Ready as i32, "{i:?}");
-        assert!(!i.message.contains("sleep"), "{}", i.message);
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
+    // The control: a managed adoption of the same workload, adopted after
+    // `hand` (so last used after it), is put to sleep by the agent's idle
+    // sweep (every second) once its idle second has run out. Watched
+    // until then and once it is asleep, `hand` stays awake and READY: the
+    // sweep that took the managed one passed over it.
+    let (mut managed, port) = server("127.0.0.1");
+    listening(port).await;
+    d.client
+        .adopt(adopt_req(managed.id(), "sleepy", "ctl", true))
+        .await
+        .expect("adopted, managed");
+    let mut hand = d.get("hand").await;
+    let ctl_asleep = until(async || {
+        hand = d.get("hand").await;
+        if hand.state != pb::State::Ready as i32 || hand.message.contains("sleep") {
+            return Some(false);
+        }
+        let ctl = d.get("ctl").await;
+        (ctl.state == pb::State::Sleeping as i32 && ctl.message.starts_with("SLEEPING: asleep"))
+            .then_some(true)
+    })
+    .await;
+    assert_eq!(
+        ctl_asleep,
+        Some(true),
+        "the managed adoption falls asleep while the unmanaged one stays READY: hand is {hand:?}"
+    );
+    let i = d.get("hand").await;
+    assert_eq!(i.state, pb::State::Ready as i32, "{i:?}");
+    assert!(!i.message.contains("sleep"), "{}", i.message);
+    kill(&mut managed);
     kill(&mut srv);
 }
 

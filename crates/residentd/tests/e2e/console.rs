@@ -37,7 +37,10 @@ static ONE_BROWSER: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 struct Browser {
     _alone: tokio::sync::MutexGuard<'static, ()>,
     child: Child,
-    stdin: ChildStdin,
+    /// None once closed (the end of browser.py's input).
+    stdin: Option<ChildStdin>,
+    /// browser.py's process group (its pid).
+    group: i32,
     answers: Lines<BufReader<ChildStdout>>,
 }
 
@@ -51,15 +54,23 @@ impl Browser {
             .arg(workspace().join("tests/console/browser.py"))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
+            // Its own process group, which chromedriver and chromium join:
+            // what `drop` kills if anything of it is left.
+            .process_group(0)
             .kill_on_drop(true)
             .spawn()
             .expect("run browser.py");
         let stdin = child.stdin.take().expect("stdin");
         let answers = BufReader::new(child.stdout.take().expect("stdout")).lines();
+        let group = child
+            .id()
+            .and_then(|p| i32::try_from(p).ok())
+            .expect("a pid");
         let mut b = Self {
             _alone: alone,
             child,
-            stdin,
+            stdin: Some(stdin),
+            group,
             answers,
         };
         let first = b.answer("start").await;
@@ -85,6 +96,8 @@ impl Browser {
     async fn run(&mut self, args: &[&str]) -> Value {
         let line = format!("{}\n", args.join("\t"));
         self.stdin
+            .as_mut()
+            .expect("browser.py's input is open")
             .write_all(line.as_bytes())
             .await
             .expect("write to browser.py");
@@ -110,8 +123,23 @@ impl Browser {
 }
 
 impl Drop for Browser {
+    /// Ends browser.py's input, so that it quits the driver (chromedriver
+    /// and its chromium) and exits; waits for that (bounded), then kills
+    /// whatever is left of its process group, passed or failed. A SIGKILL
+    /// of browser.py alone left chromedriver and chromium running.
     fn drop(&mut self) {
+        drop(self.stdin.take());
+        let bound = std::time::Instant::now() + Duration::from_secs(10);
+        while std::time::Instant::now() < bound {
+            if !matches!(self.child.try_wait(), Ok(None)) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let group = nix::unistd::Pid::from_raw(self.group);
+        let _ = nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGKILL);
         let _ = self.child.start_kill();
+        let _ = self.child.try_wait();
     }
 }
 
@@ -548,19 +576,34 @@ async fn what_if_shows_places_answer_and_actions_are_off_until_turned_on() {
     ])
     .await;
     b.run(&["click", "#whatif button[type=submit]"]).await;
-    if place.admitted {
-        b.text("#whatif-answer", "would be admitted").await;
-        for v in &place.victims {
-            b.text("#whatif-answer", &format!("would evict: {}", v.instance_id))
-                .await;
-        }
-    } else {
-        b.text("#whatif-answer", "would be refused").await;
-        b.text("#whatif-answer .why", &place.refusals[0].message)
-            .await;
-        b.text("#whatif-answer .why", "held by s1 (small) 4.0 GB")
-            .await;
-    }
+    // big (8 GB) beside s1 (4 GB) in 10 GB, and the page's Place refuses
+    // (policy refuse): refused, and the page says why in Place's words.
+    assert!(!place.admitted, "big does not fit beside s1: {place:?}");
+    b.text("#whatif-answer", "would be refused").await;
+    b.text("#whatif-answer .why", &place.refusals[0].message)
+        .await;
+    b.text("#whatif-answer .why", "held by s1 (small) 4.0 GB")
+        .await;
+    // And an admitted one: small (4 GB) fits beside s1 as the node is.
+    let place = d
+        .client
+        .place(pb::PlaceRequest {
+            workload: "small".into(),
+            on_full: 0,
+        })
+        .await
+        .expect("place")
+        .into_inner();
+    assert!(place.admitted && place.evict.is_empty(), "{place:?}");
+    b.run(&[
+        "js",
+        "(document.querySelector('#whatif-workload').value = 'small', true)",
+    ])
+    .await;
+    b.run(&["click", "#whatif button[type=submit]"]).await;
+    b.text("#whatif-answer", "A start of small would be admitted")
+        .await;
+    b.text("#whatif-answer", "It fits as the node is.").await;
     // Nothing was started by asking.
     assert_eq!(d.ids().await, ["s1"]);
     let shots = tempfile::tempdir().expect("a temporary directory");

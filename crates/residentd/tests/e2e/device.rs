@@ -106,10 +106,42 @@ async fn spawned(events: &mut tonic::Streaming<pb::Event>, id: &str) -> pb::Inst
     }
 }
 
-/// How long a start must stay unspawned after its victim exited while the
-/// memory does not show free: 15 rounds of the agent's 20 ms re-reading of
-/// the probe. A start that did not wait spawns at once, within one.
-const NOT_BEFORE: std::time::Duration = std::time::Duration::from_millis(300);
+/// How many times the agent must have read the probe, after the victim
+/// exited while the memory does not show free, with the start still
+/// unspawned: 15 rounds of its 20 ms re-reading (a start that did not wait
+/// spawns at once, within one).
+const READS: usize = 15;
+
+/// Counts the reads of a file from now on: each read (a reading file is
+/// opened, read and closed at every look) ends with an inotify
+/// IN_CLOSE_NOWRITE; the test's own writes end with IN_CLOSE_WRITE.
+struct Reads {
+    inotify: nix::sys::inotify::Inotify,
+    count: usize,
+}
+
+impl Reads {
+    fn of(path: &std::path::Path) -> Self {
+        use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
+        let inotify =
+            Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC).expect("inotify");
+        inotify
+            .add_watch(path, AddWatchFlags::IN_CLOSE_NOWRITE)
+            .expect("watch the reading");
+        Self { inotify, count: 0 }
+    }
+
+    /// Reads so far.
+    fn count(&mut self) -> usize {
+        loop {
+            match self.inotify.read_events() {
+                Ok(events) => self.count += events.len(),
+                Err(nix::errno::Errno::EAGAIN) => return self.count,
+                Err(e) => panic!("inotify: {e}"),
+            }
+        }
+    }
+}
 
 #[tokio::test]
 async fn a_start_waits_until_the_evicted_memory_shows_free_again() {
@@ -126,18 +158,32 @@ async fn a_start_waits_until_the_evicted_memory_shows_free_again() {
     d.wait_state("old", pb::State::Exited).await;
     // The victim is gone but only 4 GB show free (less than 3/4 of its
     // 16 GB): the new model must not be spawned. Nothing the agent shows
-    // says "still waiting" (it re-reads the probe and tells no one), so
-    // this check is bounded by the clock: no spawn for NOT_BEFORE.
-    let early = tokio::time::timeout(NOT_BEFORE, spawned(&mut events, "new")).await;
+    // says "still waiting", so the control is the probe itself: the agent
+    // read it READS times since, each time 4 GB, and the start is still
+    // unspawned (no spawn event, not finished, PENDING).
+    let mut reads = Reads::of(&reading);
+    let began = tokio::time::Instant::now();
+    let looked = eventually(async || reads.count() >= READS).await;
+    let (n, took) = (reads.count(), began.elapsed());
+    assert!(
+        looked,
+        "the agent read the probe {n} times in {took:?} while the start waited"
+    );
+    let early = tokio::time::timeout(
+        std::time::Duration::from_millis(20),
+        spawned(&mut events, "new"),
+    )
+    .await;
     assert!(
         early.is_err(),
-        "the new model was spawned before the memory came back: {early:?}"
+        "the new model was spawned before the memory came back ({n} reads in {took:?}): {early:?}"
     );
     assert!(
         !start.is_finished(),
         "the start went ahead before the memory came back"
     );
     assert_eq!(d.get("new").await.state, pb::State::Pending as i32);
+    eprintln!("the agent read the probe {n} times in {took:?} while the start waited");
     std::fs::write(&reading, format!("{}\n", 20 * GB)).expect("reading");
     let released = tokio::time::Instant::now();
     let spawn = tokio::time::timeout(PATIENCE, spawned(&mut events, "new")).await;

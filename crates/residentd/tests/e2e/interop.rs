@@ -209,7 +209,7 @@ pub fn health_request(authority: Option<&str>) -> Vec<(&str, &str)> {
 
 /// An agent on plaintext TCP, which has no authority layer; returns it
 /// with its port once it accepts connections.
-async fn plain_tcp_agent() -> (tempfile::TempDir, std::process::Child, u16) {
+async fn plain_tcp_agent() -> (tempfile::TempDir, Killed, u16) {
     let port = free_port();
     let dir = tempfile::tempdir().expect("tempdir");
     let text = format!(
@@ -224,6 +224,7 @@ async fn plain_tcp_agent() -> (tempfile::TempDir, std::process::Child, u16) {
         .stderr(std::process::Stdio::null())
         .spawn()
         .expect("start residentd");
+    let child = Killed(child);
     let up = eventually(async || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok());
     assert!(up.await, "the TCP agent never accepted a connection");
     (dir, child, port)
@@ -252,7 +253,7 @@ async fn any_authority_a_client_sends_reaches_the_service_and_malformed_requests
     // Requests h2 refuses reach it unchanged and get the same protocol
     // error over the socket as over plain TCP, where no layer stands
     // between the client and h2 (PROTOCOL_ERROR is 1).
-    let (_dir, mut tcp_agent, port) = plain_tcp_agent().await;
+    let (_dir, tcp_agent, port) = plain_tcp_agent().await;
     let with = |extra: (&'static str, &'static str)| {
         let mut f = health_request(Some("localhost"));
         f.push(extra);
@@ -288,6 +289,5 @@ async fn any_authority_a_client_sends_reaches_the_service_and_malformed_requests
     // The first connection was not disturbed by the others.
     let answer = conn.health_check(&health_request(Some(&path))).await;
     assert_eq!(answer, raw::Answer::Grpc("0".into()));
-    let _ = tcp_agent.kill();
-    let _ = tcp_agent.wait();
+    drop(tcp_agent);
 }

@@ -89,23 +89,20 @@ fn nvml_agent() -> PathBuf {
 
 /// The package, built once for every test here by `scripts/package-deb`
 /// from this build's binaries into `target/package/debian`; `None` after
-/// saying why it cannot be built here.
+/// saying why it cannot be built here. Every caller that gets `None` says
+/// so (a `SKIPPED:` line of its own), not only the first.
 fn package() -> Option<&'static Path> {
-    static DEB: OnceLock<Option<PathBuf>> = OnceLock::new();
-    DEB.get_or_init(|| {
+    static DEB: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    let built = DEB.get_or_init(|| {
         let tools = ["dpkg-deb", "dpkg-shlibdeps", "strip"];
-        if !need(
-            tools.iter().all(|t| on_path(t)),
-            "no dpkg-deb, dpkg-shlibdeps or strip (Debian's dpkg-dev and binutils)",
-        ) {
-            return None;
+        if !tools.iter().all(|t| on_path(t)) {
+            return Err(
+                "no dpkg-deb, dpkg-shlibdeps or strip (Debian's dpkg-dev and binutils)".into(),
+            );
         }
         let router = Path::new(RESIDENTD).with_file_name("residentd-router");
-        if !need(
-            router.exists(),
-            "no residentd-router beside residentd: cargo build -p residentd-router (cargo test --workspace builds it)",
-        ) {
-            return None;
+        if !router.exists() {
+            return Err("no residentd-router beside residentd: cargo build -p residentd-router (cargo test --workspace builds it)".into());
         }
         let bins = tempfile::tempdir().expect("tempdir");
         for (from, name) in [
@@ -128,9 +125,15 @@ fn package() -> Option<&'static Path> {
         eprintln!("scripts/package-deb took {:?}", began.elapsed());
         let deb = PathBuf::from(said.trim());
         assert!(deb.starts_with(&out) && deb.exists(), "{said}");
-        Some(deb)
-    })
-    .as_deref()
+        Ok(deb)
+    });
+    match built {
+        Ok(deb) => Some(deb),
+        Err(why) => {
+            need(false, why);
+            None
+        }
+    }
 }
 
 /// `dpkg-deb -c`'s listing: each path (without the leading `.`) with its

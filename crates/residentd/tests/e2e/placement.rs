@@ -453,6 +453,43 @@ async fn place_is_the_same_plan_without_side_effects() {
             .all(|i| i.state == pb::State::Ready as i32),
         "nothing was stopped"
     );
+    let ids: Vec<&str> = list
+        .instances
+        .iter()
+        .map(|i| i.instance_id.as_str())
+        .collect();
+    assert_eq!(ids, ["a", "b"], "nothing was started");
+    let node = c.node(pb::NodeRequest {}).await.expect("node").into_inner();
+    assert_eq!(node.pools, evict.pools, "nothing was reserved");
+
+    // The Starts the two Places described. Under refuse: refused, its
+    // placement the Place's, reason for reason.
+    let e = c
+        .start(start_req("planner", "p"))
+        .await
+        .expect_err("refused, as placed");
+    let (_, refused) = refusal_details(&e);
+    assert!(!refused.admitted);
+    assert_eq!(refused.refusals, refuse.refusals, "the Place's reasons");
+    assert_eq!(refused.pools, refuse.pools);
+    // Under evict: admitted, evicting what the Place named, holding what it
+    // said, leaving what it said free.
+    let mut req = start_req("planner", "p");
+    req.on_full = pb::Policy::Evict as i32;
+    let started = c.start(req).await.expect("admitted, as placed");
+    let started = started.into_inner();
+    assert!(started.created);
+    assert_eq!(started.evicted, evict.evict, "the Place's victims");
+    assert_eq!(started.slept, evict.sleep);
+    let instance = started.instance.expect("an instance");
+    assert_eq!(instance.demand, evict.demand, "the Place's demand");
+    let a = d.wait_state("a", pb::State::Exited).await;
+    assert!(a.message.contains("evict"), "{}", a.message);
+    let node = d.node().await;
+    let free = node.pools[0].free_bytes;
+    assert_eq!(free, evict.free_after_bytes, "what the Place said is left");
+    assert_eq!(node.pools[0].used_bytes, 64_000_000_000);
+    assert_eq!(d.get("b").await.state, pb::State::Ready as i32);
 }
 
 #[tokio::test]

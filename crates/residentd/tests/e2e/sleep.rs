@@ -503,10 +503,17 @@ async fn residentctl_puts_to_sleep_says_whom_place_would_put_to_sleep_and_wakes(
 
 #[tokio::test]
 async fn an_instance_unused_for_its_sleep_idle_is_put_to_sleep_unless_held() {
-    let config = config("").replace(
-        "timeout = \"3s\"\n[workload.sleep.memory.gpu]",
-        "timeout = \"3s\"\nidle = \"1s\"\n[workload.sleep.memory.gpu]",
-    );
+    // Room for two of `big` awake (3 GB of gpu each) and asleep (3 GB of
+    // ram each).
+    let config = config("")
+        .replace(
+            "timeout = \"3s\"\n[workload.sleep.memory.gpu]",
+            "timeout = \"3s\"\nidle = \"1s\"\n[workload.sleep.memory.gpu]",
+        )
+        .replace(
+            "name = \"gpu\"\nbudget = \"4GB\"",
+            "name = \"gpu\"\nbudget = \"8GB\"",
+        );
     let mut d = Daemon::start(&config).await;
     d.client
         .start(start("big", "b", false))
@@ -520,13 +527,37 @@ async fn an_instance_unused_for_its_sleep_idle_is_put_to_sleep_unless_held() {
         release_hold: false,
     };
     d.client.touch(hold).await.expect("held");
-    let slept =
-        until(async || (d.get("b").await.state == pb::State::Sleeping as i32).then_some(()));
-    let slept = tokio::time::timeout(Duration::from_secs(3), slept).await;
-    assert!(
-        !matches!(slept, Ok(Some(()))),
-        "a held instance was put to sleep"
+    // The control: `c`, of the same workload, unheld and last used after
+    // `b` was: its idle second runs out after `b`'s, and the agent's idle
+    // sweep (every second) puts it to sleep. Until it is asleep, and once
+    // it is, `b` is still READY: the sweep that took `c` passed over `b`.
+    d.client
+        .start(start("big", "c", false))
+        .await
+        .expect("started");
+    let mut b = d.get("b").await;
+    let c_asleep = until(async || {
+        b = d.get("b").await;
+        if b.state != pb::State::Ready as i32 {
+            return Some(false);
+        }
+        let c = d.get("c").await;
+        (c.state == pb::State::Sleeping as i32 && c.message.starts_with("SLEEPING: asleep"))
+            .then_some(true)
+    })
+    .await;
+    assert_eq!(
+        c_asleep,
+        Some(true),
+        "the unheld sibling falls asleep while the held one stays READY: b is {b:?}"
     );
+    let b = d.get("b").await;
+    assert_eq!(
+        b.state,
+        pb::State::Ready as i32,
+        "a held instance was put to sleep: {b:?}"
+    );
+    assert_eq!(used(&mut d).await, (3 * GB + GB / 2, 3 * GB));
     // Its hold ended: asleep about a second later, the same process.
     let release = pb::TouchRequest {
         instance_id: "b".into(),
@@ -536,5 +567,5 @@ async fn an_instance_unused_for_its_sleep_idle_is_put_to_sleep_unless_held() {
     d.client.touch(release).await.expect("released");
     let asleep = d.asleep("b").await;
     assert_eq!(asleep.pid, awake.pid);
-    assert_eq!(used(&mut d).await, (GB / 2, 3 * GB));
+    assert_eq!(used(&mut d).await, (GB, 6 * GB));
 }

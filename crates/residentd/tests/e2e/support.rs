@@ -208,10 +208,16 @@ impl Daemon {
         ids_of(&mut self.client).await
     }
 
-    /// Starts residentd again on this daemon's config and state (the
-    /// previous process must have ended).
+    /// Starts residentd again on this daemon's config and state, after a
+    /// kill -9 of the agent where it still runs (its instances run on, for
+    /// the new agent to take over).
     pub async fn restart(self) -> Self {
         let mut old = self;
+        // kill -9 of the agent alone, as before a restart: its instances
+        // run on for the next agent (dropping it would end them too).
+        if old.child.is_some() {
+            old.kill();
+        }
         let dir = std::mem::replace(&mut old.dir, tempfile::tempdir().expect("tempdir"));
         drop(old);
         Self::start_in(dir).await
@@ -251,8 +257,8 @@ impl Daemon {
     /// take over, or die with it when the config turns that off.
     pub fn kill(&mut self) {
         let mut agent = self.child.take().expect("running");
-        agent.kill().expect("kill -9");
-        agent.wait().expect("reaped");
+        let left = kill_9(&mut agent);
+        remember(&self.dir.path().join("state"), left);
     }
 
     pub fn pid(&self) -> i32 {
@@ -286,17 +292,135 @@ impl Daemon {
 }
 
 impl Drop for Daemon {
-    /// A test that did not stop the agent itself: SIGKILL, then the process
-    /// groups its journal lists (its instances outlive it).
+    /// A test that did not stop the agent itself: the agent and every
+    /// instance it left (`end_agent`); else what its journal lists and
+    /// what agents killed -9 before it left.
     fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
         let state = self.dir.path().join("state");
-        if let Ok(journal) = residentd::journal::Journal::open(&state) {
-            residentd::journal::kill_leftovers(&journal.peek().entries);
+        match self.child.take() {
+            Some(mut child) => end_agent(&mut child, &state),
+            None => {
+                kill_journaled(&state);
+                kill_remembered(&state);
+            }
         }
+    }
+}
+
+/// A process an agent left: pid, process group, start time (clock ticks).
+type Left = (i32, i32, u64);
+
+/// What agents killed -9 by a test (`Daemon::kill`, `restart`) left
+/// running, by state directory: their children at that moment. The next
+/// agent takes over those its journal lists; a run spawned but not
+/// journaled yet is nobody's. Killed when the test's last Daemon on that
+/// state is dropped (`kill_remembered`), never before: what the test
+/// checks after a kill -9 is the agents' doing.
+static LEFT: std::sync::Mutex<Vec<(PathBuf, Vec<Left>)>> = std::sync::Mutex::new(Vec::new());
+
+fn remember(state: &Path, left: Vec<Left>) {
+    let mut all = LEFT.lock().unwrap_or_else(|e| e.into_inner());
+    all.push((state.to_path_buf(), left));
+}
+
+/// SIGKILLs what `remember` kept for `state` that still runs (the same
+/// process, by its start time): its process group where it leads one.
+fn kill_remembered(state: &Path) {
+    let left: Vec<Left> = {
+        let mut all = LEFT.lock().unwrap_or_else(|e| e.into_inner());
+        let (mine, rest): (Vec<_>, Vec<_>) = all.drain(..).partition(|(s, _)| s == state);
+        *all = rest;
+        mine.into_iter().flat_map(|(_, left)| left).collect()
+    };
+    kill_left(&left);
+}
+
+/// SIGKILLs each of `left` that still runs: its group, when it leads one
+/// other than the test's, else itself.
+fn kill_left(left: &[Left]) {
+    use nix::sys::signal::{Signal, kill, killpg};
+    use nix::unistd::{Pid, getpgrp};
+    let ours = getpgrp().as_raw();
+    for &(pid, group, start) in left {
+        let same =
+            |p: i32| resident_supervisor::procfs::stat(p).is_some_and(|s| s.start_ticks == start);
+        if group == pid && group > 1 && group != ours && same(group) {
+            let _ = killpg(Pid::from_raw(group), Signal::SIGKILL);
+        } else if same(pid) {
+            let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+        }
+    }
+}
+
+/// SIGKILLs the process groups the journal in `state` lists (an agent's
+/// instances, which outlive it by default).
+fn kill_journaled(state: &Path) {
+    if let Ok(journal) = residentd::journal::Journal::open(state) {
+        residentd::journal::kill_leftovers(&journal.peek().entries);
+    }
+}
+
+/// kill -9 of a running `agent`, frozen first (SIGSTOP: it spawns nothing
+/// more) so that its children can be noted; returns them. Reaps it.
+fn kill_9(agent: &mut Child) -> Vec<Left> {
+    use nix::sys::signal::{Signal, kill};
+    use nix::unistd::Pid;
+    // One that exited (and was reaped: its pid may name another process
+    // now) has no children to note.
+    if !matches!(agent.try_wait(), Ok(None)) {
+        return Vec::new();
+    }
+    let pid = i32::try_from(agent.id()).expect("a pid");
+    let _ = kill(Pid::from_raw(pid), Signal::SIGSTOP);
+    let children = resident_supervisor::procfs::scan()
+        .into_iter()
+        .filter(|p| p.ppid == pid)
+        .map(|p| (p.pid, p.pgrp, p.start_ticks))
+        .collect();
+    agent.kill().expect("kill -9");
+    agent.wait().expect("reaped");
+    children
+}
+
+/// Ends an agent the test started and every instance it leaves running
+/// (instances outlive their agent by default): its children when it is
+/// killed (frozen first, `kill_9`; a run spawned but not journaled yet
+/// is among them), the runs its journal in `state` lists, and what agents
+/// killed -9 on that state before it left (`kill_remembered`).
+pub fn end_agent(agent: &mut Child, state: &Path) {
+    let children = kill_9(agent);
+    kill_left(&children);
+    kill_journaled(state);
+    kill_remembered(state);
+}
+
+/// A process the test started, SIGKILLed and reaped when the test ends,
+/// passed or failed: with its whole process group when it leads one.
+pub struct Killed(pub Child);
+
+impl std::ops::Deref for Killed {
+    type Target = Child;
+    fn deref(&self) -> &Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Killed {
+    fn deref_mut(&mut self) -> &mut Child {
+        &mut self.0
+    }
+}
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let pid = i32::try_from(self.0.id()).expect("a pid");
+        let leads = resident_supervisor::procfs::stat(pid).is_some_and(|s| s.pgrp == pid);
+        if leads && self.0.try_wait().ok().flatten().is_none() {
+            let group = nix::unistd::Pid::from_raw(pid);
+            let _ = nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGKILL);
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
     }
 }
 

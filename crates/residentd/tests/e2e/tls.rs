@@ -149,9 +149,9 @@ pub struct TlsAgent {
 }
 
 impl Drop for TlsAgent {
+    /// The agent and every instance it left (they outlive it).
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        end_agent(&mut self.child, &self.dir.path().join("state"));
     }
 }
 
