@@ -20,6 +20,7 @@ mod clock;
 mod connections;
 mod console;
 mod device;
+mod docs;
 mod fleet;
 mod footprint;
 mod gpu_choice;
