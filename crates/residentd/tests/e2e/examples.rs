@@ -1,0 +1,143 @@
+//! The examples run as shipped: `examples/router-llama.toml` with real
+//! llama.cpp servers (llama-server and llama-cpp-python, by their flavors)
+//! behind residentd-router, only its paths pointed at this machine's
+//! servers, models the test writes and a temporary socket and state.
+
+use std::time::Duration;
+
+use resident_api::pb;
+
+use crate::llama::{llama_server_bin, make_model, python, settled};
+use crate::router::{post, raw};
+use crate::support::*;
+
+/// `text` with each `(from, to)` replaced, every `from` found.
+fn pointed(text: &str, paths: &[(&str, String)]) -> String {
+    let mut out = text.to_string();
+    for (from, to) in paths {
+        assert!(out.contains(from), "the example names {from}");
+        out = out.replace(from, to);
+    }
+    out
+}
+
+/// The instance of `workload` the router started, once its memory has
+/// settled after its first request: what it reserved, and the instance.
+async fn settled_instance(d: &mut Daemon, workload: &str) -> (u64, pb::Instance) {
+    let list = d.list().await;
+    let id = list
+        .iter()
+        .find(|i| i.workload == workload)
+        .map(|i| i.instance_id.clone())
+        .unwrap_or_else(|| panic!("no instance of {workload}: {list:?}"));
+    let held = settled(d, &id).await;
+    // A sample past the one that settled: the agent has compared it with
+    // the reservation.
+    let i = d.get(&id).await;
+    (held, i)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_router_llama_example_answers_each_first_request_within_its_reservation() {
+    let (Some(python), Some(bin)) = (python(), llama_server_bin()) else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let models = dir.path().join("models");
+    std::fs::create_dir(&models).expect("models/");
+    // Tiny LLaMA models under the example's file names.
+    for (name, embd, layers) in [
+        ("qwen2.5-7b-instruct-q4_k_m.gguf", 256, 4),
+        ("qwen2.5-coder-14b-q4_k_m.gguf", 256, 4),
+        ("nomic-embed-text-v1.5.f16.gguf", 128, 2),
+    ] {
+        make_model(&python, &models.join(name), embd, layers);
+    }
+    let venv_bin = python.parent().expect("the venv's bin");
+    let text = std::fs::read_to_string(workspace().join("examples/router-llama.toml"))
+        .expect("the example");
+    let config = pointed(
+        &text,
+        &[
+            (
+                "unix:///run/residentd/residentd.sock",
+                format!("unix://{}/agent.sock", dir.path().display()),
+            ),
+            (
+                "\"/var/lib/residentd\"",
+                format!("\"{}/state\"", dir.path().display()),
+            ),
+            (
+                "/usr/local/bin/llama-server",
+                bin.join("llama-server").display().to_string(),
+            ),
+            (
+                "/opt/llama/bin/python3",
+                venv_bin.join("python3").display().to_string(),
+            ),
+            ("/models/", format!("{}/", models.display())),
+        ],
+    );
+    let file = dir.path().join("residentd.toml");
+    std::fs::write(&file, &config).expect("write the config");
+    // Valid here, every workload by its flavor with its overhead reserved.
+    let out = std::process::Command::new(RESIDENTD)
+        .arg("--check-config")
+        .arg(&file)
+        .output()
+        .expect("--check-config");
+    let said =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    println!("{said}");
+    assert!(out.status.success(), "{said}");
+    assert_eq!(said.matches("+ overhead ").count(), 3, "{said}");
+    let mut d = Daemon::start_in(dir).await;
+    let r = serve_router(
+        &d.socket.display().to_string(),
+        None,
+        Duration::from_secs(300),
+        None,
+    )
+    .await;
+    // Each model's first request, by the names OpenAI clients use: the
+    // router starts it on demand.
+    let requests = [
+        (
+            "qwen2.5-7b-instruct",
+            "/v1/chat/completions",
+            r#"{"model": "chat", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}"#,
+        ),
+        (
+            "qwen2.5-coder-14b",
+            "/v1/completions",
+            r#"{"model": "coder", "prompt": "hello", "max_tokens": 4}"#,
+        ),
+        (
+            "nomic-embed-text",
+            "/v1/embeddings",
+            r#"{"model": "text-embedding-3-small", "input": "hello"}"#,
+        ),
+    ];
+    for (workload, path, body) in requests {
+        let (status, _, answer) = raw(r.port, &post(path, body)).await;
+        assert_eq!(status, 200, "{workload} {path}: {answer}");
+        let (held, i) = settled_instance(&mut d, workload).await;
+        println!(
+            "{workload}: reserved {} bytes, held {held} bytes: {}",
+            i.reserved_bytes, i.message
+        );
+        let over: u64 = i.demand.iter().map(|p| p.overrun_bytes).sum();
+        assert!(
+            over == 0 && !i.message.contains("OVERRUN"),
+            "{workload} overran its reservation after its first request: {i:?}"
+        );
+        let reserved: u64 = i.demand.iter().map(|p| p.reserved_bytes).sum();
+        assert!(
+            held <= reserved,
+            "{workload}: held {held}, reserved {reserved}"
+        );
+    }
+    drop(r);
+    assert!(d.terminate().await.success(), "{}", d.log());
+}
+
