@@ -1,7 +1,8 @@
 //! The examples run as shipped: `examples/router-llama.toml` with real
 //! llama.cpp servers (llama-server and llama-cpp-python, by their flavors)
 //! behind residentd-router, only its paths pointed at this machine's
-//! servers, models the test writes and a temporary socket and state.
+//! servers, models the test writes and a temporary socket and state; and
+//! the README's five-minute tour, as written, on the embedded example.
 
 use std::time::Duration;
 
@@ -141,3 +142,58 @@ async fn the_router_llama_example_answers_each_first_request_within_its_reservat
     assert!(d.terminate().await.success(), "{}", d.log());
 }
 
+/// The README's five-minute tour, line by line as written, on the
+/// embedded example (`cargo run -p residentd`): each residentctl line
+/// exits as its comment says (0, or 3 where it says "exit 3"), a line that
+/// follows an instance's log follows one that still runs (the tour once
+/// followed `a`, which the line before had evicted).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_readme_tour_runs_as_written_on_the_embedded_example() {
+    let readme = std::fs::read_to_string(workspace().join("README.md")).expect("README.md");
+    let tour: Vec<&str> = readme
+        .lines()
+        .skip_while(|l| !l.starts_with("## A five-minute tour"))
+        .take_while(|l| !l.starts_with("The pool is host-bound"))
+        .filter_map(|l| l.strip_prefix("    residentctl "))
+        .collect();
+    assert!(tour.len() >= 10, "the tour: {tour:?}");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut d = crate::shutdown::embedded(dir).await;
+    for line in tour {
+        let (command, comment) = line
+            .split_once('#')
+            .map_or((line.trim(), ""), |(c, m)| (c.trim(), m.trim()));
+        let mut args: Vec<&str> = command.split_whitespace().collect();
+        // Live views run until interrupted.
+        if args.iter().any(|a| ["watch", "top"].contains(a)) {
+            continue;
+        }
+        if args.contains(&"-f") {
+            args.retain(|a| *a != "-f");
+            let id = args[1];
+            let followed = d.get(id).await;
+            let live = [pb::State::Starting as i32, pb::State::Ready as i32];
+            assert!(
+                live.contains(&followed.state),
+                "`residentctl {command}` follows {id}, which no longer runs: {followed:?}"
+            );
+        }
+        let socket = d.socket.clone();
+        let owned: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        let out = tokio::task::spawn_blocking(move || {
+            let args: Vec<&str> = owned.iter().map(String::as_str).collect();
+            residentctl(&socket, &args)
+        })
+        .await
+        .expect("joined");
+        let want = if comment.contains("exit 3") { 3 } else { 0 };
+        assert_eq!(
+            out.status.code(),
+            Some(want),
+            "`residentctl {command}`: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    assert!(d.terminate().await.success(), "{}", d.log());
+}
