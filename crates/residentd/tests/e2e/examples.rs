@@ -146,7 +146,8 @@ async fn the_router_llama_example_answers_each_first_request_within_its_reservat
 /// embedded example (`cargo run -p residentd`): each residentctl line
 /// exits as its comment says (0, or 3 where it says "exit 3"), a line that
 /// follows an instance's log follows one that still runs (the tour once
-/// followed `a`, which the line before had evicted).
+/// followed `a`, which the line before had evicted), and the Python
+/// equivalent of grpcurl's Place answers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_readme_tour_runs_as_written_on_the_embedded_example() {
     let readme = std::fs::read_to_string(workspace().join("README.md")).expect("README.md");
@@ -192,6 +193,27 @@ async fn the_readme_tour_runs_as_written_on_the_embedded_example() {
             Some(want),
             "`residentctl {command}`: {}{}",
             String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    // grpcurl's Place, from Python.
+    let python_line = readme
+        .lines()
+        .find_map(|l| l.strip_prefix("    .venv/bin/python -c "))
+        .expect("the README's Python equivalent of grpcurl");
+    if let Some(python) = venv_python("the README's Python client line") {
+        let out = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(format!("{} -c {python_line}", python.display()))
+            .env("RESIDENTD_SOCKET", &d.socket)
+            .output()
+            .expect("sh");
+        let said = String::from_utf8_lossy(&out.stdout);
+        // A Placement: admitted, or refused with its reasons (the text
+        // format leaves `admitted: false` out).
+        assert!(
+            out.status.success() && (said.contains("admitted") || said.contains("refusals")),
+            "{said}{}",
             String::from_utf8_lossy(&out.stderr)
         );
     }
