@@ -13,6 +13,9 @@
 //!   router's in docs/router.md;
 //! - every alert and recording rule they name exists in prometheus/*.yml,
 //!   and every alert has its row in docs/operations.md's table;
+//! - each role's row in docs/security.md and docs/config.md names the RPCs
+//!   the agent asks that role of (`residentd::access::required`), every
+//!   RPC of the proto under one;
 //! - every `metrics_listen` they show, and the scrape target of
 //!   docs/operations.md, use one port;
 //! - every example config (examples/*.toml, systemd/residentd.toml, the
@@ -615,6 +618,50 @@ fn every_alert_and_rule_the_docs_name_exists_and_each_alert_is_documented() {
         "alerts the docs and the rules disagree on:\n{}",
         wrong.join("\n")
     );
+}
+
+// ---- roles ---------------------------------------------------------------
+
+#[test]
+fn the_role_tables_name_each_rpc_under_the_role_it_needs() {
+    // The RPCs of the contract, and the role the agent asks of each.
+    let proto = read("proto/resident/v1/node_agent.proto");
+    let rpcs: BTreeSet<String> = proto
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("rpc ")?.split('(').next())
+        .map(str::to_string)
+        .collect();
+    assert!(rpcs.len() > 10, "{rpcs:?}");
+    let mut needs: BTreeMap<&str, BTreeSet<String>> = BTreeMap::new();
+    for rpc in &rpcs {
+        let role = residentd::access::required(&format!("/resident.v1.NodeAgent/{rpc}"))
+            .unwrap_or_else(|| panic!("{rpc} needs no role"));
+        needs.entry(role.as_str()).or_default().insert(rpc.clone());
+    }
+    // Each row of a role names the RPCs that role adds: docs/security.md's
+    // `| `operator` | and Start, ...`, docs/config.md's `| `operators` | ...`.
+    let mut wrong = Vec::new();
+    for (file, plural) in [("docs/security.md", ""), ("docs/config.md", "s")] {
+        let text = read(file);
+        for (role, wanted) in &needs {
+            let start = format!("| `{role}{plural}` |");
+            let Some(row) = text.lines().find(|l| l.starts_with(&start)) else {
+                wrong.push(format!("{file}: no row {start}"));
+                continue;
+            };
+            let named: BTreeSet<String> = row
+                .split(|c: char| !c.is_ascii_alphanumeric())
+                .filter(|w| rpcs.contains(*w))
+                .map(str::to_string)
+                .collect();
+            if &named != wanted {
+                wrong.push(format!(
+                    "{file}: the {role} row names {named:?}, the agent asks {role} of {wanted:?}"
+                ));
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
 }
 
 // ---- the metrics port ----------------------------------------------------
