@@ -11,9 +11,10 @@ request to the model's own server through that actor, on the model's node.
 - Scaling down, or deleting the app: Serve calls the replica's __del__,
   which stops the model at once. A replica that dies without it (killed,
   its node lost) takes its actor along, and the lease ends the model.
-- A node's agent dying takes its model along: the replica's health check
-  fails, Serve replaces the replica, and the new one is placed on a node
-  whose agent answers.
+- A node's agent dying leaves its model running, unsupervised, until the
+  agent is back (instances outlive the agent by default): the replica's
+  health check fails while the agent does not answer, Serve replaces the
+  replica, and the new one is placed on a node whose agent answers.
 
 Run on a Ray cluster whose nodes each run residentd and carry their
 agent's label (docs/fleet.md), from the repository root:

@@ -198,9 +198,16 @@ impl Lookups {
 
     /// Checks that the program of `argv` (a path, or a name on the PATH the
     /// child will have: the workload's own `env.PATH`, else the agent's) is
-    /// a file this agent may execute and that nobody else may replace: not
+    /// a file this agent may execute, that the user the child runs as
+    /// (`user`, its `run_as`; else the agent's own) can reach and execute
+    /// without any capability, and that nobody else may replace: not
     /// writable by everyone.
-    pub(crate) fn program(self, argv: &[String], path: Option<&str>) -> Result<(), String> {
+    pub(crate) fn program(
+        self,
+        argv: &[String],
+        path: Option<&str>,
+        user: Option<&User>,
+    ) -> Result<(), String> {
         use std::os::unix::fs::PermissionsExt as _;
         if !(self.local() && self.programs) {
             return Ok(());
@@ -220,6 +227,28 @@ impl Lookups {
         if nix::unistd::access(&path, nix::unistd::AccessFlags::X_OK).is_err() {
             return Err(format!("program {} is not executable", path.display()));
         }
+        // As the child: another user, or the agent's own without the
+        // capabilities it drops (root's DAC override among them). A user
+        // of the agent's own uid and gid keeps the agent's groups.
+        let (euid, egid) = (
+            nix::unistd::geteuid().as_raw(),
+            nix::unistd::getegid().as_raw(),
+        );
+        let own_groups = || -> Vec<u32> {
+            nix::unistd::getgroups()
+                .map(|gs| gs.iter().map(|g| g.as_raw()).collect())
+                .unwrap_or_default()
+        };
+        let (uid, gid, groups) = match user {
+            Some(u) if (u.uid, u.gid) != (euid, egid) => (u.uid, u.gid, u.groups.clone()),
+            _ => (euid, egid, own_groups()),
+        };
+        let runner = resident_supervisor::reach::Runner {
+            uid,
+            gid,
+            groups: &groups,
+        };
+        resident_supervisor::reach::can_run(&path, &runner)?;
         if meta.permissions().mode() & 0o002 != 0 {
             return Err(format!(
                 "program {} is writable by every user: anyone could replace what the agent runs",

@@ -109,9 +109,9 @@ pub struct NodeConfig {
 pub enum AccessRole {
     /// Get, List, Place, Watch, Logs, Node, Workloads, health, reflection.
     Viewer,
-    /// And Start, Stop, Touch, Adopt.
+    /// And Start, Stop, Touch, Adopt, Sleep.
     Operator,
-    /// And Reload.
+    /// And Reload, ForgetFootprint, Upgrade.
     Admin,
 }
 

@@ -582,3 +582,59 @@ fn a_relative_program_is_resolved_once_against_where_it_runs() {
     assert_eq!(with("server", ""), "server", "looked up on PATH");
     assert_eq!(with("/usr/bin/server", ""), "/usr/bin/server");
 }
+
+/// A program its `run_as` user cannot reach (a `python3` that resolves
+/// into a directory only root may enter, as /root/.pyenv/shims) is
+/// refused at load, naming the program, the user and the directory in the
+/// way: it was valid before, and its start then failed with a bare
+/// `Permission denied (os error 13)`. As the node's `run_as` and as the
+/// workload's own; the agent's own user (root here, which owns the
+/// directory) still runs it.
+#[test]
+fn a_program_the_run_as_user_cannot_reach_is_refused_naming_both() {
+    use std::os::unix::fs::PermissionsExt as _;
+    if !nix::unistd::geteuid().is_root() {
+        println!("skipped: running children as another user needs root");
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    // The temporary directory itself (0700) lets anyone through: only
+    // pyenv/ is root's alone.
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let root_only = dir.path().join("pyenv");
+    let shims = root_only.join("shims");
+    std::fs::create_dir_all(&shims).expect("mkdir");
+    std::fs::set_permissions(&root_only, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+    let program = shims.join("python3");
+    std::fs::copy("/bin/true", &program).expect("a program");
+    let text = |node: &str, workload: &str| {
+        format!(
+            "[node]\nname = \"n\"\nlisten = \"unix:///tmp/residentd-unused/r.sock\"\n{node}[[pool]]\nname = \"ram\"\nbudget = \"1GB\"\n[[workload]]\nname = \"w\"\ncommand = [\"python3\", \"-m\", \"http.server\"]\nenv = {{ PATH = \"{}\" }}\n{workload}[workload.memory.ram]\nweights = \"1MB\"\n",
+            shims.display()
+        )
+    };
+    let file = Path::new("r.toml");
+    for (node, workload) in [("run_as = \"nobody\"\n", ""), ("", "run_as = \"nobody\"\n")] {
+        let err = parse_with(file, &text(node, workload), Host::Local)
+            .expect_err("nobody cannot search a 0700 directory of root's")
+            .to_string();
+        let nobody = nix::unistd::User::from_name("nobody")
+            .expect("look up")
+            .expect("a user nobody");
+        assert!(
+            err.contains("workload[w].command: ")
+                && err.contains(&format!(
+                    "program {} cannot be run by user \"nobody\" (uid {}",
+                    program.display(),
+                    nobody.uid
+                ))
+                && err.contains(&format!("{} (mode 0700, owner uid 0", root_only.display()))
+                && err.contains("is not searchable for it"),
+            "{err}"
+        );
+    }
+    parse_with(file, &text("", ""), Host::Local).expect("root, its owner, runs it");
+    std::fs::set_permissions(&root_only, std::fs::Permissions::from_mode(0o711)).expect("chmod");
+    parse_with(file, &text("run_as = \"nobody\"\n", ""), Host::Local)
+        .expect("anyone may search 0711");
+}

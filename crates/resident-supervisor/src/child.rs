@@ -262,12 +262,16 @@ fn clone_exec_with(p: &Prepared, slots: &mut Slots) -> io::Result<Spawned> {
     let pid = cloned.map_err(io::Error::from)?;
     drop(report_w);
     // The report pipe is empty and closed by exec when it succeeded;
-    // otherwise the child wrote its errno before exiting.
-    let mut errno = [0u8; 4];
-    let n = nix::unistd::read(&report_r, &mut errno).unwrap_or(0);
-    if n == 4 {
+    // otherwise the child wrote its errno and the step that failed before
+    // exiting.
+    let mut report = [0u8; 8];
+    let n = nix::unistd::read(&report_r, &mut report).unwrap_or(0);
+    if n == 8 {
         let _ = nix::sys::wait::waitpid(pid, None);
-        return Err(io::Error::from_raw_os_error(i32::from_ne_bytes(errno)));
+        let [e0, e1, e2, e3, s0, s1, s2, s3] = report;
+        let errno = i32::from_ne_bytes([e0, e1, e2, e3]);
+        let step = Step::of(u32::from_ne_bytes([s0, s1, s2, s3]));
+        return Err(failed_spawn(p, step, errno));
     }
     Ok(Spawned {
         pid: pid.as_raw(),
@@ -397,6 +401,94 @@ fn start_ticks(before: Option<u64>, after: Option<u64>) -> Option<u64> {
     (before == after).then_some(before)
 }
 
+/// The step between clone and exec at which a child failed, as it
+/// reports it (after its errno) on its report pipe.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+enum Step {
+    /// Its own descriptor table.
+    Table = 1,
+    /// Its own process group.
+    Group,
+    /// Into its cgroups.
+    Cgroup,
+    /// Its stdin, stdout and stderr.
+    Streams,
+    /// Into its working directory.
+    Cwd,
+    /// Its user, group and supplementary groups.
+    User,
+    /// Its capabilities emptied.
+    Capabilities,
+    /// Its parent-death signal.
+    ParentDeath,
+    /// The exec of the program.
+    Exec,
+}
+
+impl Step {
+    fn of(n: u32) -> Option<Self> {
+        [
+            Self::Table,
+            Self::Group,
+            Self::Cgroup,
+            Self::Streams,
+            Self::Cwd,
+            Self::User,
+            Self::Capabilities,
+            Self::ParentDeath,
+            Self::Exec,
+        ]
+        .into_iter()
+        .find(|s| *s as u32 == n)
+    }
+}
+
+/// The error of a child that failed at `step` with `errno`, naming what
+/// it could not do: the program (and, refused for want of permission, the
+/// directory or file in the way), the working directory, and the user it
+/// runs as.
+fn failed_spawn(p: &Prepared, step: Option<Step>, errno: i32) -> io::Error {
+    let os = io::Error::from_raw_os_error(errno);
+    let (uid, gid) = p.user.unwrap_or_else(own_identity);
+    let groups: Vec<u32> = if p.user.is_some() {
+        p.groups.clone()
+    } else {
+        nix::unistd::getgroups()
+            .map(|gs| gs.iter().map(|g| g.as_raw()).collect())
+            .unwrap_or_default()
+    };
+    let runner = crate::reach::Runner {
+        uid,
+        gid,
+        groups: &groups,
+    };
+    let who = crate::reach::user_of(&runner);
+    let program = Path::new(std::ffi::OsStr::from_bytes(p.program.as_bytes()));
+    let what = match step {
+        Some(Step::Exec) => {
+            let why = (errno == libc::EACCES)
+                .then(|| crate::reach::can_run(program, &runner).err())
+                .flatten();
+            why.unwrap_or_else(|| format!("cannot execute {} as {who}", program.display()))
+        }
+        Some(Step::Cwd) => {
+            let cwd = p.cwd.as_ref().map_or_else(String::new, |c| {
+                String::from_utf8_lossy(c.as_bytes()).into_owned()
+            });
+            format!("cannot enter its working directory {cwd} as {who}")
+        }
+        Some(Step::User) => format!("cannot become {who}"),
+        Some(Step::Cgroup) => "cannot join its cgroup".to_string(),
+        Some(Step::Capabilities) => "cannot empty its capability sets".to_string(),
+        Some(Step::ParentDeath) => "cannot set its parent-death signal".to_string(),
+        Some(Step::Streams) => "cannot set up its output".to_string(),
+        Some(Step::Group) => "cannot lead a process group of its own".to_string(),
+        Some(Step::Table) | None => "cannot set up its descriptors".to_string(),
+    };
+    io::Error::new(os.kind(), format!("{what}: {os}"))
+}
+
 /// Who the child becomes: its user and group, and whether it sets its OOM
 /// score back to 0 (see `Prepared`).
 #[derive(Debug, Clone, Copy)]
@@ -463,12 +555,15 @@ unsafe fn child_main(
     who: Who,
     fds: ChildFds,
 ) -> isize {
-    let fail = |fds: ChildFds| -> isize {
+    let fail = |fds: ChildFds, step: Step| -> isize {
         // SAFETY: errno is this thread's, readable at any time.
         let errno = unsafe { *libc::__errno_location() };
-        let bytes = errno.to_ne_bytes();
-        // SAFETY: a write of 4 bytes from a local buffer to our pipe.
-        unsafe { libc::write(fds.report, bytes.as_ptr().cast(), 4) };
+        let mut bytes = [0u8; 8];
+        bytes[..4].copy_from_slice(&errno.to_ne_bytes());
+        bytes[4..].copy_from_slice(&(step as u32).to_ne_bytes());
+        // SAFETY: a write of 8 bytes from a local buffer to our pipe (at
+        // most PIPE_BUF: the parent reads it whole).
+        unsafe { libc::write(fds.report, bytes.as_ptr().cast(), 8) };
         // SAFETY: ends this process without running anything of the
         // parent's (no atexit handlers, no flushing of shared buffers).
         unsafe { libc::_exit(127) }
@@ -489,7 +584,7 @@ unsafe fn child_main(
     // Before Linux 5.9 (no close_range): a copy of the whole table.
     // SAFETY: unshare of this process's descriptor table.
     if !own_table && unsafe { libc::unshare(libc::CLONE_FILES) } != 0 {
-        return fail(fds);
+        return fail(fds, Step::Table);
     }
     // Of what was copied, only its own: the slots of other spawner
     // threads sit among these (a copy of another spawn's report pipe
@@ -533,26 +628,26 @@ unsafe fn child_main(
     }
     // SAFETY: setpgid on this process.
     if unsafe { libc::setpgid(0, 0) } != 0 {
-        return fail(fds);
+        return fail(fds, Step::Group);
     }
     // Into the instance's cgroups before anything of the server runs.
     for fd in fds.cgroups.into_iter().filter(|fd| *fd >= 0) {
         // SAFETY: a 1-byte write from a static buffer to a descriptor the
         // parent opened and keeps open.
         if unsafe { libc::write(fd, b"0".as_ptr().cast(), 1) } != 1 {
-            return fail(fds);
+            return fail(fds, Step::Cgroup);
         }
     }
     for (from, to) in [(fds.stdin, 0), (fds.stdout, 1), (fds.stderr, 2)] {
         // SAFETY: dup2 of descriptors the parent opened, in this process's
         // own table.
         if unsafe { libc::dup2(from, to) } < 0 {
-            return fail(fds);
+            return fail(fds, Step::Streams);
         }
     }
     // SAFETY: chdir to a NUL-terminated path the parent prepared.
     if !cwd.is_null() && unsafe { libc::chdir(cwd) } != 0 {
-        return fail(fds);
+        return fail(fds, Step::Cwd);
     }
     // The agent may protect itself from the OOM killer (systemd's
     // OOMScoreAdjust); its servers must not inherit that. Raising the score
@@ -594,7 +689,7 @@ unsafe fn child_main(
                 && libc::syscall(libc::SYS_setuid, uid) == 0
         };
         if !changed {
-            return fail(fds);
+            return fail(fds, Step::User);
         }
     }
     // No capability crosses the exec: an agent given CAP_SETUID (ambient,
@@ -602,12 +697,12 @@ unsafe fn child_main(
     // model running as root must not regain the bounding set at exec.
     // After the credential change above, which needed CAP_SETUID/SETGID.
     if drop_capabilities().is_err() {
-        return fail(fds);
+        return fail(fds, Step::Capabilities);
     }
     // After any credential change, which would clear it.
     // SAFETY: prctl with integer arguments.
     if who.parent_death && unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) } != 0 {
-        return fail(fds);
+        return fail(fds, Step::ParentDeath);
     }
     // SAFETY: getppid takes nothing.
     if who.parent_death && unsafe { libc::getppid() } != parent {
@@ -625,7 +720,7 @@ unsafe fn child_main(
     // SAFETY: execve with NUL-terminated strings and NULL-terminated
     // arrays the parent prepared and keeps alive while suspended.
     unsafe { libc::execve(program, argv, envp) };
-    fail(fds)
+    fail(fds, Step::Exec)
 }
 
 /// Empties the ambient, inheritable, permitted and effective capability

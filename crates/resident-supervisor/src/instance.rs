@@ -392,7 +392,9 @@ impl Actor {
                 s.pid = Some(pid);
                 s.start_ticks = Some(start_ticks);
                 s.restarts = restarts;
-                s.started_at = Some(std::time::SystemTime::now());
+                // When it was spawned, not now: its age goes on.
+                s.started_at = crate::procfs::wall_time_of_ticks(start_ticks)
+                    .or_else(|| Some(std::time::SystemTime::now()));
             },
         );
         Run {

@@ -18,6 +18,7 @@ mod child;
 mod instance;
 mod logs;
 pub mod procfs;
+pub mod reach;
 mod readiness;
 mod sampler;
 mod spawn;

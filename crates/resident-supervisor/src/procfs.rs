@@ -85,6 +85,20 @@ pub fn boottime_ticks(ns: u64) -> Option<u64> {
     (1_000_000_000 % hz == 0).then(|| ns / (1_000_000_000 / hz))
 }
 
+/// The wall-clock time of `ticks` clock ticks after boot (a process's
+/// start time, as `/proc/PID/stat` and the journal give it): now, less
+/// the time gone by since then on the boot clock. `None` where the clocks
+/// cannot be read, or a tick is not a whole number of nanoseconds.
+pub fn wall_time_of_ticks(ticks: u64) -> Option<std::time::SystemTime> {
+    let hz = clock_ticks_per_second()?;
+    let per_tick = (1_000_000_000 % hz == 0).then(|| 1_000_000_000 / hz)?;
+    let boot = nix::time::clock_gettime(nix::time::ClockId::CLOCK_BOOTTIME).ok()?;
+    let now =
+        u64::try_from(boot.tv_sec()).ok()? * 1_000_000_000 + u64::try_from(boot.tv_nsec()).ok()?;
+    let since = now.checked_sub(ticks.checked_mul(per_tick)?)?;
+    std::time::SystemTime::now().checked_sub(std::time::Duration::from_nanos(since))
+}
+
 /// This process's own OOM score adjustment (`oom_score_adj`), if `/proc`
 /// says.
 pub fn own_oom_score_adj() -> Option<i32> {
@@ -130,6 +144,27 @@ mod tests {
             ('S', 1, 4242, 5555, 250)
         );
         assert!(parse_stat(1, "garbage").is_none());
+    }
+
+    #[test]
+    fn a_start_time_in_ticks_reads_as_the_wall_clock_time_of_the_start() {
+        let before = std::time::SystemTime::now();
+        let mut child = std::process::Command::new("sleep")
+            .arg("5")
+            .spawn()
+            .expect("spawn sleep");
+        let after = std::time::SystemTime::now();
+        let ticks = stat(child.id() as i32).expect("its stat").start_ticks;
+        let _ = child.kill();
+        let _ = child.wait();
+        let started = wall_time_of_ticks(ticks).expect("the clocks read");
+        // Within a tick (10 ms at USER_HZ 100) and some slack of the
+        // spawn's window.
+        let slack = std::time::Duration::from_millis(50);
+        assert!(
+            started + slack >= before && started <= after + slack,
+            "{started:?} not within {before:?}..{after:?}"
+        );
     }
 
     #[test]

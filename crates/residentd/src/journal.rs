@@ -615,6 +615,23 @@ fn parse(line: &str) -> Option<Line> {
     fields.next().is_none().then_some(Line::Put(entry))
 }
 
+/// Forgets what an earlier run left in `state_dir`, for an agent that
+/// starts afresh (the embedded example: a demo's second run should not
+/// bring its first run's instances back): each journaled process group
+/// still running is killed, as `kill_leftovers` does (adopted processes
+/// are let go), and the directory is removed, to be made anew. Refuses,
+/// as `Journal::open` does, a directory that is not the agent's own.
+/// Returns how many instances the journal listed.
+pub fn start_afresh(state_dir: &Path) -> std::io::Result<usize> {
+    if !state_dir.exists() {
+        return Ok(0);
+    }
+    let entries = Journal::open(state_dir)?.peek().entries;
+    kill_leftovers(&entries);
+    std::fs::remove_dir_all(state_dir)?;
+    Ok(entries.len())
+}
+
 /// Kills what is left of each entry's process group from a previous run,
 /// after one scan of the process table. Returns how many processes were
 /// signalled. A group is ours when its leader still runs with the

@@ -22,7 +22,7 @@ const EX_CONFIG: u8 = 78;
 )]
 struct Args {
     /// The configuration file. Without it, the embedded laptop example runs
-    /// (socket under $XDG_RUNTIME_DIR or /tmp).
+    /// (socket under $XDG_RUNTIME_DIR or /tmp), afresh each time.
     #[arg(long, short)]
     config: Option<PathBuf>,
     /// Validate a configuration file and exit (0: valid, 78: not).
@@ -106,6 +106,10 @@ fn main() -> ExitCode {
             return ExitCode::from(EX_CONFIG);
         }
     };
+    // The embedded example starts afresh, unless this agent takes over
+    // from one it replaces (an upgrade, or a failed one's way back).
+    let afresh =
+        args.config.is_none() && std::env::var_os(residentd::upgrade::INHERIT_ENV).is_none();
     residentd::upgrade::remember_invocation(args.config.as_deref());
     raise_open_file_limit();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
@@ -124,6 +128,15 @@ fn main() -> ExitCode {
         // The sockets first: an agent already serving here stops this one
         // before it touches that one's instances or journal.
         let listeners = residentd::server::bind(&config).await?;
+        if afresh {
+            let forgotten = residentd::journal::start_afresh(&state_dir)
+                .map_err(|e| anyhow::anyhow!("state_dir {}: {e}", state_dir.display()))?;
+            if forgotten > 0 {
+                eprintln!(
+                    "residentd: the embedded example starts afresh: the {forgotten} instances of its last run are forgotten (--config examples/laptop.toml keeps them, as a node does)"
+                );
+            }
+        }
         let agent = Agent::new(config, host)
             .map_err(|e| anyhow::anyhow!("state_dir {}: {e}", state_dir.display()))?;
         agent.restore().await;
@@ -180,7 +193,9 @@ fn raise_open_file_limit() {
 }
 
 /// The embedded laptop example (the file as shipped), with its socket and
-/// state moved under a per-user runtime directory.
+/// state moved under a per-user runtime directory. Each run starts
+/// afresh (`journal::start_afresh`, once its socket is bound): a
+/// newcomer's second `cargo run` finds none of the first run's instances.
 fn default_config() -> Result<resident_config::Config, resident_config::ConfigError> {
     let dir = std::env::var_os("XDG_RUNTIME_DIR")
         .map(PathBuf::from)

@@ -54,7 +54,8 @@ pub(crate) fn validate(file: &Path, text: &str, host: Lookups) -> Result<Config>
             Err(e) => flavor_errors.push(e),
         }
     }
-    if let Err(e) = programs(&src, &flavored, host) {
+    let node_user = node.as_ref().ok().and_then(|n| n.run_as.as_ref());
+    if let Err(e) = programs(&src, &flavored, node_user, host) {
         errors.push(e);
     }
     let workloads = ConfigError::all(flavor_errors)
@@ -109,15 +110,32 @@ fn anchor_program(w: &mut raw::Workload, host: Lookups) {
     }
 }
 
-/// Each workload's program, as `Lookups::program` checks it: every one.
-fn programs(src: &Source<'_>, raw: &[Spanned<raw::Workload>], host: Lookups) -> Result<()> {
+/// Each workload's program, as `Lookups::program` checks it: every one,
+/// as the user it runs as (its own `run_as`, else the node's; a name that
+/// does not resolve is reported with its key, and its program is checked
+/// as the agent's).
+fn programs(
+    src: &Source<'_>,
+    raw: &[Spanned<raw::Workload>],
+    node_user: Option<&User>,
+    host: Lookups,
+) -> Result<()> {
     let errors = raw
         .iter()
         .filter_map(|w| {
             let name = spanned_str(&w.get_ref().name);
             let command = raw_command(w.get_ref());
             let path = w.get_ref().env.get("PATH").map(|p| p.get_ref().as_str());
-            host.program(command.get_ref(), path)
+            let own = w
+                .get_ref()
+                .run_as
+                .as_ref()
+                .map(|u| host.user(u.get_ref()).ok());
+            let user = match &own {
+                Some(resolved) => resolved.as_ref(),
+                None => node_user,
+            };
+            host.program(command.get_ref(), path, user)
                 .map_err(|m| src.err(command.span(), format!("workload[{name}].command"), m))
                 .err()
         })

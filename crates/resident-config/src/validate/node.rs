@@ -184,7 +184,7 @@ fn metrics_listen(
             s.span(),
             "node.metrics_listen",
             format!(
-                "{:?} is not an address like \"127.0.0.1:9464\"",
+                "{:?} is not an address like \"127.0.0.1:9187\"",
                 s.get_ref()
             ),
         )

@@ -394,7 +394,8 @@ async fn programs_are_found_on_path_and_exec_errors_are_reported() {
         status.reason
     );
     // A file without any execute bit: execve fails (even for root), and
-    // the child's errno comes back as the reason.
+    // the child's errno comes back as the reason, with the file that is
+    // not executable and who could not run it.
     let file = std::env::temp_dir().join(format!("not-a-program-{}", std::process::id()));
     std::fs::write(&file, "just text\n").expect("write");
     let mut spec = child("not-executable", &[]);
@@ -402,11 +403,52 @@ async fn programs_are_found_on_path_and_exec_errors_are_reported() {
     let status = h.sup.start(spec).await.expect("the start is accepted");
     let _ = std::fs::remove_file(&file);
     assert_eq!(status.state, State::Failed);
-    let want = format!(
-        "cannot start {:?}: Permission denied",
-        file.display().to_string()
+    let want = format!("cannot start {:?}: ", file.display().to_string());
+    let uid = format!("(uid {}", nix::unistd::geteuid());
+    assert!(
+        status.reason.starts_with(&want)
+            && status.reason.contains(&uid)
+            && status.reason.contains("is not executable for it")
+            && status.reason.ends_with("Permission denied (os error 13)"),
+        "{}",
+        status.reason
     );
-    assert!(status.reason.starts_with(&want), "{}", status.reason);
+}
+
+/// A program the child's user cannot reach (a `python3` that resolves into
+/// a directory only root may enter, as /root/.pyenv/shims): the reason
+/// names the program, the directory in the way and the user, where it
+/// said only `Permission denied (os error 13)` before.
+#[tokio::test]
+async fn a_program_its_user_cannot_reach_fails_naming_the_path_and_the_user() {
+    if !nix::unistd::getuid().is_root() {
+        return skip("changing users needs root");
+    }
+    use std::os::unix::fs::PermissionsExt as _;
+    let h = Harness::new();
+    let dir = std::env::temp_dir().join(format!("roots-only-{}", std::process::id()));
+    let shims = dir.join("shims");
+    std::fs::create_dir_all(&shims).expect("mkdir");
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+    let program = shims.join("python3");
+    std::fs::copy("/bin/true", &program).expect("a program");
+    let mut spec = child("unreachable", &[]);
+    spec.argv = vec!["python3".into()];
+    spec.env.insert("PATH".into(), shims.display().to_string());
+    spec.user = Some((65534, 65534));
+    let status = h.sup.start(spec).await.expect("the start is accepted");
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(status.state, State::Failed);
+    let reason = &status.reason;
+    assert!(
+        reason.starts_with("cannot start \"python3\": ")
+            && reason.contains(&format!("program {}", program.display()))
+            && reason.contains("(uid 65534, gid 65534)")
+            && reason.contains(&format!("{} (mode 0700, owner uid 0", dir.display()))
+            && reason.contains("is not searchable for it")
+            && reason.ends_with("Permission denied (os error 13)"),
+        "{reason}"
+    );
 }
 
 #[tokio::test]

@@ -406,7 +406,7 @@ fn checked(dir: &Path, config: &str) -> String {
 /// of one sample are not two samples: the readings come every 10 ms, the
 /// samples every 200 ms, and a sample taken while the server was still
 /// loading once read "settled" at half its weights.)
-async fn settled(d: &mut Daemon, id: &str) -> u64 {
+pub(crate) async fn settled(d: &mut Daemon, id: &str) -> u64 {
     let asked = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |t| t.as_millis() as u64);

@@ -21,6 +21,8 @@ mod clock;
 mod connections;
 mod console;
 mod device;
+mod docs;
+mod examples;
 mod fleet;
 mod footprint;
 mod gpu_choice;

@@ -103,8 +103,13 @@ async fn every_subcommand_against_a_live_agent() {
     let o = tokio::task::block_in_place(|| run(&["--json", "node"]));
     let v: serde_json::Value = serde_json::from_str(&text(&o).0).expect("JSON");
     assert_eq!(v["pools"][0]["used_bytes"], 64_000_000_000u64);
+    // The agent's pid, which an upgrade changes (docs/operations.md).
+    let pid = d.pid();
+    assert_eq!(v["agent_pid"], pid, "{v}");
     let o = tokio::task::block_in_place(|| run(&["node"]));
     assert!(text(&o).0.contains("unified  96.0 GB"), "{}", text(&o).0);
+    let first = text(&o).0.lines().next().unwrap_or_default().to_string();
+    assert!(first.ends_with(&format!(", pid {pid})")), "{first}");
     // The roster: declared, learned (nothing yet), reserved.
     let o = tokio::task::block_in_place(|| run(&["workloads"]));
     let (out, _) = text(&o);

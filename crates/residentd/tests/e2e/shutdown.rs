@@ -147,21 +147,7 @@ async fn the_laptop_example_runs_as_shipped_and_embedded() {
     // With no --config the same file runs, its socket under the runtime
     // directory.
     let dir = tempfile::tempdir().expect("tempdir");
-    let log = std::fs::File::create(dir.path().join("residentd.log")).expect("log");
-    let child = std::process::Command::new(RESIDENTD)
-        .env("XDG_RUNTIME_DIR", dir.path())
-        .stdout(std::process::Stdio::null())
-        .stderr(log)
-        .spawn()
-        .expect("start residentd");
-    let socket = dir.path().join("residentd/residentd.sock");
-    let client = connect(&socket).await;
-    let mut d = Daemon {
-        dir,
-        socket,
-        child: Some(child),
-        client,
-    };
+    let mut d = embedded(dir).await;
     let node = d.node().await;
     assert_eq!(node.node, "laptop");
     let pools: Vec<&str> = node.pools.iter().map(|p| p.name.as_str()).collect();
@@ -188,6 +174,66 @@ async fn the_laptop_example_runs_as_shipped_and_embedded() {
     .await;
     assert!(said.is_some(), "demo-a's first line reaches its log");
     assert!(d.terminate().await.success(), "{}", d.log());
+
+    // A second run starts afresh: the README's tour starts demo-a as `a`
+    // again, which a restored `a` would refuse (it did, before).
+    let mut d = again(d).await;
+    assert_eq!(d.ids().await, Vec::<String>::new(), "{}", d.log());
+    let a = d.ready("demo-a", "a").await;
+    assert_eq!(a.state, pb::State::Ready as i32, "{a:?}");
+    // After a kill -9 its server runs on (instances outlive the agent);
+    // the next run stops it and starts afresh all the same.
+    d.kill();
+    assert!(alive(a.pid as i32), "it outlives the agent");
+    let mut d = again(d).await;
+    assert_eq!(d.ids().await, Vec::<String>::new(), "{}", d.log());
+    assert!(
+        eventually(async || !alive(a.pid as i32)).await,
+        "the last run's server is stopped"
+    );
+    assert!(
+        d.log().contains("the embedded example starts afresh"),
+        "{}",
+        d.log()
+    );
+    d.ready("demo-a", "a").await;
+    assert!(d.terminate().await.success(), "{}", d.log());
+}
+
+/// The agent on its embedded example (no `--config`), with `dir` as its
+/// `XDG_RUNTIME_DIR`, its log in `dir/residentd.log`.
+pub(crate) async fn embedded(dir: tempfile::TempDir) -> Daemon {
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.path().join("residentd.log"))
+        .expect("log");
+    let child = std::process::Command::new(RESIDENTD)
+        .env("XDG_RUNTIME_DIR", dir.path())
+        .stdout(std::process::Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("start residentd");
+    let socket = dir.path().join("residentd/residentd.sock");
+    let client = connect(&socket).await;
+    Daemon {
+        dir,
+        socket,
+        child: Some(child),
+        client,
+    }
+}
+
+/// The embedded example run again on `d`'s runtime directory, once `d`
+/// has ended (killed if it still runs).
+async fn again(mut d: Daemon) -> Daemon {
+    if let Some(mut child) = d.child.take() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    let dir = std::mem::replace(&mut d.dir, tempfile::tempdir().expect("tempdir"));
+    drop(d);
+    embedded(dir).await
 }
 
 #[tokio::test]

@@ -109,6 +109,9 @@ async fn after_kill_9_the_next_agent_takes_every_instance_over_with_its_output()
     assert_eq!(used, 3_000_000_000);
     journaled_running(&d, &["t", "n"]).await;
 
+    // A second of age before the agent goes, which the next one must not
+    // start counting anew.
+    tokio::time::sleep(Duration::from_secs(1)).await;
     d.kill();
     assert!(
         alive(t.pid as i32) && alive(n.pid as i32),
@@ -130,6 +133,15 @@ async fn after_kill_9_the_next_agent_takes_every_instance_over_with_its_output()
         assert_eq!(i.pid, before.pid, "{id}: the same process, taken over");
         assert_eq!(i.port, before.port, "{id}: the same port");
         assert_eq!(i.restarts, 0, "{id}: never restarted");
+        // Its age (residentctl ls) runs from its spawn, not the takeover:
+        // the start time the journal kept, to a tick and the spawn's own
+        // few milliseconds.
+        assert!(
+            i.started_unix_ms.abs_diff(before.started_unix_ms) < 250,
+            "{id}: started {} before the takeover, {} after",
+            before.started_unix_ms,
+            i.started_unix_ms
+        );
     }
     assert_eq!(d.used().await, used, "each reserved once");
     // What it wrote while no agent ran, in order, nothing missing; and

@@ -372,11 +372,17 @@ pub fn node(n: &pb::NodeStatus, json: bool) -> io::Result<()> {
         return print_json(&json!({
             "node": n.node,
             "version": n.version,
+            "agent_pid": n.agent_pid,
             "pools": n.pools.iter().map(pool_json).collect::<Vec<_>>(),
             "instances": n.instances.iter().map(instance_json).collect::<Vec<_>>(),
         }));
     }
-    out!("node {} (residentd {})\n", n.node, n.version);
+    out!(
+        "node {} (residentd {}, pid {})\n",
+        n.node,
+        n.version,
+        n.agent_pid
+    );
     pools(&n.pools)?;
     out!();
     instances(&n.instances, false)
