@@ -333,7 +333,7 @@ impl Agent {
     /// again (a request that reached it directly, not through a Start),
     /// its awake demand held again.
     fn follow_sleepers(self: &Arc<Self>) {
-        for (id, record) in self.books.records() {
+        for (id, record) in self.books.followed() {
             let Some((path, idle_ms)) = record.workload.sleep.as_ref().and_then(|s| {
                 let idle_ms = s
                     .idle

@@ -41,6 +41,23 @@ impl Books {
         self.lock().records.get(id).cloned()
     }
 
+    /// The records of workloads whose servers sleep by themselves (their
+    /// `/props` followed), in id order: nothing is copied for the rest
+    /// (this runs every second).
+    pub(in crate::agent) fn followed(&self) -> Vec<(String, Record)> {
+        let b = self.lock();
+        b.records
+            .iter()
+            .filter(|(_, r)| {
+                r.workload
+                    .sleep
+                    .as_ref()
+                    .is_some_and(|s| s.follow.is_some())
+            })
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    }
+
     /// Every record, in id order.
     pub(in crate::agent) fn records(&self) -> Vec<(String, Record)> {
         let b = self.lock();
