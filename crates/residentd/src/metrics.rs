@@ -122,6 +122,9 @@ struct KvLabels {
     event: &'static str,
 }
 
+/// The events of [`KvLabels`], in the order [`Metrics::kv`] takes them.
+const KV_EVENTS: [&str; 4] = ["saved", "restored", "failed", "evicted"];
+
 /// Wake times: 10 ms to about 80 s.
 fn wake_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.01, 2.0, 14))
@@ -167,6 +170,12 @@ impl Metrics {
             wake_seconds: Family::new_with_constructor(wake_histogram),
             kv_states: Family::default(),
         };
+        // The four events of saved conversations are known up front: each
+        // is served from the start at zero, so a rate over them is defined
+        // before the first save (and the family is there to be found).
+        for event in KV_EVENTS {
+            drop(m.kv_states.get_or_create(&KvLabels { event }));
+        }
         let r = &mut m.registry;
         r.register(
             "pool_budget_bytes",
@@ -302,12 +311,7 @@ impl Metrics {
     /// restored after a start, saves or restores that failed, states
     /// evicted to keep a disk pool within its budget.
     pub fn kv(&self, saved: u64, restored: u64, failed: u64, evicted: u64) {
-        for (event, n) in [
-            ("saved", saved),
-            ("restored", restored),
-            ("failed", failed),
-            ("evicted", evicted),
-        ] {
+        for (event, n) in KV_EVENTS.into_iter().zip([saved, restored, failed, evicted]) {
             if n > 0 {
                 self.kv_states.get_or_create(&KvLabels { event }).inc_by(n);
             }
