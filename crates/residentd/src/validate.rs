@@ -127,6 +127,39 @@ pub fn place(r: &pb::PlaceRequest) -> Result<Option<Policy>, ApiError> {
     policy("on_full", r.on_full)
 }
 
+/// The default least time between two figures-only updates of a
+/// `WatchNode`, and the bounds a request may set.
+pub const FIGURES_EVERY: Duration = Duration::from_millis(250);
+const FIGURES_EVERY_MS: std::ops::RangeInclusive<u32> = 50..=60_000;
+const HEARTBEAT_MS: std::ops::RangeInclusive<u32> = 100..=3_600_000;
+
+/// A WatchNode: the figures' least interval and the heartbeat (none
+/// when 0).
+pub fn watch_node(r: &pb::WatchNodeRequest) -> Result<(Duration, Option<Duration>), ApiError> {
+    let mut bad = Vec::new();
+    if r.figures_every_ms != 0 && !FIGURES_EVERY_MS.contains(&r.figures_every_ms) {
+        bad.push((
+            "figures_every_ms".to_string(),
+            format!("{} is not 0 or 50 to 60000", r.figures_every_ms),
+        ));
+    }
+    if r.heartbeat_ms != 0 && !HEARTBEAT_MS.contains(&r.heartbeat_ms) {
+        bad.push((
+            "heartbeat_ms".to_string(),
+            format!("{} is not 0 or 100 to 3600000", r.heartbeat_ms),
+        ));
+    }
+    if !bad.is_empty() {
+        return Err(ApiError::InvalidArgument(bad));
+    }
+    let every = match r.figures_every_ms {
+        0 => FIGURES_EVERY,
+        ms => Duration::from_millis(u64::from(ms)),
+    };
+    let heartbeat = (r.heartbeat_ms > 0).then(|| Duration::from_millis(u64::from(r.heartbeat_ms)));
+    Ok((every, heartbeat))
+}
+
 /// A Logs call: the instance.
 pub fn logs(r: &pb::LogsRequest) -> Result<InstanceId, ApiError> {
     let id = instance_id("instance_id", &r.instance_id)?;

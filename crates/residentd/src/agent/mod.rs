@@ -11,7 +11,8 @@
 //! readings; `persist.rs` keeps the journal and makes answers durable;
 //! `sleep.rs` puts servers to sleep and wakes them (`[workload.sleep]`);
 //! `exposure.rs` stops servers that listen beyond loopback where their
-//! workload says `expose = "loopback"` (and reports adopted ones).
+//! workload says `expose = "loopback"` (and reports adopted ones);
+//! `picture.rs` is what a fleet view keeps of the node (`WatchNode`).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -34,6 +35,7 @@ mod follower;
 mod memory;
 mod overrun;
 mod persist;
+mod picture;
 mod queries;
 mod sleep;
 mod upgrade;
@@ -41,6 +43,7 @@ mod upgrade;
 pub use adoption::AdoptCall;
 use books::Books;
 pub use books::Hold;
+pub use picture::Figures;
 
 /// The result of a Start.
 #[derive(Debug)]
@@ -95,6 +98,11 @@ pub struct Agent {
     metrics: crate::metrics::Metrics,
     /// Where an upgrade stands (`upgrade.rs`).
     upgrade: tokio::sync::watch::Sender<u8>,
+    /// Bumped when pool figures or holds may have moved without an event
+    /// (`picture.rs`).
+    figures_moved: tokio::sync::watch::Sender<u64>,
+    /// Counts changes of the roster (`picture.rs`).
+    roster_generation: AtomicU64,
 }
 
 impl Agent {
@@ -135,6 +143,8 @@ impl Agent {
             closing: AtomicBool::new(false),
             closed: tokio::sync::watch::Sender::new(false),
             upgrade: tokio::sync::watch::Sender::new(0),
+            figures_moved: tokio::sync::watch::Sender::new(0),
+            roster_generation: AtomicU64::new(0),
             journal,
             journal_dirty: tokio::sync::Notify::new(),
             journal_lock: Mutex::new(()),
