@@ -21,6 +21,7 @@ on channels of their own (made when a node is first asked).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import dataclasses
 import threading
 import time
@@ -74,6 +75,22 @@ class NodeState:
     holds: Dict[str, float]
     #: Seconds since its stream last said anything.
     heard_s: float
+
+
+class _Ranked:
+    """One workload's ranking under one policy, kept between decisions:
+    each node's estimate and answer, the candidates sorted by key, and the
+    nodes changed since (estimated again at the next decision only)."""
+
+    def __init__(self, endpoints):
+        self.dirty = set(endpoints)
+        self.estimates: Dict[str, Estimate] = {}
+        self.answers: Dict[str, object] = {}
+        #: (key, exact, endpoint) of every node that may admit, sorted.
+        self.order: List[Tuple[tuple, bool, str]] = []
+        self.entry: Dict[str, Tuple[tuple, bool, str]] = {}
+        #: When a hold an estimate counted on ends: everything again then.
+        self.until = float("inf")
 
 
 class _Node:
@@ -134,6 +151,7 @@ class View:
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._nodes = {e: _Node(e, name) for e, name in self.names.items()}
+        self._ranked: Dict[Tuple[str, int], _Ranked] = {}
         self._closing = False
         self._loop = asyncio.new_event_loop()
         self._tasks: List[asyncio.Task] = []
@@ -223,7 +241,7 @@ class View:
             await channel.close()
             with self._changed:
                 node.up, node.why, node.answered = False, why, True
-                self._changed.notify_all()
+                self._touched(node)
             await asyncio.sleep(wait)
             wait = min(wait * 2, _BACKOFF[1])
 
@@ -235,7 +253,14 @@ class View:
             node.heard = time.monotonic()
             if node.picture.known:
                 node.up, node.why, node.answered = True, "", True
-            self._changed.notify_all()
+            self._touched(node)
+
+    def _touched(self, node: _Node) -> None:
+        """`node` changed (under the lock): each kept ranking estimates it
+        again, and whoever waits on the view looks again."""
+        for ranked in self._ranked.values():
+            ranked.dirty.add(node.endpoint)
+        self._changed.notify_all()
 
     def wait_until(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
         """Waits, at most `timeout_s`, until `predicate()` holds (looked at
@@ -266,31 +291,51 @@ class View:
         `confirm` calls). Nodes whose stream is down are `Unreachable` in
         `answers` and left out."""
         pol = _client._policy(policy)
-        now = time.monotonic()
-        answers: Dict[str, object] = {}
-        estimates: Dict[str, Estimate] = {}
-        candidates: List[Tuple[tuple, bool, str]] = []
         with self._lock:
-            for endpoint, n in self._nodes.items():
-                if not n.up:
-                    answers[endpoint] = Unreachable(grpc.StatusCode.UNAVAILABLE, n.why)
-                    continue
-                e = n.picture.estimate(workload, pol, now)
-                estimates[endpoint] = e
-                answers[endpoint] = _answer(e, n.picture)
-                if e.admits is not False:
-                    candidates.append((e.key, e.exact, endpoint))
-        candidates.sort()
+            ranked = self._rank(workload, pol, time.monotonic())
+            candidates = list(ranked.order)
+            answers = dict(ranked.answers)
+            estimates = dict(ranked.estimates)
         asked, proven = self._confirm(workload, pol, candidates, answers)
-        keyed = []
+        # The candidates in order, those asked by their answers' keys.
+        keys = {}
         for endpoint in asked:
             a = answers[endpoint]
-            if isinstance(a, pb.Placement) and a.admitted:
-                keyed.append((rank_key(self.names[endpoint], a), endpoint))
-        keyed += [(key, e) for key, _, e in candidates if e not in asked]
-        keyed.sort()
-        return ViewRanking(workload, [e for _, e in keyed], answers, self.names, asked=asked,
-                           proven=proven, estimates=estimates)
+            admitted = isinstance(a, pb.Placement) and a.admitted
+            keys[endpoint] = rank_key(self.names[endpoint], a) if admitted else None
+        if all(keys[e] == estimates[e].key for e in asked):
+            choices = [e for _, _, e in candidates]
+        else:
+            keyed = [(keys[e] if e in keys else key, e) for key, _, e in candidates]
+            choices = [e for _, e in sorted(k for k in keyed if k[0] is not None)]
+        return ViewRanking(workload, choices, answers, self.names, asked=asked, proven=proven,
+                           estimates=estimates)
+
+    def _rank(self, workload: str, policy: int, now: float) -> _Ranked:
+        """The kept ranking of `workload` under `policy`, its changed nodes
+        estimated again (under the lock)."""
+        ranked = self._ranked.get((workload, policy))
+        if ranked is None or now >= ranked.until:
+            ranked = self._ranked[(workload, policy)] = _Ranked(self._nodes)
+        for endpoint in ranked.dirty:
+            n = self._nodes[endpoint]
+            old = ranked.entry.pop(endpoint, None)
+            if old is not None:
+                del ranked.order[bisect.bisect_left(ranked.order, old)]
+            if not n.up:
+                ranked.answers[endpoint] = Unreachable(grpc.StatusCode.UNAVAILABLE, n.why)
+                ranked.estimates.pop(endpoint, None)
+                continue
+            e = n.picture.estimate(workload, policy, now)
+            ranked.estimates[endpoint] = e
+            ranked.answers[endpoint] = _answer(e, n.picture)
+            ranked.until = min(ranked.until, e.until)
+            if e.admits is not False:
+                entry = (e.key, e.exact, endpoint)
+                bisect.insort(ranked.order, entry)
+                ranked.entry[endpoint] = entry
+        ranked.dirty.clear()
+        return ranked
 
     def _confirm(self, workload: str, policy: int, candidates, answers) -> Tuple[List[str], bool]:
         req = pb.PlaceRequest(workload=workload, on_full=policy)
@@ -331,6 +376,7 @@ class View:
         with self._changed:
             if n.picture.figures_seen == seen[0] and pools:
                 n.picture.figures(pools, time.monotonic(), counted=seen[1])
+                self._touched(n)
 
     def start(self, workload: str, instance_id: Optional[str] = None, *, lease_ms: int = 0,
               policy=None, wait_ready: bool = True, start_timeout_s: float = 600.0,
@@ -368,6 +414,7 @@ class View:
                 raise error from None
             with self._changed:
                 n.picture.started(response.instance)
+                self._touched(n)
             return Started(endpoint, response, ranking, attempts)
         raise FleetRefused(ranking, attempts)
 

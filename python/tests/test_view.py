@@ -2,11 +2,12 @@
 here: no agents needed (tests/fleet/view_check.py runs it against real
 ones)."""
 
+import threading
 import unittest
 
 from residentd import fleet, pb
 from residentd._picture import NEG, Picture, estimate
-from residentd._view import confirm
+from residentd._view import View, _Node, confirm
 
 GB = 1_000_000_000
 
@@ -288,6 +289,72 @@ class ConfirmTest(unittest.TestCase):
         # With a limit of 2, the third could still have been better.
         calls, asked, proven = self.run_it(cands, {"x": x, "y": y, "z": z}, limit=2)
         self.assertEqual((asked, proven), (["x", "y"], False))
+
+
+def fake_view(pictures):
+    """A View over `pictures` (name to Picture) with no streams, whose
+    Place answers what each picture says (the agents agree with it)."""
+    v = View.__new__(View)
+    v.names = {name: name for name in pictures}
+    v._lock = threading.RLock()
+    v._changed = threading.Condition(v._lock)
+    v._ranked = {}
+    v.confirm = 3
+    v._nodes = {}
+    for name, p in pictures.items():
+        n = _Node(name, name)
+        n.picture, n.up = p, True
+        v._nodes[name] = n
+    v.calls = []
+
+    def ask(batch, req):
+        v.calls.append(list(batch))
+        out = []
+        for e in batch:
+            free = v._nodes[e].picture.pools["ram"].free_bytes
+            out.append(placement(True, free_after=free - GB) if free >= GB else placement(False))
+        return out
+    v._ask = ask
+    return v
+
+
+class KeptRankingTest(unittest.TestCase):
+    """A view keeps each workload's ranking between decisions and
+    estimates again only the nodes whose pictures changed."""
+
+    def test_a_changed_node_moves_in_the_kept_ranking(self):
+        m = workload("m", 1)
+        v = fake_view({f"n{i}": node(f"n{i}", 10 + i, [m]) for i in range(5)})
+        r = v.place("m")
+        self.assertEqual((r.choices, r.asked, r.proven), (["n4", "n3", "n2", "n1", "n0"], ["n4"], True))
+        kept = v._ranked[("m", pb.POLICY_UNSPECIFIED)].estimates["n0"]
+        # n0 grows to 30 GB (its stream's figures): first now; the others'
+        # estimates are the ones kept.
+        grown = pb.NodeFigures()
+        grown.pools.add(name="ram", budget_bytes=30 * GB, effective_budget_bytes=30 * GB, used_bytes=0,
+                        free_bytes=30 * GB)
+        v._apply(v._nodes["n0"], pb.NodeUpdate(epoch=7, revision=4, figures=grown))
+        r = v.place("m")
+        self.assertEqual((r.choices, r.asked), (["n0", "n4", "n3", "n2", "n1"], ["n0"]))
+        self.assertIsNot(r.estimates["n0"], kept)
+        self.assertIs(r.estimates["n1"], v._ranked[("m", pb.POLICY_UNSPECIFIED)].estimates["n1"])
+        # Its stream down: out of the ranking, Unreachable.
+        with v._changed:
+            v._nodes["n0"].up, v._nodes["n0"].why = False, "UNAVAILABLE: gone"
+            v._touched(v._nodes["n0"])
+        r = v.place("m")
+        self.assertEqual(r.choices[0], "n4")
+        self.assertIsInstance(r.answers["n0"], fleet.Unreachable)
+
+    def test_a_stale_first_choice_drops_down_the_choices(self):
+        m = workload("m", 1)
+        v = fake_view({f"n{i}": node(f"n{i}", 10 + i, [m]) for i in range(3)})
+        v.place("m")
+        # n2 filled meanwhile, and its stream has not said so yet: its
+        # Place refuses, n1 is asked next, and n2 is no choice.
+        v._nodes["n2"].picture.pools["ram"].free_bytes = 0
+        r = v.place("m")
+        self.assertEqual((r.asked, r.choices, r.proven), (["n2", "n1"], ["n1", "n0"], True))
 
 
 if __name__ == "__main__":
