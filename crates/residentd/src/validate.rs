@@ -171,3 +171,37 @@ pub fn logs(r: &pb::LogsRequest) -> Result<InstanceId, ApiError> {
     }
     Ok(id)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn a_watch_node_paces_within_its_bounds(every in any::<u32>(), heartbeat in any::<u32>()) {
+            let r = pb::WatchNodeRequest {
+                figures_every_ms: every,
+                heartbeat_ms: heartbeat,
+                ..Default::default()
+            };
+            match watch_node(&r) {
+                Ok((e, h)) => {
+                    let want = if every == 0 { FIGURES_EVERY } else { Duration::from_millis(u64::from(every)) };
+                    prop_assert_eq!(e, want);
+                    prop_assert!(FIGURES_EVERY_MS.contains(&(e.as_millis() as u32)));
+                    prop_assert_eq!(h.is_none(), heartbeat == 0);
+                    prop_assert!(h.is_none_or(|h| HEARTBEAT_MS.contains(&(h.as_millis() as u32))));
+                }
+                Err(ApiError::InvalidArgument(v)) => {
+                    prop_assert!(!v.is_empty());
+                    prop_assert!(
+                        (every != 0 && !FIGURES_EVERY_MS.contains(&every))
+                            || (heartbeat != 0 && !HEARTBEAT_MS.contains(&heartbeat))
+                    );
+                }
+                Err(e) => prop_assert!(false, "not an invalid argument: {e}"),
+            }
+        }
+    }
+}
