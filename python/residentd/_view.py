@@ -68,6 +68,9 @@ class NodeState:
     epoch: int
     #: Every epoch seen, first to last: a restarted agent adds one.
     epochs: Tuple[int, ...]
+    #: Whole pictures received: 1, and one more each time its stream
+    #: could not resume (a new epoch, a revision no longer kept, a lag).
+    wholes: int
     revision: int
     pools: Dict[str, pb.PoolStatus]
     instances: Dict[str, pb.Instance]
@@ -104,7 +107,13 @@ class _Node:
         self.why = "connecting"
         self.answered = False
         self.epochs: List[int] = []
+        self.wholes = 0
         self.heard = 0.0
+        #: The stream now (in the view's loop), when it was opened, and
+        #: whether the silence check cancelled it.
+        self.call = None
+        self.opened = 0.0
+        self.silent = False
         self._stub: Optional[pb_grpc.NodeAgentStub] = None
         self._channel = None
 
@@ -154,7 +163,6 @@ class View:
         self._ranked: Dict[Tuple[str, int], _Ranked] = {}
         self._closing = False
         self._loop = asyncio.new_event_loop()
-        self._tasks: List[asyncio.Task] = []
         started = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(started,), name="residentd-view",
                                         daemon=True)
@@ -167,22 +175,32 @@ class View:
 
     def _run(self, started: threading.Event) -> None:
         asyncio.set_event_loop(self._loop)
-        self._tasks = [self._loop.create_task(self._watch(n)) for n in self._nodes.values()]
-        self._loop.call_soon(started.set)
-        self._loop.run_forever()
-        # Closing: the watchers end, their channels close.
-        for t in self._tasks:
-            t.cancel()
-        self._loop.run_until_complete(asyncio.gather(*self._tasks, return_exceptions=True))
+        self._loop.run_until_complete(self._main(started))
         self._loop.close()
+
+    async def _main(self, started: threading.Event) -> None:
+        """Every watcher and the silence check, until `close`; then their
+        calls are cancelled and they are given a few seconds to end (a
+        read gRPC never completes must not hold the caller's close)."""
+        self._stop = asyncio.Event()
+        tasks = [asyncio.ensure_future(self._watch(n)) for n in self._nodes.values()]
+        tasks.append(asyncio.ensure_future(self._silence()))
+        started.set()
+        await self._stop.wait()
+        for n in self._nodes.values():
+            if n.call is not None:
+                n.call.cancel()
+        for t in tasks:
+            t.cancel()
+        await asyncio.wait(tasks, timeout=5.0)
 
     def close(self) -> None:
         """Ends every stream and closes every channel."""
         if self._closing:
             return
         self._closing = True
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout=30.0)
         for n in self._nodes.values():
             n.close()
 
@@ -194,15 +212,27 @@ class View:
 
     # --- the streams --------------------------------------------------------
 
+    async def _silence(self) -> None:
+        """Every heartbeat: a stream that said nothing for three heartbeats
+        (an agent that hangs, a network gone quiet, a connection never
+        answered) is cancelled; its watcher marks the node down and opens
+        it again."""
+        limit = 3 * self._heartbeat_s
+        while True:
+            await asyncio.sleep(self._heartbeat_s)
+            now = time.monotonic()
+            for n in self._nodes.values():
+                if n.call is not None and not n.silent and now - max(n.heard, n.opened) > limit:
+                    n.silent = True
+                    n.call.cancel()
+
     async def _watch(self, node: _Node) -> None:
         """Keeps `node`'s picture: one stream at a time, opened again after
         it ends (a new channel each time: gRPC's own reconnection waits
         longer and longer), resuming by revision within the epoch."""
         wait = _BACKOFF[0]
-        silence = 3 * self._heartbeat_s
         while True:
             channel = _client._channel(node.endpoint, self.tls, aio=True)
-            call = None
             try:
                 with self._lock:
                     known = node.picture.known
@@ -211,33 +241,33 @@ class View:
                 req = pb.WatchNodeRequest(since_revision=since, epoch=epoch,
                                           figures_every_ms=self._every_ms,
                                           heartbeat_ms=int(self._heartbeat_s * 1000))
-                call = pb_grpc.NodeAgentStub(channel).WatchNode(req)
-                while True:
-                    update = await asyncio.wait_for(call.read(), silence)
-                    if update is grpc.aio.EOF:
-                        why = "the agent ended its stream"
-                        break
+                node.opened, node.silent = time.monotonic(), False
+                node.call = pb_grpc.NodeAgentStub(channel).WatchNode(req)
+                async for update in node.call:
                     self._apply(node, update)
                     wait = _BACKOFF[0]
-            except asyncio.TimeoutError:
-                why = f"said nothing for {silence:g} s"
+                why = "the agent ended its stream"
+            except asyncio.CancelledError:
+                if self._closing or not node.silent:
+                    node.call = None
+                    await channel.close()
+                    raise
+                why = f"said nothing for {3 * self._heartbeat_s:g} s"
             except grpc.aio.AioRpcError as e:
                 why = f"{e.code().name}: {e.details()}"
-                if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                if node.silent:
+                    why = f"said nothing for {3 * self._heartbeat_s:g} s"
+                elif e.code() == grpc.StatusCode.UNIMPLEMENTED:
                     why = "the agent has no WatchNode (it is older than this package)"
                 elif e.code() == grpc.StatusCode.UNAVAILABLE:
                     # In words that say what to do, where a look finds out.
                     found = await asyncio.to_thread(_client._why_unreachable, node.endpoint, self.tls, 1.0)
                     why = found or why
-            except asyncio.CancelledError:
-                if call is not None:
-                    call.cancel()
-                await channel.close()
-                raise
             except Exception as e:  # noqa: BLE001 - the watcher must go on
                 why = f"the view could not read its stream: {e!r}"
-            if call is not None:
-                call.cancel()
+            if node.call is not None:
+                node.call.cancel()
+                node.call = None
             await channel.close()
             with self._changed:
                 node.up, node.why, node.answered = False, why, True
@@ -248,8 +278,10 @@ class View:
     def _apply(self, node: _Node, update: pb.NodeUpdate) -> None:
         with self._changed:
             node.picture.apply(update, time.monotonic())
-            if update.HasField("node") and (not node.epochs or node.epochs[-1] != update.epoch):
-                node.epochs.append(update.epoch)
+            if update.HasField("node"):
+                node.wholes += 1
+                if not node.epochs or node.epochs[-1] != update.epoch:
+                    node.epochs.append(update.epoch)
             node.heard = time.monotonic()
             if node.picture.known:
                 node.up, node.why, node.answered = True, "", True
@@ -275,7 +307,7 @@ class View:
             p = n.picture
             now = time.monotonic()
             holds = {i: until - now for i, until in p.holds.items() if until > now}
-            return NodeState(endpoint, p.name, n.up, n.why, p.epoch, tuple(n.epochs), p.revision,
+            return NodeState(endpoint, p.name, n.up, n.why, p.epoch, tuple(n.epochs), n.wholes, p.revision,
                              dict(p.pools), dict(p.instances), holds,
                              now - n.heard if n.heard else float("inf"))
 

@@ -2,14 +2,15 @@
 starts them and kills and restarts one when asked): its choice against
 fleet.place's full fan-out on a fleet of varied free memory, holds and
 exclusions; another scheduler's start seen without a poll; a stale
-ranking's start falling through on the refusal; an agent killed, left out,
-and back with another epoch. Asserts as it goes; exits non-zero with the
+ranking's start falling through on the refusal; a hung agent left out and
+resumed; an agent killed, left out, and back with another epoch. Asserts as it goes; exits non-zero with the
 reason on a failure.
 
 Usage: view_check.py JSON   where JSON is {"agents": {NAME: SOCKET, ...},
                                            "dead": SOCKET}
-The test's driver reads lines "@@ kill NAME" and "@@ restart NAME" from
-this script's output and answers each with a line once it is done.
+The test's driver reads lines "@@ kill NAME", "@@ restart NAME", "@@ stop
+NAME" (SIGSTOP) and "@@ cont NAME" (SIGCONT) from this script's output
+and answers each with a line once it is done.
 """
 
 import json
@@ -125,6 +126,22 @@ def main():
         assert isinstance(started.attempts[first], residentd.Refused), started.attempts
         wait(view, "the filler counted", shows(view, first, "o-filler", used + filler * GB))
         same(view, endpoints, "m4")
+
+        # A hung agent (SIGSTOP) says nothing: after three heartbeats it is
+        # down and left out; continued, its stream resumes after its last
+        # revision (no whole picture again, the same epoch).
+        n1 = agents["n1"]
+        wholes = view.node(n1).wholes
+        ask("stop n1")
+        wait(view, "n1 silent", lambda: not view.node(n1).up)
+        assert "said nothing for 3 s" in view.node(n1).why, view.node(n1)
+        r = view.place("m1")
+        assert n1 not in r.choices and isinstance(r.answers[n1], fleet.Unreachable), r.answers[n1]
+        ask("cont n1")
+        wait(view, "n1 back", lambda: view.node(n1).up)
+        n = view.node(n1)
+        assert n.wholes == wholes and len(n.epochs) == 1, n
+        same(view, endpoints, "m1")
 
         # An agent killed: its stream is down, it is left out (Unreachable)
         # until it is back, with another epoch (revisions began again).

@@ -270,9 +270,10 @@ async fn the_fleet_places_and_starts_through_an_agent_served_only_over_mutual_tl
 
 /// tests/fleet/view_check.py against the three agents (and `loner`, 2 GB,
 /// which excludes m4) and an endpoint where no agent is. The script asks
-/// for an agent to be killed (kill -9) or restarted by a line
-/// `@@ kill NAME` or `@@ restart NAME` on its output; each is answered
-/// `done` on its input once carried out.
+/// for an agent to be killed (kill -9), restarted, stopped (SIGSTOP) or
+/// continued by a line `@@ kill NAME`, `@@ restart NAME`, `@@ stop NAME`
+/// or `@@ cont NAME` on its output; each is answered `done` on its input
+/// once carried out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_view_places_as_the_fan_out_does_and_follows_each_agent() {
     use tokio::io::{AsyncBufReadExt as _, AsyncReadExt as _, AsyncWriteExt as _};
@@ -312,9 +313,14 @@ async fn the_view_places_as_the_fan_out_does_and_follows_each_agent() {
                 continue;
             };
             let (verb, name) = asked.split_once(' ').expect("VERB NAME");
-            let i = agents.iter().position(|(n, _)| *n == name).expect("an agent");
+            let i = agents
+                .iter()
+                .position(|(n, _)| *n == name)
+                .expect("an agent");
             match verb {
                 "kill" => agents[i].1.kill(),
+                "stop" => agents[i].1.signal(nix::sys::signal::Signal::SIGSTOP),
+                "cont" => agents[i].1.signal(nix::sys::signal::Signal::SIGCONT),
                 "restart" => {
                     let (n, d) = agents.remove(i);
                     agents.insert(i, (n, d.restart().await));
