@@ -25,6 +25,7 @@ import bisect
 import dataclasses
 import threading
 import time
+import zlib
 from typing import Callable, Dict, List, Optional, Tuple
 
 import grpc
@@ -118,13 +119,18 @@ class _Node:
         self._channel = None
 
     def stub(self, tls: Optional[Tls]) -> pb_grpc.NodeAgentStub:
+        """The stub of the caller's calls; the channel is made (and begins
+        to connect) the first time."""
         if self._stub is None:
             self._channel = _client._channel(self.endpoint, tls)
             self._stub = pb_grpc.NodeAgentStub(self._channel)
+            # Connects now, not at the first call (nothing waits for it).
+            self._ready = grpc.channel_ready_future(self._channel)
         return self._stub
 
     def close(self) -> None:
         if self._channel is not None:
+            self._ready.cancel()
             self._channel.close()
             self._channel, self._stub = None, None
 
@@ -149,8 +155,8 @@ class View:
                  ready_s: float = 10.0):
         if confirm < 1:
             raise ValueError("confirm must be at least 1: the agents decide")
-        if heartbeat_s < 0.1:
-            raise ValueError("heartbeat_s must be at least 0.1: a silent agent is told by it")
+        if heartbeat_s < 0.2:
+            raise ValueError("heartbeat_s must be at least 0.2: a silent agent is told by it")
         self.names = _names(endpoints)
         self.tls = tls
         self.confirm = confirm
@@ -238,9 +244,13 @@ class View:
                     known = node.picture.known
                     since = node.picture.revision if known else 0
                     epoch = node.picture.epoch if known else 0
+                # Each node's heartbeat a little shorter than the view's, by
+                # a share of its own: streams opened together do not beat
+                # together, in bursts the view reads at once.
+                share = zlib.crc32(node.endpoint.encode()) / 2**32
+                beat_ms = int(self._heartbeat_s * (0.75 + 0.25 * share) * 1000)
                 req = pb.WatchNodeRequest(since_revision=since, epoch=epoch,
-                                          figures_every_ms=self._every_ms,
-                                          heartbeat_ms=int(self._heartbeat_s * 1000))
+                                          figures_every_ms=self._every_ms, heartbeat_ms=beat_ms)
                 node.opened, node.silent = time.monotonic(), False
                 node.call = pb_grpc.NodeAgentStub(channel).WatchNode(req)
                 async for update in node.call:
@@ -277,15 +287,17 @@ class View:
 
     def _apply(self, node: _Node, update: pb.NodeUpdate) -> None:
         with self._changed:
-            node.picture.apply(update, time.monotonic())
+            changed = node.picture.apply(update, time.monotonic())
             if update.HasField("node"):
                 node.wholes += 1
                 if not node.epochs or node.epochs[-1] != update.epoch:
                     node.epochs.append(update.epoch)
             node.heard = time.monotonic()
-            if node.picture.known:
+            if node.picture.known and not node.up:
                 node.up, node.why, node.answered = True, "", True
-            self._touched(node)
+                changed = True
+            if changed:
+                self._touched(node)  # a heartbeat changes nothing to rank
 
     def _touched(self, node: _Node) -> None:
         """`node` changed (under the lock): each kept ranking estimates it
@@ -340,8 +352,15 @@ class View:
         else:
             keyed = [(keys[e] if e in keys else key, e) for key, _, e in candidates]
             choices = [e for _, e in sorted(k for k in keyed if k[0] is not None)]
+        self._warm(choices[:self.confirm + 1])
         return ViewRanking(workload, choices, answers, self.names, asked=asked, proven=proven,
                            estimates=estimates)
+
+    def _warm(self, endpoints: List[str]) -> None:
+        """The nodes a next decision would ask first get their channels
+        now, so that its calls find them connected."""
+        for endpoint in endpoints:
+            self._nodes[endpoint].stub(self.tls)
 
     def _rank(self, workload: str, policy: int, now: float) -> _Ranked:
         """The kept ranking of `workload` under `policy`, its changed nodes
