@@ -228,11 +228,7 @@ async fn out_of_range_intervals_are_refused() {
         request(0, 0, 0, 50),
         request(0, 0, 70_000, 0),
     ] {
-        let e = d
-            .client
-            .watch_node(req)
-            .await
-            .expect_err("out of range");
+        let e = d.client.watch_node(req).await.expect_err("out of range");
         assert_eq!(e.code(), Code::InvalidArgument, "{req:?}: {e:?}");
     }
 }
