@@ -4,6 +4,9 @@ Each replica asks residentd (through residentd.ray.place_model) for a node
 where the model fits, gets a ResidentModel actor pinned there (the model
 started, READY, under a lease the actor renews), and forwards every
 request to the model's own server through that actor, on the model's node.
+The ranking comes from the cluster's fleet view (residentd.ray.view(): one
+stream per node's agent, kept by one actor for every replica), which asks
+Place of the best few nodes only.
 
 - Scaling up: each new replica is placed the same way; a node that refuses
   the start (another scheduler took the memory, or it is at max_instances)
@@ -41,7 +44,7 @@ class ResidentChat:
     def __init__(self, workload: str = "chat", lease_ms: int = 30_000):
         # Raises residentd.fleet.FleetRefused, with every node's reason,
         # when no node can take the model: Serve reports the replica failed.
-        self.model = resident_ray.place_model(workload, lease_ms=lease_ms)
+        self.model = resident_ray.place_model(workload, lease_ms=lease_ms, view=resident_ray.view())
 
     async def __call__(self, request: Request) -> Response:
         body = await request.body()

@@ -16,7 +16,7 @@ fuzz_target!(|data: &[u8]| {
         (1..=validate::MAX_ID).contains(&id.len())
             && id.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
     };
-    match kind % 4 {
+    match kind % 5 {
         0 => {
             if let Ok(r) = pb::StartRequest::decode(body)
                 && let Ok((id, _)) = validate::start(&r)
@@ -35,6 +35,15 @@ fuzz_target!(|data: &[u8]| {
         2 => {
             if let Ok(r) = pb::PlaceRequest::decode(body) {
                 let _ = validate::place(&r);
+            }
+        }
+        3 => {
+            if let Ok(r) = pb::WatchNodeRequest::decode(body)
+                && let Ok((every, heartbeat)) = validate::watch_node(&r)
+            {
+                let ms = every.as_millis();
+                assert!((50..=60_000).contains(&ms));
+                assert!(heartbeat.is_none_or(|h| (100..=3_600_000).contains(&h.as_millis())));
             }
         }
         _ => {

@@ -1,7 +1,9 @@
 """Placement across a fleet of residentd agents.
 
-`place` asks every agent's `Place` at once (asyncio gRPC, one deadline per
-call) and ranks the answers; `start` starts on the best choice and falls
+`View` keeps a picture of every agent from one stream each and ranks from
+it, asking `Place` of the best few only (`_view.py`): for callers that
+place often, or across many agents. `place` asks every agent's `Place` at
+once (asyncio gRPC, one deadline per call) and ranks the answers; `start` starts on the best choice and falls
 back down the ranking when that start is refused because another scheduler
 got there first. An agent that is down or slow is skipped and reported in
 the answers, never waited for past the deadline.
@@ -256,3 +258,7 @@ def start(endpoints: Endpoints, workload: str, instance_id: Optional[str] = None
     when a start is refused; raises `FleetRefused` when none placed it."""
     return _run(_with_fleet(endpoints, deadline_s, tls, lambda f: f.start(
         workload, instance_id, lease_ms=lease_ms, policy=policy, wait_ready=wait_ready)))
+
+
+# The view ranks with the above; imported last, as it imports this module.
+from ._view import NodeState, View, ViewRanking  # noqa: E402,F401

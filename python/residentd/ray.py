@@ -15,6 +15,11 @@ and holds an owner's lease that it renews; a refusal raises, so the next
 node in the ranking is tried. `endpoint()` is the model server's address.
 When the actor ends, it stops the model; when it dies (`ray.kill`, a lost
 node), the lease runs out and the agent stops the model itself.
+
+`view()` is the cluster's one `residentd.fleet.View` (a named actor,
+`ResidentView`, holding one stream per labelled node's agent):
+`place_model(workload, view=view())` ranks from its pictures and asks
+`Place` of the best few nodes only, instead of every node.
 """
 
 from __future__ import annotations
@@ -152,20 +157,68 @@ class ResidentModel:
             pass  # already gone, or the agent is down: the lease ends it
 
 
+#: The name (in namespace `residentd`) of the cluster's `ResidentView`.
+VIEW = "residentd-view"
+
+
+@ray.remote(num_cpus=0, max_restarts=-1)
+class ResidentView:
+    """The cluster's fleet view: one `residentd.fleet.View` over the agents
+    of the alive labelled nodes (`agents()`, keyed by node id), made again
+    when that set changes. `place` answers its `ViewRanking`."""
+
+    def __init__(self, tls: Optional[Tls] = None, confirm: int = 3):
+        self._tls = tls
+        self._confirm = confirm
+        self._nodes: Dict[str, str] = {}
+        self._view: Optional[fleet.View] = None
+
+    def _current(self) -> "fleet.View":
+        nodes = agents()
+        if self._view is None or nodes != self._nodes:
+            if self._view is not None:
+                self._view.close()
+            self._view = fleet.View(dict(nodes), tls=self._tls, confirm=self._confirm)
+            self._nodes = nodes
+        return self._view
+
+    def place(self, workload: str, policy=None) -> "fleet.ViewRanking":
+        return self._current().place(workload, policy=policy)
+
+    def nodes(self) -> Dict[str, "fleet.NodeState"]:
+        """Each agent's endpoint to what the view holds of its node."""
+        return self._current().nodes()
+
+
+def view(tls: Optional[Tls] = None, confirm: int = 3):
+    """The cluster's `ResidentView` actor (made by the first caller, found
+    by the others; it outlives them). `tls` and `confirm` are the first
+    caller's."""
+    return ResidentView.options(name=VIEW, namespace="residentd", get_if_exists=True,
+                                lifetime="detached").remote(tls, confirm)
+
+
 def place_model(workload: str, *, instance_id: Optional[str] = None, lease_ms: int = 30_000,
                 policy=None, deadline_s: float = 2.0, name: Optional[str] = None,
-                ranking: Optional[fleet.Ranking] = None, tls: Optional[Tls] = None):
+                ranking: Optional[fleet.Ranking] = None, tls: Optional[Tls] = None, view=None):
     """A `ResidentModel` actor for `workload` on the Ray node where it fits
     best, trying the next node of the ranking when a start is refused;
     raises `residentd.fleet.FleetRefused` (every node's answer, every
     refused start) when no node takes it. With `ranking` (from
     `residentd.fleet.place` over `agents()`, keyed by node id), follows it
-    instead of asking again. `tls` (a `residentd.Tls`) reaches agents whose
-    label is `HOST:PORT` over mutual TLS; the actor gets it too."""
+    instead of asking again; with `view` (`view()`, or a
+    `residentd.fleet.View` keyed by node id), ranks from its pictures
+    instead of asking every agent. `tls` (a `residentd.Tls`) reaches agents
+    whose label is `HOST:PORT` over mutual TLS; the actor gets it too."""
     nodes = agents()
     by_endpoint = {endpoint: node_id for node_id, endpoint in nodes.items()}
     if len(by_endpoint) != len(nodes):
         raise ValueError("two Ray nodes carry the same residentd.io/agent label")
+    if ranking is None and view is not None:
+        if isinstance(view, fleet.View):
+            ranking = view.place(workload, policy=policy)
+        else:
+            ranking = ray.get(view.place.remote(workload, policy))
     if ranking is None:
         ranking = fleet.place(dict(nodes), workload, policy=policy, deadline_s=deadline_s, tls=tls)
     attempts: Dict[str, AgentError] = {}

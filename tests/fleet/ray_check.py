@@ -193,6 +193,18 @@ def check(agents, pids):
     assert agents["n1"] not in ranking.choices and ranking.choices, ranking.choices
     actor = rray.place_model("m1", instance_id="m1-late", lease_ms=LEASE_MS)
     assert name_of[nodes[ray.get(actor.node.remote())]] != "n1"
+
+    # The cluster's fleet view (an actor with one stream per agent): the
+    # fan-out's choices from its pictures, n1 left out, a Place call or
+    # so; a model placed through it lands on its first choice.
+    view = rray.view()
+    want = fleet.place(dict(rray.agents()), "m1", deadline_s=1.0).choices
+    got = ray.get(view.place.remote("m1"))
+    assert got.choices == want, (got.choices, want)
+    assert isinstance(got.answers[agents["n1"]], fleet.Unreachable) and len(got.asked) <= 3, got
+    actor = rray.place_model("m1", instance_id="m1-view", lease_ms=LEASE_MS, view=view)
+    assert nodes[ray.get(actor.node.remote())] == want[0], (want, ray.get(actor.node.remote()))
+    assert instance(want[0], "m1-view").state == pb.READY
     print("ray checks passed")
 
 

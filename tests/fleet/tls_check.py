@@ -65,6 +65,20 @@ def main():
     want = sorted(["big-1"] + (["small-2"] if second == tcp else []))
     assert ids == want, (ids, want)
 
+    # The fleet view, its streams and its Place calls over mutual TLS too:
+    # the fan-out's choices; plaintext to the TLS agent is refused, and
+    # says why.
+    with fleet.View(endpoints, tls=tls) as view:
+        assert view.node(tcp).up and view.node(socket).up, view.nodes()
+        for workload in ("big", "small"):  # big fits nowhere now; small on both
+            mine, theirs = view.place(workload), fleet.place(endpoints, workload, tls=tls)
+            assert mine.choices == theirs.choices, (workload, mine, theirs.why_not())
+            assert len(mine.asked) == (workload == "small"), (workload, mine.asked)
+    with fleet.View(endpoints) as view:
+        down = view.node(tcp)
+        assert not down.up and "it speaks TLS, not plaintext" in down.why, down
+        unreachable(view.place("small"), tcp, "a view in plaintext")
+
     # A name to check the certificate against, for an address it lacks:
     # 127.0.0.1 is refused, 127.0.0.1 checked as localhost answers.
     ip = setup["ip"]

@@ -191,6 +191,7 @@ pub fn instance(id: &str, spec: &Spec, status: Option<&Status>) -> pb::Instance 
         role: spec.role.to_string(),
         state: pb::State::Pending as i32,
         demand,
+        priority: spec.priority,
         message: "admitted; waiting for its turn to be spawned".into(),
         ..Default::default()
     };

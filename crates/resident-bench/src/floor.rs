@@ -56,6 +56,13 @@ impl NodeAgent for Floor {
     ) -> Result<Response<Self::WatchStream>, Status> {
         none()
     }
+    type WatchNodeStream = Streamed<pb::NodeUpdate>;
+    async fn watch_node(
+        &self,
+        _: Request<pb::WatchNodeRequest>,
+    ) -> Result<Response<Self::WatchNodeStream>, Status> {
+        none()
+    }
     type LogsStream = Streamed<pb::LogLine>;
     async fn logs(
         &self,

@@ -18,7 +18,10 @@
 //!    directly: first event, streamed events per second, and a swap
 //!    against the same swap by hand.
 //! 8. Fleet: the Python package's ranked Place fan-out over 100 and 1,000
-//!    agents (each its own process), and each agent's idle memory.
+//!    agents (each its own process), against its fleet view (a WatchNode
+//!    stream per agent, Place on the best few) in the same run, each view
+//!    decision checked against a fan-out; each agent's idle memory and the
+//!    view's per node.
 //! 9. Sleep (`sleep.rs`): a request for a model asleep against one
 //!    stopped (the vLLM stand-in, and the real llama-server), and a swap
 //!    A -> B -> A through the router with sleep against with eviction.

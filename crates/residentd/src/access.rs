@@ -376,7 +376,7 @@ pub fn required(path: &str) -> Option<AccessRole> {
         // Every method is named: one the table does not list (a new RPC
         // added without its role) needs the highest role, never the lowest.
         "resident.v1.NodeAgent" => match method {
-            "Get" | "List" | "Place" | "Watch" | "Logs" | "Node" | "Workloads" => {
+            "Get" | "List" | "Place" | "Watch" | "Logs" | "Node" | "Workloads" | "WatchNode" => {
                 Some(AccessRole::Viewer)
             }
             "Start" | "Stop" | "Touch" | "Adopt" | "Sleep" => Some(AccessRole::Operator),
@@ -450,6 +450,11 @@ mod tests {
         assert_eq!(
             required("/resident.v1.NodeAgent/Adopt"),
             Some(AccessRole::Operator)
+        );
+        // A read-only stream of the node's picture (a fleet view).
+        assert_eq!(
+            required("/resident.v1.NodeAgent/WatchNode"),
+            Some(AccessRole::Viewer)
         );
         assert_eq!(
             required("/resident.v1.NodeAgent/Reload"),

@@ -20,6 +20,7 @@ pub mod connections;
 pub mod events;
 pub mod journal;
 pub mod metrics;
+pub mod node_watch;
 pub mod server;
 pub mod service;
 pub mod state_files;

@@ -1,6 +1,6 @@
 //! The `resident.v1.NodeAgent` service: request validation and translation
 //! to and from the agent, the streams of Watch and Logs (a followed log
-//! ends with its instance's run), and the audit line of every call that
+//! ends with its instance's run; WatchNode's is `node_watch.rs`), and the audit line of every call that
 //! changes something (who may call is decided before, in `access.rs`). No
 //! decision is made here.
 
@@ -367,14 +367,27 @@ impl pb::node_agent_server::NodeAgent for Service {
     ) -> Result<Response<pb::NodeStatus>, Status> {
         let _timer = self.agent.metrics().time("Node");
         let revision = self.agent.events().revision();
-        Ok(Response::new(pb::NodeStatus {
-            revision,
-            node: self.agent.config().node.name.clone(),
-            version: env!("CARGO_PKG_VERSION").to_string(),
-            agent_pid: std::process::id(),
-            pools: self.agent.pools(),
-            instances: self.agent.list(),
-        }))
+        let instances = self.agent.list();
+        Ok(Response::new(self.agent.node_status(revision, instances)))
+    }
+
+    type WatchNodeStream = Streamed<pb::NodeUpdate>;
+
+    async fn watch_node(
+        &self,
+        req: Request<pb::WatchNodeRequest>,
+    ) -> Result<Response<Self::WatchNodeStream>, Status> {
+        let _timer = self.agent.metrics().time("WatchNode");
+        let r = req.into_inner();
+        let (every, heartbeat) = validate::watch_node(&r)?;
+        let asked = crate::node_watch::Asked {
+            since: r.since_revision,
+            epoch: r.epoch,
+            every,
+            heartbeat,
+        };
+        let rx = crate::node_watch::start(self.agent.clone(), asked, self.agent.closing());
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
     async fn workloads(

@@ -127,6 +127,39 @@ pub fn place(r: &pb::PlaceRequest) -> Result<Option<Policy>, ApiError> {
     policy("on_full", r.on_full)
 }
 
+/// The default least time between two figures-only updates of a
+/// `WatchNode`, and the bounds a request may set.
+pub const FIGURES_EVERY: Duration = Duration::from_millis(250);
+const FIGURES_EVERY_MS: std::ops::RangeInclusive<u32> = 50..=60_000;
+const HEARTBEAT_MS: std::ops::RangeInclusive<u32> = 100..=3_600_000;
+
+/// A WatchNode: the figures' least interval and the heartbeat (none
+/// when 0).
+pub fn watch_node(r: &pb::WatchNodeRequest) -> Result<(Duration, Option<Duration>), ApiError> {
+    let mut bad = Vec::new();
+    if r.figures_every_ms != 0 && !FIGURES_EVERY_MS.contains(&r.figures_every_ms) {
+        bad.push((
+            "figures_every_ms".to_string(),
+            format!("{} is not 0 or 50 to 60000", r.figures_every_ms),
+        ));
+    }
+    if r.heartbeat_ms != 0 && !HEARTBEAT_MS.contains(&r.heartbeat_ms) {
+        bad.push((
+            "heartbeat_ms".to_string(),
+            format!("{} is not 0 or 100 to 3600000", r.heartbeat_ms),
+        ));
+    }
+    if !bad.is_empty() {
+        return Err(ApiError::InvalidArgument(bad));
+    }
+    let every = match r.figures_every_ms {
+        0 => FIGURES_EVERY,
+        ms => Duration::from_millis(u64::from(ms)),
+    };
+    let heartbeat = (r.heartbeat_ms > 0).then(|| Duration::from_millis(u64::from(r.heartbeat_ms)));
+    Ok((every, heartbeat))
+}
+
 /// A Logs call: the instance.
 pub fn logs(r: &pb::LogsRequest) -> Result<InstanceId, ApiError> {
     let id = instance_id("instance_id", &r.instance_id)?;
@@ -137,4 +170,38 @@ pub fn logs(r: &pb::LogsRequest) -> Result<InstanceId, ApiError> {
         ));
     }
     Ok(id)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn a_watch_node_paces_within_its_bounds(every in any::<u32>(), heartbeat in any::<u32>()) {
+            let r = pb::WatchNodeRequest {
+                figures_every_ms: every,
+                heartbeat_ms: heartbeat,
+                ..Default::default()
+            };
+            match watch_node(&r) {
+                Ok((e, h)) => {
+                    let want = if every == 0 { FIGURES_EVERY } else { Duration::from_millis(u64::from(every)) };
+                    prop_assert_eq!(e, want);
+                    prop_assert!(FIGURES_EVERY_MS.contains(&(e.as_millis() as u32)));
+                    prop_assert_eq!(h.is_none(), heartbeat == 0);
+                    prop_assert!(h.is_none_or(|h| HEARTBEAT_MS.contains(&(h.as_millis() as u32))));
+                }
+                Err(ApiError::InvalidArgument(v)) => {
+                    prop_assert!(!v.is_empty());
+                    prop_assert!(
+                        (every != 0 && !FIGURES_EVERY_MS.contains(&every))
+                            || (heartbeat != 0 && !HEARTBEAT_MS.contains(&heartbeat))
+                    );
+                }
+                Err(e) => prop_assert!(false, "not an invalid argument: {e}"),
+            }
+        }
+    }
 }

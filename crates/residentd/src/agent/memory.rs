@@ -82,7 +82,9 @@ impl Agent {
         self.probe_health(&readings.available);
         if self.books.set_readings(readings) {
             self.persist();
+            self.roster_changed();
         }
+        self.figures_may_have_moved();
     }
 
     /// Tells when a pool's live reading fails (no reading: its configured

@@ -11,7 +11,8 @@
 //! readings; `persist.rs` keeps the journal and makes answers durable;
 //! `sleep.rs` puts servers to sleep and wakes them (`[workload.sleep]`);
 //! `exposure.rs` stops servers that listen beyond loopback where their
-//! workload says `expose = "loopback"` (and reports adopted ones).
+//! workload says `expose = "loopback"` (and reports adopted ones);
+//! `picture.rs` is what a fleet view keeps of the node (`WatchNode`).
 //!
 //! No code here reads the file system or scans /proc on a runtime thread:
 //! clippy's `disallowed_methods` (crates/residentd/clippy.toml) is on for
@@ -43,6 +44,7 @@ mod kv;
 mod memory;
 mod overrun;
 mod persist;
+mod picture;
 mod queries;
 mod sleep;
 mod upgrade;
@@ -50,6 +52,7 @@ mod upgrade;
 pub use adoption::AdoptCall;
 use books::Books;
 pub use books::Hold;
+pub use picture::Figures;
 
 /// The result of a Start.
 #[derive(Debug)]
@@ -110,6 +113,11 @@ pub struct Agent {
     kv: Arc<kv::KvStore>,
     /// Runs whose saved conversations are being restored: done when true.
     restoring: Mutex<std::collections::HashMap<(String, u64), tokio::sync::watch::Receiver<bool>>>,
+    /// Bumped when pool figures or holds may have moved without an event
+    /// (`picture.rs`).
+    figures_moved: tokio::sync::watch::Sender<u64>,
+    /// Counts changes of the roster (`picture.rs`).
+    roster_generation: AtomicU64,
 }
 
 impl Agent {
@@ -150,6 +158,8 @@ impl Agent {
             closing: AtomicBool::new(false),
             closed: tokio::sync::watch::Sender::new(false),
             upgrade: tokio::sync::watch::Sender::new(0),
+            figures_moved: tokio::sync::watch::Sender::new(0),
+            roster_generation: AtomicU64::new(0),
             journal,
             journal_dirty: tokio::sync::Notify::new(),
             journal_lock: Mutex::new(()),

@@ -161,6 +161,15 @@ impl Agent {
                 .iter()
                 .map(|a| a.demand.floor * a.count as u64)
                 .sum::<u64>();
+        let group = config
+            .groups
+            .of(name)
+            .map(|(group, rules)| pb::WorkloadGroup {
+                name: group.to_string(),
+                swap: rules.swap,
+                exclusive: rules.exclusive,
+                persistent: rules.persistent,
+            });
         pb::Workload {
             name: name.to_string(),
             aliases: w.aliases.clone(),
@@ -169,6 +178,10 @@ impl Agent {
             concurrency_limit: w.concurrency_limit.unwrap_or(0),
             any_of: resident_api::any_of(&spec),
             learned_bytes: learned,
+            priority: w.spec.priority,
+            excludes: w.spec.excludes.clone(),
+            group,
+            can_sleep: w.spec.asleep.as_ref().is_some_and(|a| !a.by_itself),
         }
     }
 
@@ -181,6 +194,7 @@ impl Agent {
         let name = w.spec.workload.to_string();
         if self.books.forget_learned(&name) {
             tracing::info!(workload = %name, "learned footprint forgotten");
+            self.roster_changed();
             let change = self.persist();
             self.durable(change).await?;
         }
@@ -195,6 +209,9 @@ impl Agent {
             return Err(ApiError::FailedPrecondition(format!(
                 "instance '{id}' is not resident"
             )));
+        }
+        if !matches!(hold, Hold::For(0)) {
+            self.figures_may_have_moved();
         }
         self.get(id)
     }
@@ -244,6 +261,7 @@ impl Agent {
         self.kv.configure(&new);
         self.open_device_probes();
         self.refresh_probes();
+        self.roster_changed();
         Ok(warnings)
     }
 }

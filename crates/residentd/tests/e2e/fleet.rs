@@ -4,8 +4,11 @@
 //! tests/fleet/ray_check.py: the same three agents under a real Ray
 //! cluster of three nodes on loopback (Ray from PyPI);
 //! tests/fleet/serve_check.py: examples/ray-serve-resident.py under Ray
-//! Serve on such a cluster; and tests/fleet/tls_check.py: an agent served
-//! only over mutual TLS beside one on a Unix socket.
+//! Serve on such a cluster; tests/fleet/tls_check.py: an agent served
+//! only over mutual TLS beside one on a Unix socket; and
+//! tests/fleet/view_check.py: the fleet view (`residentd.fleet.View`)
+//! against the fan-out on the three agents, one of which this test kills
+//! and restarts when the script asks.
 
 use std::process::Command;
 
@@ -294,4 +297,76 @@ async fn the_fleet_places_and_starts_through_an_agent_served_only_over_mutual_tl
         "tls fleet checks passed",
     )
     .await;
+}
+
+/// tests/fleet/view_check.py against the three agents (and `loner`, 2 GB,
+/// which excludes m4) and an endpoint where no agent is. The script asks
+/// for an agent to be killed (kill -9), restarted, stopped (SIGSTOP) or
+/// continued by a line `@@ kill NAME`, `@@ restart NAME`, `@@ stop NAME`
+/// or `@@ cont NAME` on its output; each is answered `done` on its input
+/// once carried out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_view_places_as_the_fan_out_does_and_follows_each_agent() {
+    use tokio::io::{AsyncBufReadExt as _, AsyncReadExt as _, AsyncWriteExt as _};
+    let Some(python) = python() else {
+        return;
+    };
+    let loner = sleeper("loner", "ram", 2, "excludes = [\"role:m4\"]");
+    let mut agents = three_agents_with(|_| String::new(), |_| workloads() + &loner).await;
+    let nowhere = tempfile::tempdir().expect("tempdir");
+    let setup = serde_json::json!({
+        "agents": sockets(&agents),
+        "dead": nowhere.path().join("agent.sock").display().to_string(),
+    });
+    let mut child = tokio::process::Command::new(&python)
+        .arg(workspace().join("tests/fleet/view_check.py"))
+        .arg(setup.to_string())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("run view_check.py");
+    let mut stdin = child.stdin.take().expect("stdin");
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().expect("stdout")).lines();
+    let mut stderr = child.stderr.take().expect("stderr");
+    let errors = tokio::spawn(async move {
+        let mut text = String::new();
+        let _ = stderr.read_to_string(&mut text).await;
+        text
+    });
+    let mut said = String::new();
+    let run = async {
+        while let Some(line) = lines.next_line().await.expect("its output") {
+            let Some(asked) = line.strip_prefix("@@ ") else {
+                said += &line;
+                said.push('\n');
+                continue;
+            };
+            let (verb, name) = asked.split_once(' ').expect("VERB NAME");
+            let i = agents
+                .iter()
+                .position(|(n, _)| *n == name)
+                .expect("an agent");
+            match verb {
+                "kill" => agents[i].1.kill(),
+                "stop" => agents[i].1.signal(nix::sys::signal::Signal::SIGSTOP),
+                "cont" => agents[i].1.signal(nix::sys::signal::Signal::SIGCONT),
+                "restart" => {
+                    let (n, d) = agents.remove(i);
+                    agents.insert(i, (n, d.restart().await));
+                }
+                other => panic!("no such request: {other}"),
+            }
+            stdin.write_all(b"done\n").await.expect("answer");
+            stdin.flush().await.expect("answer");
+        }
+        child.wait().await.expect("view_check.py ends")
+    };
+    let status = tokio::time::timeout(PATIENCE * 10, run)
+        .await
+        .expect("view_check.py ends within its bounds");
+    let said = said + &errors.await.expect("its errors");
+    assert!(status.success(), "{said}");
+    assert!(said.contains("view checks passed"), "{said}");
 }

@@ -49,3 +49,4 @@ mod systemd;
 mod takeover;
 mod tls;
 mod unreachable;
+mod watch_node;
