@@ -38,7 +38,8 @@ def ray_start(args, log, env=None):
     inherit `env`."""
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_raylet_start_wait_time_s="120", **(env or {}))
     return subprocess.Popen([RAY, "start", "--block", "--node-ip-address=127.0.0.1", "--num-cpus=2",
-                             "--disable-usage-stats", *args], env=env, stdout=log, stderr=subprocess.STDOUT)
+                             "--disable-usage-stats", *args], env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
 
 
 def answers(port):
@@ -109,6 +110,14 @@ def cluster(agents, tmp, env=None):
                 node.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 node.kill()
+            # What the node started and left behind when it ended (its
+            # dashboard agent and runtime-env agent outlive a node whose
+            # worker held a detached actor, such as the fleet view): each
+            # node is its own session, so its process group is all of it.
+            try:
+                os.killpg(node.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def main():
