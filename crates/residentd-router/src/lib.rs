@@ -407,8 +407,8 @@ fn model_of(body: &[u8]) -> Result<String, RouterError> {
     // serde reads a struct from a JSON array too (its fields in order):
     // an array (or any other value) is not a request, whatever it holds.
     if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
-        let kind = serde_json::from_slice::<serde_json::Value>(body)
-            .map_or("not JSON", |v| json_kind(&v));
+        let kind =
+            serde_json::from_slice::<serde_json::Value>(body).map_or("not JSON", |v| json_kind(&v));
         return Err(RouterError::invalid(
             "invalid_json",
             format!("the request body is not a JSON object: it is {kind}"),

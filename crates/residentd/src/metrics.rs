@@ -311,7 +311,10 @@ impl Metrics {
     /// restored after a start, saves or restores that failed, states
     /// evicted to keep a disk pool within its budget.
     pub fn kv(&self, saved: u64, restored: u64, failed: u64, evicted: u64) {
-        for (event, n) in KV_EVENTS.into_iter().zip([saved, restored, failed, evicted]) {
+        for (event, n) in KV_EVENTS
+            .into_iter()
+            .zip([saved, restored, failed, evicted])
+        {
             if n > 0 {
                 self.kv_states.get_or_create(&KvLabels { event }).inc_by(n);
             }
