@@ -13,12 +13,13 @@ use tonic::Code;
 const CTL: &str = env!("CARGO_BIN_EXE_residentctl");
 
 /// An HTTP server answering 200 on GET /health and on POST /sleep and
-/// /wake (the calls of workload `sleepy`), bound to `host`, started by
-/// the test in a process group of its own, killed when the test ends;
-/// returns it and its port.
+/// /wake (the calls of workload `sleepy`), bound to `host` on a port the
+/// kernel picks (it prints it: no other test can take it in between),
+/// started by the test in a process group of its own, killed when the
+/// test ends; returns it and its port.
 fn server(host: &str) -> (Killed, u16) {
+    use std::io::BufRead as _;
     use std::os::unix::process::CommandExt as _;
-    let port = free_port();
     let script = format!(
         "import http.server\n\
          class H(http.server.BaseHTTPRequestHandler):\n\
@@ -30,16 +31,26 @@ fn server(host: &str) -> (Killed, u16) {
          \x20       self.end_headers()\n\
          \x20   def log_message(self, *a):\n\
          \x20       pass\n\
-         http.server.HTTPServer(('{host}', {port}), H).serve_forever()\n"
+         s = http.server.HTTPServer(('{host}', 0), H)\n\
+         print(s.server_address[1], flush=True)\n\
+         s.serve_forever()\n"
     );
-    let child = Command::new("python3")
-        .args(["-c", &script])
-        .process_group(0)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("python3 runs");
-    (Killed(child), port)
+    let mut child = Killed(
+        Command::new("python3")
+            .args(["-c", &script])
+            .process_group(0)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("python3 runs"),
+    );
+    let out = child.stdout.take().expect("its stdout");
+    let mut line = String::new();
+    std::io::BufReader::new(out)
+        .read_line(&mut line)
+        .expect("the server's port");
+    let port = line.trim().parse().expect("a port number");
+    (child, port)
 }
 
 /// Waits (bounded) until `port` accepts connections.
