@@ -98,6 +98,9 @@ pub struct Options {
     /// are served (no A-B-A thrash), after it they queue behind the start
     /// (nobody starves).
     pub swap_after: Duration,
+    /// The most inference requests forwarded at once across all models
+    /// (`--max-busy`; 0: no limit).
+    pub max_busy: usize,
 }
 
 /// The defaults of the options (and of the flags that set them).
@@ -145,6 +148,7 @@ impl Options {
             body_budget: defaults::BODY_BUDGET,
             max_streams: defaults::MAX_STREAMS,
             swap_after: defaults::SWAP_AFTER,
+            max_busy: 0,
         }
     }
 }
@@ -179,6 +183,7 @@ impl App {
                 hold: options.hold,
                 queue_timeout: options.queue_timeout,
                 swap_after: options.swap_after,
+                max_busy: options.max_busy,
             },
             metrics.clone(),
         );
@@ -324,6 +329,7 @@ impl App {
                     &path,
                     &headers,
                     body,
+                    streaming,
                 )
                 .await?;
                 app.metrics.first_byte(&name, began.elapsed());

@@ -97,6 +97,12 @@ struct Cli {
     /// the start (so no model starves).
     #[arg(long, default_value = "5s", value_parser = duration)]
     swap_after: Duration,
+    /// The most inference requests forwarded at once, all models together
+    /// (0: no limit). On a node whose servers compute on the same CPU
+    /// cores, 1 keeps two servers from slowing each other down; the
+    /// others wait their turn, in arrival order.
+    #[arg(long, default_value_t = 0)]
+    max_busy: usize,
     /// Log as JSON lines.
     #[arg(long)]
     log_json: bool,
@@ -275,6 +281,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         body_budget: cli.body_budget,
         max_streams: cli.max_streams,
         swap_after: cli.swap_after,
+        max_busy: cli.max_busy,
     };
     files_for(options.max_connections);
     let (listen, agent) = (options.listen, options.agent.clone());

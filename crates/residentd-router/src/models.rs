@@ -129,6 +129,9 @@ pub struct Timing {
     /// How long a start waiting for a loaded model's memory lets that
     /// model's new requests go first.
     pub swap_after: Duration,
+    /// The most requests forwarded at once, all models together (0: no
+    /// limit).
+    pub max_busy: usize,
 }
 
 /// Everything the router knows about its models.
@@ -140,6 +143,9 @@ pub struct Models {
     swap_after: Duration,
     roster: RwLock<Roster>,
     gate: tokio::sync::Mutex<()>,
+    /// Turns to be forwarded (`max_busy`), handed out in arrival order;
+    /// `None` without a limit.
+    busy: Option<Arc<Semaphore>>,
     /// The instances that starts now waiting on holds wait for, each with
     /// when each of those starts began to wait. A request for one of them
     /// queues behind a start that has waited `swap_after` instead of
@@ -164,6 +170,8 @@ pub struct Held {
     pub pid: u32,
     models: Arc<Models>,
     permit: Option<OwnedSemaphorePermit>,
+    /// Its turn to be forwarded (`max_busy`), taken last.
+    busy: Option<OwnedSemaphorePermit>,
 }
 
 impl Held {
@@ -200,6 +208,7 @@ impl Models {
             swap_after: timing.swap_after,
             roster: RwLock::new(Roster::default()),
             gate: tokio::sync::Mutex::new(()),
+            busy: (timing.max_busy > 0).then(|| Arc::new(Semaphore::new(timing.max_busy))),
             blocking: Mutex::new(HashMap::new()),
             released: Notify::new(),
             metrics,
@@ -277,8 +286,36 @@ impl Models {
 
     /// A READY instance of `model`, held for this request: at once when it
     /// is resident, else started on demand (one start at a time, in
-    /// arrival order).
+    /// arrival order); then, under `max_busy`, its turn to be forwarded
+    /// (in arrival order, all models together), within the same
+    /// `queue_timeout`.
     pub async fn acquire(self: &Arc<Self>, model: Arc<Model>) -> Result<Held, RouterError> {
+        let deadline = Instant::now() + self.queue_timeout;
+        let mut held = self.instance(model, deadline).await?;
+        if let Some(busy) = &self.busy {
+            let turn = tokio::time::timeout_at(deadline.into(), busy.clone().acquire_owned());
+            match turn.await {
+                Ok(Ok(permit)) => held.busy = Some(permit),
+                Ok(Err(_)) => unreachable!("the busy semaphore is never closed"),
+                Err(_) => {
+                    self.metrics.queue_timeout(&held.model.name);
+                    return Err(self.timed_out(
+                        &held.model,
+                        "other requests were being answered (--max-busy)",
+                    ));
+                }
+            }
+        }
+        Ok(held)
+    }
+
+    /// A READY instance of `model`, held for this request (`acquire`
+    /// without the turn to be forwarded).
+    async fn instance(
+        self: &Arc<Self>,
+        model: Arc<Model>,
+        deadline: Instant,
+    ) -> Result<Held, RouterError> {
         let (limit, permits) = model.limits().clone();
         let permit = match limit {
             0 => None,
@@ -288,7 +325,6 @@ impl Models {
                     .map_err(|_| RouterError::too_many(&model.name, limit))?,
             ),
         };
-        let deadline = Instant::now() + self.queue_timeout;
         if !self.blocks(&model.holds.lock().await.instance)
             && let Some(held) = self.hold(&model).await?
         {
@@ -462,6 +498,7 @@ impl Models {
                     model,
                     models: self.clone(),
                     permit: None,
+                    busy: None,
                 }))
             }
             Some(_) if holds.count == 0 => {

@@ -31,11 +31,20 @@ use crate::models::Held;
 /// and reused).
 pub type Upstream = Client<HttpConnector, Full<Bytes>>;
 
+/// How long an idle connection to a model's server is kept for reuse:
+/// shorter than the servers' own keep-alive (llama-server says `timeout=5`),
+/// so that a request is not sent on a connection the server is closing
+/// for idleness at that moment.
+const IDLE: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// A client for the models' servers.
 pub fn upstream() -> Upstream {
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
-    Client::builder(TokioExecutor::new()).build(connector)
+    Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(IDLE)
+        .pool_timer(hyper_util::rt::TokioTimer::new())
+        .build(connector)
 }
 
 /// Headers that belong to one connection, never forwarded (RFC 9110 7.6.1).
@@ -69,7 +78,11 @@ fn end_to_end(headers: &HeaderMap) -> HeaderMap {
 
 /// Sends `method path` with `headers` and `body` to the held model's
 /// server; answers its response with a body that ends the hold and, when
-/// it ends, tells `metrics` how the answer went.
+/// it ends, tells `metrics` how the answer went. A `streaming` request
+/// goes on a connection of its own, closed after it: llama-server closes
+/// the connection after a streamed answer though it says keep-alive, and
+/// a request sent on it at that moment failed (`connection closed before
+/// message completed`).
 #[allow(clippy::too_many_arguments)]
 pub async fn forward(
     client: &Upstream,
@@ -80,6 +93,7 @@ pub async fn forward(
     path_and_query: &str,
     headers: &HeaderMap,
     body: Bytes,
+    streaming: bool,
 ) -> Result<Response, RouterError> {
     let uri: Uri = format!("http://127.0.0.1:{}{path_and_query}", held.port)
         .parse()
@@ -95,9 +109,15 @@ pub async fn forward(
     // The length is the body's, which the client sets.
     sent.remove(header::HOST);
     sent.remove(header::CONTENT_LENGTH);
+    if streaming {
+        sent.insert(header::CONNECTION, http::HeaderValue::from_static("close"));
+    }
     *req.headers_mut() = sent;
     let response = client.request(req).await.map_err(|e| {
-        RouterError::upstream(&held.model.name, format!("its server did not answer: {e}"))
+        RouterError::upstream(
+            &held.model.name,
+            format!("its server did not answer: {}", causes(&e)),
+        )
     })?;
     let (mut parts, incoming) = response.into_parts();
     // The model server's Content-Length stands (also for HEAD and 304,
@@ -127,6 +147,19 @@ pub async fn forward(
         _held: held,
     });
     Ok(Response::from_parts(parts, body))
+}
+
+/// `e` and each error under it, joined by ": " (hyper's own words alone
+/// say only `client error (SendRequest)`).
+fn causes(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut said = e.to_string();
+    let mut under = e.source();
+    while let Some(c) = under {
+        said.push_str(": ");
+        said.push_str(&c.to_string());
+        under = c.source();
+    }
+    said
 }
 
 /// When a request arrived.

@@ -134,6 +134,70 @@ async fn a_loaded_models_requests_go_before_a_swap_within_its_bound() {
     );
 }
 
+/// Two resident models, A streaming for about 3 s, then a short request
+/// for B. Without a limit (the control), B is answered while A still
+/// streams; with `--max-busy 1` it waits its turn and is answered after
+/// A's stream ends. Before, the flag did not exist and two servers on the
+/// same cores computed at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_busy_forwards_one_request_at_a_time_across_models() {
+    let Some(python) = venv_python("the router test's stand-in") else {
+        return;
+    };
+    let config = String::from("[[pool]]\nname = \"fake\"\nbudget = \"20GB\"\n\n")
+        + &slow("a", &python, "")
+        + &slow("b", &python, "");
+    let mut d = Daemon::start(&config).await;
+    for name in ["a", "b"] {
+        d.started(name, name).await;
+        d.wait_state(name, pb::State::Ready).await;
+    }
+    let done = |s: &str| s.contains("[DONE]");
+    for max_busy in [0, 1] {
+        let r = serve_router_with(&d.socket.display().to_string(), |o| {
+            o.max_busy = max_busy;
+            o.queue_timeout = Duration::from_secs(60);
+        })
+        .await;
+        let port = r.port;
+        // A streams 60 chunks, one every 50 ms; B is asked once A's first
+        // chunk is out.
+        let (mut a, first) = send_until(port, &chat("a", true, 60), |s| s.contains("data: ")).await;
+        assert!(first.starts_with("HTTP/1.1 200"), "{first}");
+        let b = tokio::spawn(async move {
+            let (_, said) = send_until(port, &chat("b", false, 2), |s| {
+                s.contains("chat.completion")
+            })
+            .await;
+            (Instant::now(), said)
+        });
+        let mut rest = first;
+        let mut buf = [0u8; 4096];
+        let read = tokio::time::timeout(PATIENCE, async {
+            while !done(&rest) {
+                let n = a.read(&mut buf).await.expect("read");
+                assert!(n > 0, "A's stream ended early: {rest}");
+                rest.push_str(&String::from_utf8_lossy(&buf[..n]));
+            }
+        });
+        read.await.expect("A's stream ends within the patience");
+        let a_ended = Instant::now();
+        let (b_at, said) = b.await.expect("joined");
+        assert!(said.starts_with("HTTP/1.1 200"), "{said}");
+        if max_busy == 0 {
+            assert!(
+                b_at < a_ended,
+                "without a limit, B is answered while A streams"
+            );
+        } else {
+            assert!(
+                b_at >= a_ended,
+                "with --max-busy 1, B waits for A's stream to end"
+            );
+        }
+    }
+}
+
 /// A request for a model that loads for 4 s goes away after half a
 /// second: nobody waits for the load any more, so it is stopped while it
 /// still loads, and its memory given back. Before, it loaded on and stayed.
