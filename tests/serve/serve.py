@@ -1,8 +1,12 @@
 """A multi-model trace, replayed side by side against the systems a user
 would run (issue #44): (a) residentd + residentd-router, (b) llama.cpp's own
 router mode (`llama-server --models-dir --models-max K`), (c) residentd
-with one model at a time (a swap group, what llama-swap does by default).
-The same real llama-server build, the same models, the same memory.
+with one model at a time (a swap group, what llama-swap does by default),
+and (d) residentd + residentd-router without `--max-busy` (what the limit
+is worth). residentd's router runs with `--max-busy 1` (`--max-busy N`):
+every server computes on the same 2 cores, and two at once slow each
+other down. The same real llama-server build, the same models, the same
+memory.
 
 The trace is seeded: conversations of several turns, their prompts of
 1,000 to 2,000 tokens coming back after other models ran, Zipf popularity
@@ -14,7 +18,7 @@ memory of the system's model servers (their processes' RSS, summed) and
 the servers it saw start (a load each).
 
 Usage: serve.py --llama-bin DIR --residentd BIN --router BIN --work DIR
-    [--small] [--seed N] [--systems a,b,c] [--json OUT]
+    [--small] [--seed N] [--systems a,b,c,d] [--max-busy N] [--json OUT]
 
 Prints a table per system and, with --json, writes the figures. Exits 1
 when a hard rule broke in any system that must keep it (a failed request;
@@ -170,6 +174,7 @@ def replay(base, requests, model_name, timeout):
             time.sleep(wait)
         sent = time.monotonic()
         rec = {"conversation": r["conversation"], "turn": r["turn"], "model": r["model"],
+               "at": r["at"], "sent": round(sent - start, 3),
                "ttft": None, "done": None, "failed": None, "prompt_n": None}
         try:
             stream = client.chat.completions.create(
@@ -250,7 +255,7 @@ def reservations(residentd, config):
     return found
 
 
-def run_residentd(args, work, models, budget_bytes, swap, requests):
+def run_residentd(args, work, models, budget_bytes, swap, requests, max_busy):
     work.mkdir(parents=True, exist_ok=True)
     (work / "agent").mkdir(mode=0o700, exist_ok=True)
     text, sock = residentd_config(work, models, args.llama_bin, budget_bytes, args.cache_mib, swap)
@@ -260,7 +265,8 @@ def run_residentd(args, work, models, budget_bytes, swap, requests):
                              stdout=subprocess.DEVNULL, stderr=open(work / "agent.log", "w"))
     port = free_port()
     router = subprocess.Popen(
-        [args.router, "--agent", str(sock), "--listen", f"127.0.0.1:{port}", "--queue-timeout", "600s"],
+        [args.router, "--agent", str(sock), "--listen", f"127.0.0.1:{port}", "--queue-timeout", "600s",
+         "--max-busy", str(max_busy)],
         stdout=subprocess.DEVNULL, stderr=open(work / "router.log", "w"))
     try:
         if not wait_http(f"http://127.0.0.1:{port}/health"):
@@ -330,6 +336,7 @@ def summary(name, records, total, sampler, budget):
         "prompt_tokens_computed": sum(computed) if computed else None,
         "peak_rss": sampler.peak,
         "budget": budget,
+        "records": sorted(records, key=lambda r: r["at"]),
     }
 
 
@@ -342,8 +349,12 @@ def main():
     p.add_argument("--python", default=sys.executable)
     p.add_argument("--small", action="store_true")
     p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--systems", default="a,b,c")
+    p.add_argument("--systems", default="a,b,c,d")
     p.add_argument("--cache-mib", type=int, default=64)
+    # The router's --max-busy: requests forwarded at once, all models
+    # together. Every server here computes on the same 2 cores with as many
+    # threads as there are cores, so two at once slow each other down.
+    p.add_argument("--max-busy", type=int, default=1)
     p.add_argument("--json")
     args = p.parse_args()
     work = Path(args.work)
@@ -367,15 +378,19 @@ def main():
     results = []
     wanted = args.systems.split(",")
     if "a" in wanted:
-        recs, total, s = run_residentd(args, work / "a", models, budget, False, requests)
+        recs, total, s = run_residentd(args, work / "a", models, budget, False, requests, args.max_busy)
         results.append(summary("residentd + router", recs, total, s, budget))
     if "b" in wanted:
         recs, total, s = run_router_mode(args, work / "b", models, fit, requests)
         results.append(summary("llama-server router mode", recs, total, s, budget))
     if "c" in wanted:
-        recs, total, s = run_residentd(args, work / "c", models, budget, True, requests)
+        recs, total, s = run_residentd(args, work / "c", models, budget, True, requests, args.max_busy)
         results.append(summary("residentd, one at a time", recs, total, s, budget))
-    fmt = "{:<28} {:>8} {:>8} {:>8} {:>8} {:>7} {:>6} {:>9} {:>14}"
+    if "d" in wanted:
+        # (a) without --max-busy: what the limit is worth.
+        recs, total, s = run_residentd(args, work / "d", models, budget, False, requests, 0)
+        results.append(summary("residentd + router, no max-busy", recs, total, s, budget))
+    fmt = "{:<32} {:>8} {:>8} {:>8} {:>8} {:>7} {:>6} {:>9} {:>14}"
     print(fmt.format("system", "ttft p50", "p95", "p99", "total s", "failed", "loads", "computed", "peak / budget"))
     for r in results:
         def f(x):
