@@ -96,23 +96,34 @@ struct Fleet {
     rss_median: u64,
 }
 
-fn decisions(v: &serde_json::Value) -> Decisions {
-    let secs = |k: &str| Duration::from_secs_f64(v[k].as_f64().unwrap_or(0.0));
-    Decisions {
-        median: secs("median_s"),
-        p99: secs("p99_s"),
-        client_cpu: secs("client_cpu_s"),
-    }
+/// The number at `key` of `v`: a figure bench_fleet.py did not give is an
+/// error, never a zero.
+fn number(v: &serde_json::Value, key: &str) -> anyhow::Result<f64> {
+    v[key]
+        .as_f64()
+        .with_context(|| format!("bench_fleet.py gave no number for {key:?} in {v}"))
 }
 
-fn view_decisions(v: &serde_json::Value) -> ViewDecisions {
-    ViewDecisions {
-        d: decisions(v),
-        calls_mean: v["place_calls_mean"].as_f64().unwrap_or(0.0),
-        calls_max: v["place_calls_max"].as_u64().unwrap_or(0),
-        agree: v["agree"].as_u64().unwrap_or(0),
-        decisions: v["decisions"].as_u64().unwrap_or(0),
-    }
+fn seconds(v: &serde_json::Value, key: &str) -> anyhow::Result<Duration> {
+    Ok(Duration::from_secs_f64(number(v, key)?))
+}
+
+fn decisions(v: &serde_json::Value) -> anyhow::Result<Decisions> {
+    Ok(Decisions {
+        median: seconds(v, "median_s")?,
+        p99: seconds(v, "p99_s")?,
+        client_cpu: seconds(v, "client_cpu_s")?,
+    })
+}
+
+fn view_decisions(v: &serde_json::Value) -> anyhow::Result<ViewDecisions> {
+    Ok(ViewDecisions {
+        d: decisions(v)?,
+        calls_mean: number(v, "place_calls_mean")?,
+        calls_max: number(v, "place_calls_max")? as u64,
+        agree: number(v, "agree")? as u64,
+        decisions: number(v, "decisions")? as u64,
+    })
 }
 
 fn measure(residentd: &Path, python: &Path, n: usize, rounds: usize) -> anyhow::Result<Fleet> {
@@ -142,15 +153,14 @@ fn measure(residentd: &Path, python: &Path, n: usize, rounds: usize) -> anyhow::
         bail!("bench_fleet.py over {n} agents failed");
     }
     let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
-    let secs = |v: &serde_json::Value| Duration::from_secs_f64(v.as_f64().unwrap_or(0.0));
     Ok(Fleet {
-        fan_out: decisions(&v["fan_out"]),
-        first: secs(&v["fan_out"]["first_s"]),
-        view: view_decisions(&v["view"]),
-        changing: view_decisions(&v["view_changing"]),
-        ready: secs(&v["view"]["ready_s"]),
-        view_first: secs(&v["view"]["first_s"]),
-        view_bytes_per_node: v["view"]["rss_per_node_bytes"].as_f64().unwrap_or(0.0),
+        fan_out: decisions(&v["fan_out"])?,
+        first: seconds(&v["fan_out"], "first_s")?,
+        view: view_decisions(&v["view"])?,
+        changing: view_decisions(&v["view_changing"])?,
+        ready: seconds(&v["view"], "ready_s")?,
+        view_first: seconds(&v["view"], "first_s")?,
+        view_bytes_per_node: number(&v["view"], "rss_per_node_bytes")?,
         rss_median: rss_each[rss_each.len() / 2],
     })
 }

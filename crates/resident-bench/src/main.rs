@@ -415,6 +415,12 @@ fn main() -> anyhow::Result<()> {
         Ok::<_, anyhow::Error>(())
     })?;
     table.print(quick, nproc());
+    let missed = table.missed();
+    anyhow::ensure!(
+        missed.is_empty(),
+        "hard targets missed (the rest of the table stands): {}",
+        missed.join("; ")
+    );
     Ok(())
 }
 

@@ -50,6 +50,9 @@ pub struct Row {
     peer: Option<Value>,
     target: String,
     note: Option<String>,
+    /// A hard target this row missed (a count that must be zero): the run
+    /// fails.
+    missed: Option<String>,
 }
 
 impl Row {
@@ -67,6 +70,21 @@ impl Row {
             peer,
             target: target.into(),
             note: None,
+            missed: None,
+        }
+    }
+
+    /// A count whose target is zero (restarts, failures): one above it
+    /// makes the run fail, not only print.
+    pub fn must_be_zero(name: String, count: u64) -> Self {
+        Self {
+            missed: (count > 0).then(|| format!("{name}: {count}, target 0")),
+            name,
+            ours: None,
+            floor: None,
+            peer: None,
+            target: String::new(),
+            note: Some(format!("{count} (target 0)")),
         }
     }
 
@@ -135,6 +153,7 @@ impl Row {
             peer: None,
             target: String::new(),
             note: Some(text),
+            missed: None,
         }
     }
 }
@@ -160,6 +179,14 @@ impl Table {
     /// Adds a row.
     pub fn push(&mut self, row: Row) {
         self.rows.push(row);
+    }
+
+    /// The hard targets that rows missed.
+    pub fn missed(&self) -> Vec<&str> {
+        self.rows
+            .iter()
+            .filter_map(|r| r.missed.as_deref())
+            .collect()
     }
 
     /// Prints the table (Markdown, so it can go into docs/benchmarks.md).
@@ -188,5 +215,20 @@ impl Table {
                 r.target
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_count_above_its_zero_target_fails_the_run_and_zero_does_not() {
+        let mut table = Table::default();
+        table.push(Row::must_be_zero("restarts".into(), 0));
+        table.push(Row::note("a note".into(), "1 (said, not checked)".into()));
+        assert!(table.missed().is_empty());
+        table.push(Row::must_be_zero("failed requests".into(), 2));
+        assert_eq!(table.missed(), ["failed requests: 2, target 0"]);
     }
 }
