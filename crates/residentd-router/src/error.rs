@@ -197,17 +197,32 @@ impl IntoResponse for RouterError {
 
 /// A short, quoted prefix of `s` and its length when cut.
 pub fn excerpt(s: &str) -> String {
+    // Escaped (`\n`, `\u{1b}`): a client's string can neither start a
+    // log line of its own nor send escape codes to a terminal.
     let count = s.chars().count();
     if count <= EXCERPT {
-        return format!("'{s}'");
+        return format!("'{}'", s.escape_debug());
     }
     let head: String = s.chars().take(EXCERPT).collect();
-    format!("'{head}...' ({count} characters)")
+    format!("'{}...' ({count} characters)", head.escape_debug())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_excerpt_escapes_what_could_forge_a_log_line() {
+        for name in [
+            "a\nINFO forged line",
+            "\u{1b}[31mred",
+            &format!("{}\r\n", "x".repeat(100)),
+        ] {
+            let e = excerpt(name);
+            assert!(!e.chars().any(char::is_control), "{e:?}");
+        }
+        assert_eq!(excerpt("a\nb"), "'a\\nb'");
+    }
 
     #[test]
     fn errors_have_the_openai_shape_and_quote_little() {

@@ -408,6 +408,13 @@ fn streamed(body: &[u8]) -> bool {
         .is_some_and(|s| s == serde_json::Value::Bool(true))
 }
 
+/// What the router reads of an OpenAI request's body: the model it names
+/// and whether it asks for a streamed answer; or the error the client is
+/// answered. Public for the fuzz target (fuzz/fuzz_targets/router.rs).
+pub fn request_model(body: &[u8]) -> Result<(String, bool), RouterError> {
+    Ok((model_of(body)?, streamed(body)))
+}
+
 /// The model an OpenAI request names.
 fn model_of(body: &[u8]) -> Result<String, RouterError> {
     // serde reads a struct from a JSON array too (its fields in order):

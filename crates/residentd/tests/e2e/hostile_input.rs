@@ -1,6 +1,7 @@
 //! The fuzz targets' properties on the stable toolchain (proptest), so the
-//! suite checks them on every run: the config parser, the unit parser and
-//! request validation never panic and accept only what the contract
+//! suite checks them on every run: the config parser, the unit parser,
+//! request validation and the router's reading of a client's body, quotes
+//! and upstream paths never panic and accept only what the contract
 //! allows; and random messages against a live agent never break it, while
 //! an INVALID_ARGUMENT changes nothing.
 
@@ -54,6 +55,33 @@ proptest! {
         let text = format!("{}{}{}", &BRIEF[..at], insert, &BRIEF[end..]);
         if let Err(e) = resident_config::parse(Path::new("in.toml"), &text) {
             prop_assert!(e.to_string().starts_with("in.toml"), "{}", e);
+        }
+    }
+
+    #[test]
+    fn the_router_reads_a_body_only_when_it_is_an_object_naming_a_model(
+        body in prop_oneof![
+            any::<Vec<u8>>(),
+            "[ \\[{]{0,2}\"model\"[: ]{0,2}(\"[a-z\n]{0,5}\"|7|null|\\[\\])[,}\\]]{0,2}".prop_map(String::into_bytes),
+        ],
+    ) {
+        if let Ok((model, _)) = residentd_router::request_model(&body) {
+            prop_assert!(!model.is_empty());
+            prop_assert_eq!(body.iter().find(|b| !b.is_ascii_whitespace()), Some(&b'{'));
+        }
+    }
+
+    #[test]
+    fn the_routers_quotes_and_upstream_paths_hold_whatever_a_client_sends(
+        text in any::<String>(),
+        path in "/[a-z%2eEfF./]{0,30}",
+    ) {
+        let quoted = residentd_router::error::excerpt(&text);
+        prop_assert!(!quoted.chars().any(char::is_control), "{:?}", quoted);
+        let paths = residentd_router::guard::UpstreamPaths::new(&["/".to_string()]).expect("/");
+        if paths.allows(&http::Method::POST, &path) {
+            let decoded = path.to_ascii_lowercase().replace("%2e", ".").replace("%2f", "/");
+            prop_assert!(!decoded.split('/').any(|s| s == ".."), "{}", path);
         }
     }
 
