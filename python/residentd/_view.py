@@ -458,6 +458,8 @@ class View:
                     continue
                 if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     continue  # the node is at max_instances
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    continue  # admitted, then failed on that node (as fleet.start)
                 if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     if instance_id:
                         self._stop_quietly(n, instance_id)

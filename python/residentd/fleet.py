@@ -180,7 +180,9 @@ class Fleet:
     async def start(self, workload: str, instance_id: Optional[str] = None, *, lease_ms: int = 0,
                     policy=None, wait_ready: bool = True, start_timeout_s: float = 600.0,
                     ranking: Optional[Ranking] = None) -> Started:
-        """Starts `workload` on the best node; the next one when refused.
+        """Starts `workload` on the best node; the next one when refused, or
+        when the start failed there (its program could not be spawned, or
+        it never became ready: FAILED_PRECONDITION without a placement).
         With `ranking` (from an earlier `place`), follows it instead of
         asking again."""
         if ranking is None:
@@ -197,6 +199,11 @@ class Fleet:
                 attempts[endpoint] = error
                 if isinstance(error, Refused) or e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     continue  # someone got there first, or the node is at max_instances
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    # Admitted there, then failed on that node (its program
+                    # could not be spawned, or it never became ready): its
+                    # memory is given back there, and the next node may run it.
+                    continue
                 if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     # The node went away or is slow: the start may still
                     # be under way there; stop it, if it can be named.
