@@ -18,6 +18,30 @@ use crate::{Plan, all_ready, connect, measure, spawn_agent, start};
 
 /// How many of `after` are not the run `before` had (another pid, or more
 /// restarts).
+/// Waits (bounded) until the journal of the agent serving `socket` names
+/// each of `runs` with its process group.
+async fn journaled(
+    socket: &std::path::Path,
+    runs: &BTreeMap<String, (u32, u32)>,
+) -> anyhow::Result<()> {
+    let state = socket.with_file_name("state");
+    let journal = residentd::journal::Journal::open(&state)
+        .with_context(|| format!("the journal in {}", state.display()))?;
+    let began = Instant::now();
+    loop {
+        let entries = journal.peek().entries;
+        let named = |id: &String| entries.iter().any(|e| &e.instance == id && e.pgid > 0);
+        if runs.keys().all(named) {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            began.elapsed() < Duration::from_secs(30),
+            "the journal did not name every run within 30 s"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 fn restarted(before: &BTreeMap<String, (u32, u32)>, after: &[pb::Instance]) -> usize {
     after
         .iter()
@@ -58,8 +82,9 @@ pub async fn rows(plan: &Plan, residentd: &Path, table: &mut Table) -> anyhow::R
         };
         let (_, list) = all_ready(&mut c, n, Instant::now()).await?;
         let before = runs(&list);
-        // The journal names every run's process once its writes catch up.
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        // The kill -9 comes once the journal names every run's process
+        // (what the next agent takes over), not after a guess.
+        journaled(&agent.socket, &before).await?;
 
         let t = agent.kill_and_respawn(residentd)?;
         let mut c = connect(&agent.socket).await?;
