@@ -59,7 +59,9 @@ struct Cli {
     threads: usize,
     /// Turns on the console's actions (start, stop, sleep and wake from
     /// /ui) for callers that send the token in this file as
-    /// `Authorization: Bearer`. Without it the console is read-only.
+    /// `Authorization: Bearer`. Without it, the systemd credential
+    /// `console-token` when the unit hands one over (`LoadCredential=`);
+    /// without either the console is read-only.
     #[arg(long, env = "RESIDENTD_CONSOLE_TOKEN_FILE")]
     console_token_file: Option<PathBuf>,
     /// A host this router answers to, as clients write it (node-7.example.org,
@@ -208,6 +210,21 @@ fn tls(cli: &Cli) -> anyhow::Result<Option<AgentTls>> {
     }))
 }
 
+/// The name of the console's token among systemd's credentials
+/// (`LoadCredential=console-token:/etc/residentd/console-token`).
+const TOKEN_CREDENTIAL: &str = "console-token";
+
+/// Where the console's token is: `--console-token-file` when given; else
+/// the `console-token` credential systemd handed over (in
+/// `$CREDENTIALS_DIRECTORY`, readable by the service's dynamic user
+/// alone) when there is one; else nowhere (actions off).
+fn token_file(flag: Option<PathBuf>, credentials: Option<std::ffi::OsString>) -> Option<PathBuf> {
+    flag.or_else(|| {
+        let path = Path::new(&credentials?).join(TOKEN_CREDENTIAL);
+        path.exists().then_some(path)
+    })
+}
+
 /// The console's token from `--console-token-file`: the file's first
 /// line, which must not be empty.
 fn console_token(path: Option<&Path>) -> anyhow::Result<Option<String>> {
@@ -266,7 +283,14 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
     }
     let options = Options {
-        console_token: console_token(cli.console_token_file.as_deref()).map_err(Misconfigured)?,
+        console_token: console_token(
+            token_file(
+                cli.console_token_file.clone(),
+                std::env::var_os("CREDENTIALS_DIRECTORY"),
+            )
+            .as_deref(),
+        )
+        .map_err(Misconfigured)?,
         tls: tls(&cli).map_err(Misconfigured)?,
         agent: cli.agent,
         listen: cli.listen,
