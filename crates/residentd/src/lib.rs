@@ -21,6 +21,7 @@ pub mod events;
 pub mod journal;
 pub mod metrics;
 pub mod node_watch;
+pub mod outbox;
 pub mod server;
 pub mod service;
 pub mod state_files;

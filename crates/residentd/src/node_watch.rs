@@ -12,8 +12,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use resident_api::pb;
+use tokio::sync::broadcast;
 use tokio::sync::broadcast::error::{RecvError, TryRecvError};
-use tokio::sync::{broadcast, mpsc};
 use tokio::time::Instant;
 use tonic::Status;
 
@@ -23,7 +23,7 @@ use crate::events::Resume;
 /// Events sent together before the figures that follow them.
 const RUN: usize = 256;
 
-type Tx = mpsc::Sender<Result<pb::NodeUpdate, Status>>;
+type Tx = crate::outbox::Outbox<pb::NodeUpdate>;
 
 /// How a watch begins and paces itself.
 #[derive(Debug, Clone, Copy)]
@@ -44,8 +44,8 @@ pub fn start(
     agent: Arc<Agent>,
     asked: Asked,
     closing: impl Future<Output = ()> + Send + 'static,
-) -> mpsc::Receiver<Result<pb::NodeUpdate, Status>> {
-    let (tx, rx) = mpsc::channel(256);
+) -> crate::outbox::Streamed<pb::NodeUpdate> {
+    let (tx, rx) = crate::outbox::outbox();
     let now = Instant::now();
     let watch = NodeWatch {
         epoch: agent.epoch(),
@@ -262,7 +262,7 @@ impl NodeWatch {
     /// False once the watcher has gone.
     async fn send(&mut self, update: pb::NodeUpdate) -> bool {
         self.sent_at = Instant::now();
-        self.tx.send(Ok(update)).await.is_ok()
+        self.tx.send(Ok(update)).await
     }
 }
 

@@ -5,20 +5,18 @@
 //! decision is made here.
 
 use std::future::Future;
-use std::pin::Pin;
 use std::sync::{Arc, Weak};
 
 use resident_api::pb;
+use tokio::sync::broadcast;
 use tokio::sync::broadcast::error::{RecvError, TryRecvError};
-use tokio::sync::{broadcast, mpsc};
-use tokio_stream::Stream;
-use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 use tracing::Instrument as _;
 
 use crate::access::{self, Caller};
 use crate::agent::{AdoptCall, Agent, Hold};
 use crate::events::Resume;
+use crate::outbox::Streamed;
 use crate::validate;
 
 /// The gRPC face of the agent.
@@ -33,8 +31,6 @@ impl Service {
         Self { agent }
     }
 }
-
-type Streamed<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
 
 impl Service {
     /// Runs a call that changes something and writes its audit line: who
@@ -278,13 +274,13 @@ impl pb::node_agent_server::NodeAgent for Service {
                 )));
             }
         };
-        let (tx, rx) = mpsc::channel(256);
+        let (tx, rx) = crate::outbox::outbox();
         let closing = self.agent.closing();
         tokio::spawn(async move {
             tokio::pin!(closing);
             let mut last = first.last().map_or(since, |e| e.revision);
             for e in first {
-                if tx.send(Ok(e)).await.is_err() {
+                if !tx.send(Ok(e)).await {
                     return;
                 }
             }
@@ -301,7 +297,7 @@ impl pb::node_agent_server::NodeAgent for Service {
                     Ok(e) if e.revision <= last => continue,
                     Ok(e) => {
                         last = e.revision;
-                        if tx.send(Ok(e)).await.is_err() {
+                        if !tx.send(Ok(e)).await {
                             return;
                         }
                     }
@@ -315,7 +311,7 @@ impl pb::node_agent_server::NodeAgent for Service {
                 }
             }
         });
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+        Ok(Response::new(rx))
     }
 
     type LogsStream = Streamed<pb::LogLine>;
@@ -335,18 +331,18 @@ impl pb::node_agent_server::NodeAgent for Service {
         let Some(ring) = self.agent.supervisor().logs(id.as_str()) else {
             return Ok(Response::new(Box::pin(tokio_stream::empty())));
         };
-        let (tx, rx) = mpsc::channel(256);
+        let (tx, rx) = crate::outbox::outbox();
         let id = id.to_string();
         if !r.follow {
             let tail = ring.tail(r.tail as usize);
             tokio::spawn(async move {
                 for l in tail {
-                    if tx.send(Ok(log_line(l, &id))).await.is_err() {
+                    if !tx.send(Ok(log_line(l, &id))).await {
                         return;
                     }
                 }
             });
-            return Ok(Response::new(Box::pin(ReceiverStream::new(rx))));
+            return Ok(Response::new(rx));
         }
         let (tail, live) = ring.tail_and_follow(r.tail as usize);
         let follower = LogFollower {
@@ -358,7 +354,7 @@ impl pb::node_agent_server::NodeAgent for Service {
             tx,
         };
         tokio::spawn(follower.run(tail, self.agent.closing()));
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+        Ok(Response::new(rx))
     }
 
     async fn node(
@@ -387,7 +383,7 @@ impl pb::node_agent_server::NodeAgent for Service {
             heartbeat,
         };
         let rx = crate::node_watch::start(self.agent.clone(), asked, self.agent.closing());
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+        Ok(Response::new(rx))
     }
 
     async fn workloads(
@@ -455,7 +451,7 @@ struct LogFollower {
     /// The agent's events, which say when the run ends.
     events: broadcast::Receiver<pb::Event>,
     agent: Weak<Agent>,
-    tx: mpsc::Sender<Result<pb::LogLine, Status>>,
+    tx: crate::outbox::Outbox<pb::LogLine>,
 }
 
 impl LogFollower {
@@ -537,6 +533,6 @@ impl LogFollower {
 
     /// False once the caller has gone.
     async fn send(&self, l: resident_supervisor::LogLine) -> bool {
-        self.tx.send(Ok(log_line(l, &self.id))).await.is_ok()
+        self.tx.send(Ok(log_line(l, &self.id))).await
     }
 }

@@ -370,3 +370,71 @@ async fn an_upgrade_refuses_a_binary_another_user_can_write() {
     );
     assert_eq!(agent_pid(&d.socket).await, pid, "the same agent serves");
 }
+
+/// #43.8: a Logs client that never opens its HTTP/2 window (here a window
+/// of 1 KiB it never reads from) no longer pins the stream's task and its
+/// unsent tail: after `outbox::STALL` (30 s) the stream is cut, and the
+/// client, reading at last, gets what was buffered and then
+/// RESOURCE_EXHAUSTED saying why, not a clean end that would pass for the
+/// whole tail. A client that reads (the control) gets all 2,000 lines; the
+/// agent answers throughout. Before, the stalled stream's task waited for
+/// as long as the client stayed connected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_log_reader_that_never_reads_is_cut_off_and_told_why() {
+    let script =
+        "i=0; while [ $i -lt 2000 ]; do printf '%0400d\\\\n' $i; i=$((i+1)); done; exec sleep 3600";
+    let config = pool("ram", "10GB") + &shell("chatty", script, "policy = \"never\"");
+    let mut d = Daemon::start(&config).await;
+    d.started("chatty", "c").await;
+    let logs = |client: &mut Client| {
+        let mut c = client.clone();
+        async move {
+            c.logs(pb::LogsRequest {
+                instance_id: "c".into(),
+                tail: 2000,
+                follow: false,
+            })
+            .await
+            .expect("Logs")
+            .into_inner()
+        }
+    };
+    // The control, once the agent holds every line: a reader gets them all.
+    let all = until(async || {
+        let mut s = logs(&mut d.client).await;
+        let mut n = 0;
+        while let Some(l) = s.message().await.expect("a clean stream") {
+            assert!(!l.line.is_empty());
+            n += 1;
+        }
+        (n == 2000).then_some(n)
+    });
+    assert_eq!(all.await, Some(2000), "the tail holds every line");
+    // The stalled reader: a 1 KiB window, nothing read for the stall.
+    let endpoint = tonic::transport::Endpoint::from_static("http://localhost")
+        .initial_stream_window_size(1024)
+        .initial_connection_window_size(1024);
+    let channel = resident_api::endpoint_unix(endpoint, d.socket.clone())
+        .await
+        .expect("connect");
+    let mut slow = resident_api::pb::node_agent_client::NodeAgentClient::new(channel);
+    let mut stalled = logs(&mut slow).await;
+    let waited = std::time::Instant::now();
+    while waited.elapsed() < residentd::outbox::STALL + std::time::Duration::from_secs(3) {
+        // The agent serves others meanwhile.
+        d.node().await;
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    }
+    let mut got = 0;
+    let end = loop {
+        match stalled.message().await {
+            Ok(Some(_)) => got += 1,
+            Ok(None) => panic!("ended cleanly after {got} of 2000 lines: a cut must say so"),
+            Err(s) => break s,
+        }
+    };
+    assert!(got < 2000, "{got}");
+    assert_eq!(end.code(), tonic::Code::ResourceExhausted, "{end:?}");
+    assert!(end.message().contains("took nothing for 30 s"), "{end:?}");
+    d.stopped("c").await;
+}
