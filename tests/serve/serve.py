@@ -159,7 +159,7 @@ class Sampler(threading.Thread):
             time.sleep(0.05)
 
 
-def replay(base, requests, model_name, timeout):
+def replay(base, requests, timeout):
     """Sends `requests` at their times, streaming, with the openai client;
     returns one record per request."""
     import openai
@@ -178,7 +178,7 @@ def replay(base, requests, model_name, timeout):
                "ttft": None, "done": None, "failed": None, "prompt_n": None}
         try:
             stream = client.chat.completions.create(
-                model=model_name(r["model"]), stream=True, max_tokens=4,
+                model=r["model"], stream=True, max_tokens=4,
                 messages=[{"role": "user", "content": prompt_of(r)}])
             for chunk in stream:
                 # Answered by the model it asked for (router mode names
@@ -268,23 +268,7 @@ def run_residentd(args, work, models, budget_bytes, swap, requests, max_busy):
         [args.router, "--agent", str(sock), "--listen", f"127.0.0.1:{port}", "--queue-timeout", "600s",
          "--max-busy", str(max_busy)],
         stdout=subprocess.DEVNULL, stderr=open(work / "router.log", "w"))
-    try:
-        if not wait_http(f"http://127.0.0.1:{port}/health"):
-            raise SystemExit("residentd-router did not answer")
-        sampler = Sampler(lambda: [agent.pid])
-        sampler.start()
-        records, total = replay(f"http://127.0.0.1:{port}/v1", requests, lambda m: m, 600)
-        sampler.stop_flag = True
-        sampler.join()
-        return records, total, sampler
-    finally:
-        for p in (router, agent):
-            p.send_signal(signal.SIGTERM)
-        for p in (router, agent):
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
+    return measured("residentd-router", port, agent, [router, agent], requests)
 
 
 def run_router_mode(args, work, models, max_models, requests):
@@ -295,21 +279,31 @@ def run_router_mode(args, work, models, max_models, requests):
          "--models-max", str(max_models), "--host", "127.0.0.1", "--port", str(port),
          "-c", "4096", "-np", "1", "--cache-ram", str(args.cache_mib), "--no-repack"],
         stdout=subprocess.DEVNULL, stderr=open(work / "router-mode.log", "w"))
+    return measured("llama-server router mode", port, server, [server], requests)
+
+
+def measured(what, port, root, processes, requests):
+    """Replays `requests` against the OpenAI API on `port` once it answers,
+    sampling the model servers under `root`; then stops `processes` (in
+    order, each with SIGTERM, waited for). Returns the records, the total
+    time and the sampler."""
     try:
         if not wait_http(f"http://127.0.0.1:{port}/health"):
-            raise SystemExit("llama-server router mode did not answer")
-        sampler = Sampler(lambda: [server.pid])
+            raise SystemExit(f"{what} did not answer")
+        sampler = Sampler(lambda: [root.pid])
         sampler.start()
-        records, total = replay(f"http://127.0.0.1:{port}/v1", requests, lambda m: m, 600)
+        records, total = replay(f"http://127.0.0.1:{port}/v1", requests, 600)
         sampler.stop_flag = True
         sampler.join()
         return records, total, sampler
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        for p in processes:
+            p.send_signal(signal.SIGTERM)
+        for p in processes:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
 
 
 def quantile(values, q):
