@@ -31,14 +31,13 @@ import serve  # noqa: E402  (the trace's models and prompts)
 import residentd  # noqa: E402
 
 
-def config(work, llama_bin, model, keep):
+def config(work, llama_bin, model):
+    """Two workloads of `model`: `kept` (keep_kv) and `cold` (nothing kept)."""
     sock = work / "agent" / "residentd.sock"
     text = (f'[node]\nname = "restore"\nlisten = "unix://{sock}"\nstate_dir = "{work}/agent/state"\n\n'
             f'[[pool]]\nname = "ram"\nbudget = "4GB"\n\n'
             f'[[pool]]\nname = "kv"\nbudget = "2GB"\npath = "{work}/kv"\n\n')
     for name, kept in (("kept", True), ("cold", False)):
-        if kept != keep and keep is not None:
-            continue
         text += (f'[[workload]]\nname = "{name}"\nflavor = "llama-server"\n'
                  f'program = "{llama_bin}/llama-server"\nmodel = "{model}"\nctx = 4096\nparallel = 1\n'
                  f'args = ["--cache-ram", "0"]\n' + ('keep_kv = "kv"\n' if kept else '') + '\n')
@@ -78,7 +77,7 @@ def main():
     work.mkdir(parents=True, exist_ok=True)
     (work / "agent").mkdir(mode=0o700, exist_ok=True)
     models = dict(serve.make_models(work, args.python, False))
-    text, sock = config(work, args.llama_bin, models["m4"], None)
+    text, sock = config(work, args.llama_bin, models["m4"])
     (work / "residentd.toml").write_text(text)
     agent = subprocess.Popen([args.residentd, "--config", str(work / "residentd.toml")],
                              stdout=subprocess.DEVNULL, stderr=open(work / "agent.log", "w"))
