@@ -627,8 +627,7 @@ impl Agent {
         else {
             return;
         };
-        let slots = super::kv::slots_of(&record.workload.argv);
-        let counts = self.kv.save(id, &record.workload, status.port, slots).await;
+        let counts = self.kv.save(id, &record.workload, status.port).await;
         self.metrics
             .kv(counts.saved, counts.restored, counts.failed, counts.evicted);
     }

@@ -1,6 +1,6 @@
 //! The agent's HTTP client for the servers it runs: one HTTP/1.0 call on a
 //! loopback port (a sleep or wake, a readiness check, llama-server's
-//! `/props` and its slot saves), bounded in time and in what it reads. A
+//! `/props`, `/slots` and its slot saves), bounded in time and in what it reads. A
 //! room of its own: it knows nothing of the agent.
 
 use std::time::Duration;
@@ -12,13 +12,22 @@ use tokio::net::TcpStream;
 /// Most of an answer read.
 const MAX_ANSWER: usize = 64 * 1024;
 
+/// Most of a JSON answer read (`GET /slots` of a server with many slots).
+const MAX_JSON: usize = 1024 * 1024;
+
 /// One call without a body on loopback `port`: the body of a 2xx answer.
 pub(super) async fn http_call(
     port: u16,
     call: &HttpCall,
     timeout: Duration,
 ) -> Result<String, String> {
-    exchange(port, &call.method, &call.path, None, timeout).await
+    exchange(port, &call.method, &call.path, None, timeout, MAX_ANSWER).await
+}
+
+/// `GET path` on loopback `port`: the body of a 2xx answer (at most 1 MiB
+/// read); otherwise the status line and what the server said.
+pub(super) async fn get_json(port: u16, path: &str, timeout: Duration) -> Result<String, String> {
+    exchange(port, "GET", path, None, timeout, MAX_JSON).await
 }
 
 /// One call on loopback `port` with a JSON `body`: the body of a 2xx
@@ -29,7 +38,7 @@ pub(super) async fn post_json(
     body: &str,
     timeout: Duration,
 ) -> Result<String, String> {
-    exchange(port, "POST", path, Some(body), timeout).await
+    exchange(port, "POST", path, Some(body), timeout, MAX_ANSWER).await
 }
 
 async fn exchange(
@@ -38,6 +47,7 @@ async fn exchange(
     path: &str,
     body: Option<&str>,
     timeout: Duration,
+    max: usize,
 ) -> Result<String, String> {
     let exchange = async {
         let mut stream = TcpStream::connect((std::net::Ipv4Addr::LOCALHOST, port))
@@ -57,7 +67,7 @@ async fn exchange(
             .map_err(|e| format!("could not be sent: {e}"))?;
         let mut answer = Vec::with_capacity(1024);
         let mut chunk = [0u8; 4096];
-        while answer.len() < MAX_ANSWER {
+        while answer.len() < max {
             match stream.read(&mut chunk).await {
                 Ok(0) => break,
                 Ok(n) => answer.extend_from_slice(&chunk[..n]),

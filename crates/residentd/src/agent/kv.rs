@@ -7,94 +7,40 @@
 //! prompt already computed. A room of its own: `KvStore` owns what the
 //! disk pools hold and knows nothing of the agent.
 //!
-//! What is saved is charged to its disk pool: the pool's budget bounds
-//! the bytes of every state under its directory, and the least recently
-//! used go first when a save needs room (a state larger than the budget
-//! is not kept). A state is saved under the workload's footprint key (its
-//! command and its files), so one saved before the model file or the
-//! arguments changed is never restored: it is dropped. A save or restore
-//! that fails never fails the stop or the start: it is counted and logged.
+//! What is saved is charged to its disk pool through the planner, as
+//! every charge is (`disks.rs`): before a slot is saved, room is reserved
+//! for the most its state can hold (its cached tokens, from `GET /slots`,
+//! times the KV bytes per token of the workload's reservation), evicting
+//! the least recently used states for it; a state that cannot fit is not
+//! saved and nothing is evicted for it. Once written, the state is
+//! charged what its file holds. A state is saved under the workload's
+//! footprint key (its command and its files), so one saved before the
+//! model file or the arguments changed is never restored: it is dropped.
+//! A save or restore that fails never fails the stop or the start: it is
+//! counted and logged.
 
-use std::collections::BTreeMap;
-use std::os::unix::fs::DirBuilderExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use resident_config::{Config, Workload};
 
-use super::http::post_json;
+use super::http::{get_json, post_json};
+
+mod disks;
+#[cfg(test)]
+mod tests;
+
+use disks::{Disks, Moves, epoch_ms};
 
 /// A save or restore of one server's slots may take this long.
 const SLOT_CALL: Duration = Duration::from_secs(60);
 
-/// One saved slot: its file, size and last use.
-#[derive(Debug, Clone)]
-struct Saved {
-    bytes: u64,
-    used: SystemTime,
-}
-
-/// A disk pool: its directory, budget and what it holds.
-#[derive(Debug, Default)]
-struct Disk {
-    dir: PathBuf,
-    budget: u64,
-    files: BTreeMap<PathBuf, Saved>,
-}
-
-impl Disk {
-    fn used(&self) -> u64 {
-        self.files.values().map(|s| s.bytes).sum()
-    }
-
-    /// Forgets what is gone and adds what is there, under `dir` (one
-    /// directory per workload).
-    #[allow(clippy::disallowed_methods)] // on a blocking thread
-    fn rescan(&mut self) {
-        self.files.clear();
-        let Ok(workloads) = std::fs::read_dir(&self.dir) else {
-            return;
-        };
-        for w in workloads.flatten() {
-            let Ok(files) = std::fs::read_dir(w.path()) else {
-                continue;
-            };
-            for f in files.flatten() {
-                let Ok(meta) = f.metadata() else { continue };
-                if meta.is_file() {
-                    let used = meta.modified().unwrap_or(SystemTime::UNIX_EPOCH);
-                    let saved = Saved {
-                        bytes: meta.len(),
-                        used,
-                    };
-                    self.files.insert(f.path(), saved);
-                }
-            }
-        }
-    }
-
-    /// Removes the least recently used states until the pool is within
-    /// its budget; returns how many went.
-    #[allow(clippy::disallowed_methods)] // on a blocking thread
-    fn evict(&mut self) -> usize {
-        let mut gone = 0;
-        while self.used() > self.budget {
-            let Some(oldest) = self
-                .files
-                .iter()
-                .min_by_key(|(_, s)| s.used)
-                .map(|(p, _)| p.clone())
-            else {
-                break;
-            };
-            let _ = std::fs::remove_file(&oldest);
-            self.files.remove(&oldest);
-            gone += 1;
-        }
-        gone
-    }
-}
+/// What a state holds beside its tokens' KV: per token, its id and its
+/// cell's position and sequence (llama.cpp's `state_write_meta`), and per
+/// file a header and each layer's row sizes.
+const PER_TOKEN: u64 = 16;
+const PER_FILE: u64 = 64 * 1024;
 
 /// What a save or a restore came to, for the metrics.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -108,7 +54,7 @@ pub(super) struct KvCounts {
 /// The disk pools and the conversations saved in them.
 #[derive(Debug, Default)]
 pub(super) struct KvStore {
-    disks: Mutex<BTreeMap<String, Disk>>,
+    disks: Mutex<Disks>,
 }
 
 /// The file of slot `slot` of a state saved under `key`.
@@ -116,36 +62,84 @@ fn file_name(key: u64, slot: u64) -> String {
     format!("{key:016x}-{slot}.bin")
 }
 
+/// One slot as `GET /slots` shows it: its id, its cells (`n_ctx`) and
+/// the tokens it holds (`n_prompt_tokens`: its prompt and what it
+/// generated, all of which a save writes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Slot {
+    pub(super) id: u64,
+    pub(super) cells: u64,
+    pub(super) tokens: u64,
+}
+
+/// The slots of a `GET /slots` answer that hold tokens.
+pub(super) fn slots_holding(answer: &str) -> Option<Vec<Slot>> {
+    let v: serde_json::Value = serde_json::from_str(answer).ok()?;
+    let slots = v
+        .as_array()?
+        .iter()
+        .filter_map(|s| {
+            Some(Slot {
+                id: s.get("id")?.as_u64()?,
+                cells: s.get("n_ctx")?.as_u64()?,
+                tokens: s
+                    .get("n_prompt_tokens")
+                    .and_then(|n| n.as_u64())
+                    .unwrap_or(0),
+            })
+        })
+        .filter(|s| s.tokens > 0)
+        .collect();
+    Some(slots)
+}
+
+/// The most a saved state of `slot` can hold when the workload reserves
+/// `kv` bytes of KV cache: its tokens' share of the cache (a slot's cells
+/// hold at most the whole cache's bytes per cell times the slots sharing
+/// it, so `kv / cells` per token bounds it), plus each token's
+/// bookkeeping and the file's header.
+pub(super) fn bound(kv: u64, slot: &Slot) -> u64 {
+    let share = (u128::from(kv) * u128::from(slot.tokens)).div_ceil(u128::from(slot.cells.max(1)));
+    u64::try_from(share)
+        .unwrap_or(u64::MAX)
+        .saturating_add(slot.tokens.saturating_mul(PER_TOKEN))
+        .saturating_add(PER_FILE)
+}
+
+/// The KV cache bytes `w` reserves, over all its pools.
+fn kv_reserved(w: &Workload) -> u64 {
+    let spec = &w.spec;
+    let fixed = spec.demand.values().map(|d| d.kv);
+    let any = spec
+        .any_of
+        .iter()
+        .map(|a| a.demand.kv.saturating_mul(a.count as u64));
+    fixed.chain(any).fold(0, u64::saturating_add)
+}
+
 impl KvStore {
     /// The disk pools of `config`, their directories made (0700) where
-    /// missing and what they hold read. Blocking: at start and reload.
-    #[allow(clippy::disallowed_methods)]
+    /// missing and what they hold entered in their books. Blocking: at
+    /// start and reload.
     pub(super) fn configure(&self, config: &Config) {
-        let mut disks = self.disks.lock().unwrap_or_else(|e| e.into_inner());
-        disks.clear();
-        for p in &config.pools {
-            let Some(dir) = &p.path else { continue };
-            if let Err(e) = std::fs::DirBuilder::new()
-                .recursive(true)
-                .mode(0o700)
-                .create(dir)
-            {
-                tracing::warn!(pool = %p.pool.name, dir = %dir.display(), error = %e, "cannot make the disk pool's directory; nothing is saved there");
-            }
-            let mut disk = Disk {
-                dir: dir.clone(),
-                budget: p.pool.budget.unwrap_or(0),
-                files: BTreeMap::new(),
-            };
-            disk.rescan();
-            disks.insert(p.pool.name.to_string(), disk);
+        let removed = self.disks().configure(config);
+        if removed > 0 {
+            tracing::info!(
+                removed,
+                "saved states removed: their disk pools no longer hold them"
+            );
         }
+    }
+
+    fn disks(&self) -> std::sync::MutexGuard<'_, Disks> {
+        self.disks.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Makes the directory `w`'s server saves into (0700), where missing:
     /// the server refuses to start without it. Blocking: small.
     #[allow(clippy::disallowed_methods)]
     pub(super) fn prepare(w: &Workload) {
+        use std::os::unix::fs::DirBuilderExt as _;
         let Some(keep) = &w.keep_kv else { return };
         if let Err(e) = std::fs::DirBuilder::new()
             .recursive(true)
@@ -156,73 +150,108 @@ impl KvStore {
         }
     }
 
-    /// Each disk pool's budget and the bytes saved in it, by name.
-    pub(super) fn figures(&self) -> Vec<(String, u64, u64)> {
-        let disks = self.disks.lock().unwrap_or_else(|e| e.into_inner());
-        disks
-            .iter()
-            .map(|(name, d)| (name.clone(), d.budget, d.used()))
-            .collect()
+    /// Each disk pool's figures, as `Node` shows them.
+    pub(super) fn pools(&self) -> Vec<resident_api::pb::PoolStatus> {
+        self.disks().pools()
     }
 
-    /// Has the server of `w` on `port` (its `slots` slots) save them under
-    /// the workload's key, then charges the files to the disk pool,
-    /// evicting the least recently used states past its budget. Failures
-    /// are counted and logged, never returned.
-    pub(super) async fn save(
-        self: &Arc<Self>,
-        id: &str,
-        w: &Workload,
-        port: u16,
-        slots: u64,
-    ) -> KvCounts {
+    /// Has the server of `w` on `port` save each slot that holds tokens
+    /// under the workload's key, each into room reserved for it first
+    /// (the least recently used states evicted for it). Failures are
+    /// counted and logged, never returned.
+    pub(super) async fn save(self: &Arc<Self>, id: &str, w: &Workload, port: u16) -> KvCounts {
         let mut counts = KvCounts::default();
         let Some(keep) = &w.keep_kv else {
             return counts;
         };
-        let key = w.footprint_key();
-        let mut saved = 0;
-        for slot in 0..slots {
-            let body = format!("{{\"filename\": \"{}\"}}", file_name(key, slot));
-            let path = format!("/slots/{slot}?action=save");
-            match post_json(port, &path, &body, SLOT_CALL).await {
-                Ok(answer) if saved_tokens(&answer) > 0 => saved += 1,
-                // An empty slot leaves an empty state: not kept.
-                Ok(_) => {
-                    let file = keep.dir.join(file_name(key, slot));
-                    let _ = tokio::task::spawn_blocking(move || {
-                        #[allow(clippy::disallowed_methods)] // a blocking thread
-                        std::fs::remove_file(file)
-                    })
-                    .await;
-                }
-                Err(e) => {
-                    counts.failed += 1;
-                    tracing::warn!(instance_id = id, slot, error = %e, "saving a slot failed; the stop goes on");
-                }
+        let slots = match get_json(port, "/slots", SLOT_CALL)
+            .await
+            .map(|a| slots_holding(&a))
+        {
+            Ok(Some(slots)) => slots,
+            Ok(None) => {
+                counts.failed += 1;
+                tracing::warn!(
+                    instance_id = id,
+                    "its server's /slots answer was not understood; nothing saved"
+                );
+                return counts;
             }
-        }
-        if saved == 0 {
+            Err(e) => {
+                counts.failed += 1;
+                tracing::warn!(instance_id = id, error = %e, "its server does not show its slots (GET /slots); nothing saved");
+                return counts;
+            }
+        };
+        let kv = kv_reserved(w);
+        if slots.is_empty() {
             return counts;
         }
-        counts.saved = saved;
-        let (me, pool) = (self.clone(), keep.pool.clone());
-        let evicted = tokio::task::spawn_blocking(move || {
-            let mut disks = me.disks.lock().unwrap_or_else(|e| e.into_inner());
-            let Some(disk) = disks.get_mut(&pool) else {
-                return 0;
-            };
-            disk.rescan();
-            disk.evict()
+        if kv == 0 {
+            counts.failed += 1;
+            tracing::warn!(
+                instance_id = id,
+                "the workload reserves no KV cache, so a saved state cannot be sized before it is written; nothing saved"
+            );
+            return counts;
+        }
+        let key = w.footprint_key();
+        let workload = w.spec.workload.to_string();
+        let wanted: Vec<(u64, PathBuf, u64)> = slots
+            .iter()
+            .map(|s| (s.id, keep.dir.join(file_name(key, s.id)), bound(kv, s)))
+            .collect();
+        let mut moves = Moves::default();
+        let (me, pool, name) = (self.clone(), keep.pool.clone(), workload.clone());
+        let (reserved, m) = tokio::task::spawn_blocking(move || {
+            let mut moves = Moves::default();
+            let now = epoch_ms(SystemTime::now());
+            let reserved = me.disks().reserve(&pool, &name, &wanted, now, &mut moves);
+            (reserved, moves)
         })
         .await
-        .unwrap_or(0);
-        let pool = &keep.pool;
-        if evicted > 0 {
-            counts.evicted = evicted as u64;
-            tracing::info!(instance_id = id, pool = %pool, evicted, "saved states evicted, least recently used first, to keep the disk pool within its budget");
+        .unwrap_or_default();
+        moves.evicted += m.evicted;
+        moves.refused += m.refused;
+        for slot in reserved {
+            let file = keep.dir.join(file_name(key, slot));
+            let body = format!("{{\"filename\": \"{}\"}}", file_name(key, slot));
+            let path = format!("/slots/{slot}?action=save");
+            let done = post_json(port, &path, &body, SLOT_CALL).await;
+            if let Err(e) = &done {
+                counts.failed += 1;
+                tracing::warn!(instance_id = id, slot, error = %e, "saving a slot failed; the stop goes on");
+            }
+            let (me, pool, name) = (self.clone(), keep.pool.clone(), workload.clone());
+            let ok = done.is_ok();
+            let m = tokio::task::spawn_blocking(move || {
+                #[allow(clippy::disallowed_methods)] // a blocking thread
+                let written = ok
+                    .then(|| std::fs::metadata(&file).ok().map(|m| m.len()))
+                    .flatten();
+                let mut moves = Moves::default();
+                let now = epoch_ms(SystemTime::now());
+                me.disks()
+                    .settle(&pool, &name, &file, written, now, &mut moves);
+                (written.is_some(), moves)
+            })
+            .await
+            .unwrap_or_default();
+            if m.0 && m.1.dropped == 0 {
+                counts.saved += 1;
+            }
+            moves.evicted += m.1.evicted;
+            moves.dropped += m.1.dropped;
         }
-        tracing::info!(instance_id = id, pool = %pool, slots = saved, "its conversations saved");
+        counts.evicted = moves.evicted;
+        counts.failed += moves.dropped;
+        let pool = &keep.pool;
+        if moves.evicted > 0 {
+            tracing::info!(instance_id = id, pool = %pool, evicted = moves.evicted, "saved states evicted, least recently used first, to make room in the disk pool");
+        }
+        if counts.saved > 0 {
+            tracing::info!(instance_id = id, pool = %pool, slots = counts.saved, "its conversations saved");
+        }
         counts
     }
 
@@ -230,7 +259,7 @@ impl KvStore {
     /// workload's key (their use counted), and drops those saved under
     /// another (the model file or the arguments changed). Failures are
     /// counted and logged, never returned.
-    pub(super) async fn restore(&self, id: &str, w: &Workload, port: u16) -> KvCounts {
+    pub(super) async fn restore(self: &Arc<Self>, id: &str, w: &Workload, port: u16) -> KvCounts {
         let mut counts = KvCounts::default();
         let Some(keep) = &w.keep_kv else {
             return counts;
@@ -238,16 +267,18 @@ impl KvStore {
         let key = w.footprint_key();
         let dir = keep.dir.clone();
         let prefix = format!("{key:016x}-");
-        let (ours, stale) = tokio::task::spawn_blocking(move || saved_in(&dir, &prefix))
-            .await
-            .unwrap_or_default();
-        for file in stale {
-            let _ = tokio::task::spawn_blocking(move || {
-                #[allow(clippy::disallowed_methods)] // a blocking thread
-                std::fs::remove_file(file)
-            })
-            .await;
-        }
+        let workload = w.spec.workload.to_string();
+        let (me, name) = (self.clone(), workload.clone());
+        let ours = tokio::task::spawn_blocking(move || {
+            let (ours, stale) = saved_in(&dir, &prefix);
+            let mut disks = me.disks();
+            for file in stale {
+                disks.drop_state(&name, &file);
+            }
+            ours
+        })
+        .await
+        .unwrap_or_default();
         for (slot, file) in ours {
             let Some(name) = file.file_name().map(|n| n.to_string_lossy().into_owned()) else {
                 continue;
@@ -257,7 +288,8 @@ impl KvStore {
             match post_json(port, &path, &body, SLOT_CALL).await {
                 Ok(_) => {
                     counts.restored += 1;
-                    self.touched(&keep.pool, &file);
+                    self.disks()
+                        .touch(&workload, &file, epoch_ms(SystemTime::now()));
                     tracing::info!(instance_id = id, slot, "a saved conversation restored");
                 }
                 Err(e) => {
@@ -267,14 +299,6 @@ impl KvStore {
             }
         }
         counts
-    }
-
-    /// Marks `file` of `pool` used now (the last to be evicted).
-    fn touched(&self, pool: &str, file: &Path) {
-        let mut disks = self.disks.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(s) = disks.get_mut(pool).and_then(|d| d.files.get_mut(file)) {
-            s.used = SystemTime::now();
-        }
     }
 }
 
@@ -299,21 +323,4 @@ fn saved_in(dir: &Path, prefix: &str) -> (Vec<(u64, PathBuf)>, Vec<PathBuf>) {
     }
     ours.sort();
     (ours, stale)
-}
-
-/// `n_saved` of a save's answer (0 when it says none).
-fn saved_tokens(answer: &str) -> u64 {
-    serde_json::from_str::<serde_json::Value>(answer)
-        .ok()
-        .and_then(|v| v.get("n_saved")?.as_u64())
-        .unwrap_or(0)
-}
-
-/// The slots of a llama-server command line (`--parallel N`, `-np N`;
-/// its default, 4, without).
-pub(super) fn slots_of(argv: &[String]) -> u64 {
-    argv.windows(2)
-        .find(|p| p[0] == "--parallel" || p[0] == "-np")
-        .and_then(|p| p[1].parse().ok())
-        .unwrap_or(4)
 }

@@ -115,14 +115,14 @@ impl Agent {
         records.iter().map(|(id, r)| self.view(id, r)).collect()
     }
 
-    /// The pools as they are; a disk pool's used bytes are what its
-    /// saved conversations hold (`keep_kv`).
+    /// The pools as they are; a disk pool's figures are its own books':
+    /// what its saved conversations hold (`keep_kv`), its budget tightened
+    /// by its filesystem's free space.
     pub fn pools(&self) -> Vec<pb::PoolStatus> {
         let mut pools = self.books.pools();
-        for (name, budget, used) in self.kv.figures() {
-            if let Some(p) = pools.iter_mut().find(|p| p.name == name) {
-                p.used_bytes = used;
-                p.free_bytes = Some(budget.saturating_sub(used));
+        for disk in self.kv.pools() {
+            if let Some(p) = pools.iter_mut().find(|p| p.name == disk.name) {
+                *p = disk;
             }
         }
         pools

@@ -83,6 +83,16 @@ async fn metrics_page(port: u16) -> String {
     .expect("joined")
 }
 
+/// The bytes of every file under `dir` (a disk pool: one directory per
+/// workload).
+fn bytes_under(dir: &Path) -> u64 {
+    let files = std::fs::read_dir(dir).into_iter().flatten().flatten();
+    files
+        .flat_map(|w| std::fs::read_dir(w.path()).into_iter().flatten().flatten())
+        .map(|f| f.metadata().map_or(0, |m| m.len()))
+        .sum()
+}
+
 /// The used bytes of pool `kv`.
 async fn stored(d: &mut Daemon) -> u64 {
     let node = d.node().await;
@@ -241,9 +251,15 @@ async fn a_disk_pool_evicts_the_oldest_saved_state_for_room() {
             used > 0 && used <= 4_000_000,
             "{id}: within the budget: {used}"
         );
+        assert_eq!(used, bytes_under(&kv), "{id}: charged what its file holds");
     }
     let count = |w: &str| std::fs::read_dir(kv.join(w)).map_or(0, |d| d.count());
     assert_eq!((count("a"), count("b")), (0, 1), "a's older state went");
+    let log = d.log();
+    assert!(
+        log.contains("saved states evicted") && !log.contains("larger than the room reserved"),
+        "a went for b, and the room reserved before b wrote its state held it: {log}"
+    );
     let metrics = metrics_page(mport).await;
     assert!(
         metrics.contains("residentd_kv_states_total{event=\"evicted\"} 1"),
