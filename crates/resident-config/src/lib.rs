@@ -327,6 +327,12 @@ pub struct KeepKv {
     /// The directory its server saves into (`--slot-save-path`): the
     /// pool's directory and the workload's name.
     pub dir: std::path::PathBuf,
+    /// For a server that sleeps by itself: how long quiet before the agent
+    /// has it save its conversations, ahead of its own sleep (the flavor
+    /// gives the server the rest of the idle time, counted from the save,
+    /// and `--metrics`, which tells the agent it is quiet without
+    /// restarting its idle timer); `None`: saved only before a stop.
+    pub save_quiet: Option<std::time::Duration>,
 }
 
 /// How a workload's server sleeps and wakes (`[workload.sleep]`).

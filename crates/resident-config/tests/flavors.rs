@@ -640,4 +640,43 @@ fn keep_kv_saves_slots_to_a_disk_pool() {
         "[[pool]]\nname = \"kv\"\nbudget = \"1GB\"\nhost = true\npath = \"/kv\"\n",
         "pool[kv].path: a disk pool (path) holds saved conversations",
     );
+
+    // A server that sleeps by itself saves its conversations a third of
+    // the way into its idle time: it is given the rest, and --metrics.
+    let sleeper = |idle: &str, keep: bool| {
+        let keep = if keep { "keep_kv = \"kv\"\n" } else { "" };
+        format!(
+            "{node}[[workload]]\nname = \"l\"\nflavor = \"llama-server\"\nmodel = \"/m/l.gguf\"\n{keep}[workload.memory.ram]\nweights = \"1GB\"\n[workload.sleep]\nidle = \"{idle}\"\n"
+        )
+    };
+    let idle_arg = |w: &resident_config::Workload| {
+        let at = w.argv.iter().position(|a| a == "--sleep-idle-seconds");
+        at.map(|at| w.argv[at + 1].clone())
+    };
+    let c = parse(&sleeper("30s", true)).unwrap_or_else(|e| panic!("{e}"));
+    let l = &c.workloads["l"];
+    assert_eq!(idle_arg(l).as_deref(), Some("20"));
+    assert!(l.argv.iter().any(|a| a == "--metrics"));
+    assert_eq!(
+        l.keep_kv.as_ref().and_then(|k| k.save_quiet),
+        Some(std::time::Duration::from_secs(10))
+    );
+    let c = parse(&sleeper("30s", false)).unwrap_or_else(|e| panic!("{e}"));
+    let l = &c.workloads["l"];
+    assert_eq!(
+        idle_arg(l).as_deref(),
+        Some("30"),
+        "nothing kept: its own idle"
+    );
+    assert!(!l.argv.iter().any(|a| a == "--metrics"));
+    refused(
+        &sleeper("5s", true),
+        "workload[l].sleep.idle: with keep_kv at least 6s",
+    );
+    let c = parse(&flavored("keep_kv = \"kv\"")).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        c.workloads["l"].keep_kv.as_ref().and_then(|k| k.save_quiet),
+        None,
+        "no sleep: saved only before a stop"
+    );
 }

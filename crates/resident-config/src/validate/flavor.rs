@@ -40,6 +40,18 @@ struct Keys<'a> {
     gpu_share: Option<f64>,
 }
 
+/// The shortest sleep `idle` of a llama-server that keeps its
+/// conversations (`keep_kv`), in seconds: a third of it goes before the
+/// save, and the save must come well before the server's own timer ends.
+pub(super) const KEEP_KV_MIN_IDLE: u64 = 6;
+
+/// How long into `idle` seconds unused a llama-server that keeps its
+/// conversations saves them: a third (the server is given the rest as
+/// its `--sleep-idle-seconds`, counted again from the save).
+pub(super) fn save_before_sleep(idle: u64) -> u64 {
+    idle / 3
+}
+
 /// `flag value`, when there is a value.
 fn opt(argv: &mut Vec<String>, flag: &str, value: Option<impl ToString>) {
     if let Some(v) = value {
@@ -522,6 +534,25 @@ pub(super) fn apply(
         }
         _ => None,
     };
+    // A server that keeps its conversations saves them before it sleeps:
+    // the agent has it save them a third of the way into its idle time
+    // (`--metrics` tells the agent it is quiet without waking its idle
+    // timer), and the save restarts the timer, so the server sleeps the
+    // rest of the idle time after it.
+    let keeps = f == "llama-server" && w.keep_kv.is_some();
+    let idle_seconds = match (idle_seconds, &w.sleep) {
+        (Some(n), Some(t)) if keeps && n > 0 => {
+            if n < KEEP_KV_MIN_IDLE {
+                let at = t.get_ref().idle.as_ref().map_or(t.span(), |i| i.span());
+                let msg = format!(
+                    "with keep_kv at least {KEEP_KV_MIN_IDLE}s: its conversations are saved a third of the way into its idle time, and the server sleeps the rest after the save"
+                );
+                return Err(src.err(at, key("sleep.idle"), msg));
+            }
+            Some(n - save_before_sleep(n))
+        }
+        (n, _) => n,
+    };
     // llama-server's prompt cache lives in host memory beside the model:
     // reserved when the workload sizes it, off when the flavor writes the
     // command and nothing asks for it (8 GiB by default, never measured
@@ -601,6 +632,9 @@ pub(super) fn apply(
         }
         if let Some(n) = idle_seconds.filter(|n| *n > 0) {
             argv.extend(["--sleep-idle-seconds".to_string(), n.to_string()]);
+            if keeps {
+                argv.push("--metrics".to_string());
+            }
         }
         argv.extend(w.args.iter().map(|a| a.get_ref().clone()));
         out.command = Some(spanned(&span, argv));

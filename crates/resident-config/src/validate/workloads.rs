@@ -102,7 +102,23 @@ fn keep_kv(
     Ok(Some(crate::KeepKv {
         pool: pool.clone(),
         dir,
+        save_quiet: save_quiet(w, argv),
     }))
+}
+
+/// How long a server that sleeps by itself stays quiet before its
+/// conversations are saved: its sleep `idle` less what its command gives
+/// the server (`--sleep-idle-seconds`), where the command also serves
+/// `--metrics` (how the agent sees it quiet).
+fn save_quiet(w: &raw::Workload, argv: &[String]) -> Option<std::time::Duration> {
+    let idle = w.sleep.as_ref()?.get_ref().idle.as_ref()?;
+    let idle = crate::duration::parse_duration(idle.get_ref()).ok()?;
+    let server = argv
+        .windows(2)
+        .find(|p| p[0] == "--sleep-idle-seconds")
+        .and_then(|p| p[1].parse::<u64>().ok())?;
+    let quiet = idle.checked_sub(std::time::Duration::from_secs(server))?;
+    (argv.iter().any(|a| a == "--metrics") && !quiet.is_zero()).then_some(quiet)
 }
 
 /// Every alias names one workload: none repeats a workload's name or

@@ -19,9 +19,10 @@
 //! A save or restore that fails never fails the stop or the start: it is
 //! counted and logged.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use resident_config::{Config, Workload};
 
@@ -55,6 +56,17 @@ pub(super) struct KvCounts {
 #[derive(Debug, Default)]
 pub(super) struct KvStore {
     disks: Mutex<Disks>,
+    /// What was last seen of each run that saves ahead of its sleep.
+    quiet: Mutex<BTreeMap<(String, u64), Quiet>>,
+}
+
+/// A run's activity as last read (its `/metrics` counters), since when it
+/// has not changed, and the activity its last save followed.
+#[derive(Debug)]
+struct Quiet {
+    seen: String,
+    since: Instant,
+    saved: Option<String>,
 }
 
 /// The file of slot `slot` of a state saved under `key`.
@@ -129,6 +141,44 @@ impl KvStore {
                 "saved states removed: their disk pools no longer hold them"
             );
         }
+    }
+
+    /// Whether run `generation` of `id`, whose activity reads `seen` at
+    /// `now`, has been quiet for `after` with something done since its
+    /// last save: then it is marked saved at this activity.
+    pub(super) fn save_due(
+        &self,
+        id: &str,
+        generation: u64,
+        seen: String,
+        now: Instant,
+        after: Duration,
+    ) -> bool {
+        let mut quiet = self.quiet.lock().unwrap_or_else(|e| e.into_inner());
+        let q = quiet
+            .entry((id.to_string(), generation))
+            .or_insert_with(|| Quiet {
+                seen: seen.clone(),
+                since: now,
+                saved: None,
+            });
+        if q.seen != seen {
+            q.seen = seen;
+            q.since = now;
+            return false;
+        }
+        let due =
+            now.saturating_duration_since(q.since) >= after && q.saved.as_ref() != Some(&q.seen);
+        if due {
+            q.saved = Some(q.seen.clone());
+        }
+        due
+    }
+
+    /// Forgets the runs `keep` does not name (ended, or no longer followed).
+    pub(super) fn forget_runs(&self, keep: impl Fn(&str, u64) -> bool) {
+        let mut quiet = self.quiet.lock().unwrap_or_else(|e| e.into_inner());
+        quiet.retain(|(id, generation), _| keep(id, *generation));
     }
 
     fn disks(&self) -> std::sync::MutexGuard<'_, Disks> {

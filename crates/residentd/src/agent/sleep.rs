@@ -11,12 +11,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use resident_api::{ApiError, pb};
-use resident_config::HttpCall;
+use resident_config::{HttpCall, Workload};
 use resident_supervisor::State;
 
 use super::Agent;
 use super::books::{Sleeper, Sleepy};
-use super::http::http_call;
+use super::http::{get_json, http_call};
 
 impl Agent {
     /// Puts `id` to sleep (the Sleep RPC); answers once it is SLEEPING.
@@ -151,7 +151,11 @@ impl Agent {
             }
             Ok::<_, String>(())
         };
-        match woke.await {
+        let woke = woke.await;
+        if woke.is_ok() && call.is_none() {
+            self.restore_after_sleep(id, generation, port).await;
+        }
+        match woke {
             Ok(()) => {
                 let ms = u64::try_from(began.elapsed().as_millis()).unwrap_or(u64::MAX);
                 if !self.books.settle(id, generation, Sleepy::Woken(ms)) {
@@ -174,6 +178,21 @@ impl Agent {
                 Err(ApiError::Internal(format!("instance '{id}': {text}")))
             }
         }
+    }
+
+    /// A server that slept by itself lost its slots: one that keeps its
+    /// conversations has them restored as it wakes (the restore call wakes
+    /// it), before the request the wake was admitted for reaches it.
+    async fn restore_after_sleep(self: &Arc<Self>, id: &str, generation: u64, port: u16) {
+        let Some(record) = self.books.record(id).filter(|r| r.generation == generation) else {
+            return;
+        };
+        if record.workload.keep_kv.is_none() {
+            return;
+        }
+        let counts = self.kv.restore(id, &record.workload, port).await;
+        self.metrics
+            .kv(counts.saved, counts.restored, counts.failed, counts.evicted);
     }
 
     /// Has the journal written as the books stand now and, with
@@ -333,7 +352,13 @@ impl Agent {
     /// again (a request that reached it directly, not through a Start),
     /// its awake demand held again.
     fn follow_sleepers(self: &Arc<Self>) {
-        for (id, record) in self.books.followed() {
+        let followed = self.books.followed();
+        self.kv.forget_runs(|id, generation| {
+            followed
+                .iter()
+                .any(|(i, r)| i == id && r.generation == generation)
+        });
+        for (id, record) in followed {
             let Some((path, idle_ms)) = record.workload.sleep.as_ref().and_then(|s| {
                 let idle_ms = s
                     .idle
@@ -359,6 +384,7 @@ impl Agent {
                 record.generation,
                 status.port,
             );
+            let keeps = record.workload.clone();
             tokio::spawn(async move {
                 let get = HttpCall {
                     method: "GET".to_string(),
@@ -378,9 +404,35 @@ impl Agent {
                     me.fell_asleep_by_itself(&id, generation, &workload).await;
                 } else if !sleeping && asleep_now {
                     me.woke_by_itself(&id, generation, &workload).await;
+                } else if !sleeping {
+                    me.save_before_sleep(&id, generation, &keeps, port).await;
                 }
             });
         }
+    }
+
+    /// A server that keeps its conversations and sleeps by itself saves
+    /// them once it has been quiet for its workload's `save_quiet` (read
+    /// from its `/metrics`, which does not restart its idle timer) with
+    /// something new since the last save; the save restarts its timer,
+    /// and it sleeps the rest of its idle time after.
+    async fn save_before_sleep(&self, id: &str, generation: u64, w: &Workload, port: u16) {
+        let Some(after) = w.keep_kv.as_ref().and_then(|k| k.save_quiet) else {
+            return;
+        };
+        let Ok(page) = get_json(port, "/metrics", Duration::from_secs(2)).await else {
+            return;
+        };
+        if !self
+            .kv
+            .save_due(id, generation, activity(&page), Instant::now(), after)
+        {
+            return;
+        }
+        tracing::info!(instance_id = %id, "quiet ahead of its sleep: saving its conversations");
+        let counts = self.kv.save(id, w, port).await;
+        self.metrics
+            .kv(counts.saved, counts.restored, counts.failed, counts.evicted);
     }
 
     /// Follows a server that fell asleep by itself: settled asleep in the
@@ -441,6 +493,22 @@ impl Agent {
             }
         }
     }
+}
+
+/// What changes on llama-server's `/metrics` page while it works: its
+/// decode calls, cached prompt tokens, and requests in progress or
+/// deferred.
+fn activity(page: &str) -> String {
+    const SEEN: [&str; 4] = [
+        "llamacpp:n_decode_total ",
+        "llamacpp:prompt_tokens_cached_total ",
+        "llamacpp:requests_processing ",
+        "llamacpp:requests_deferred ",
+    ];
+    page.lines()
+        .filter(|l| SEEN.iter().any(|s| l.starts_with(s)))
+        .collect::<Vec<_>>()
+        .join(";")
 }
 
 /// `"is_sleeping": true|false` in a JSON body (llama-server's `/props`).

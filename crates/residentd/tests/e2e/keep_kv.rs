@@ -220,6 +220,84 @@ async fn a_conversation_comes_back_computed_after_its_server_was_stopped() {
     assert!(left.is_empty(), "the stale state is dropped: {left:?}");
 }
 
+/// A llama-server that sleeps by itself (`[workload.sleep] idle`) loses
+/// its slots as it sleeps: with `keep_kv` the agent has it save them a
+/// third of the way into its idle time, and restores them as a Start
+/// wakes it, before the request reaches it. `plain` (no keep_kv) sleeps
+/// beside it and computes the whole conversation again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conversation_saved_before_its_server_sleeps_is_restored_as_it_wakes() {
+    let (Some(python), Some(bin)) = (python(), llama_server_bin()) else {
+        return;
+    };
+    let server = bin.join("llama-server");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = dir.path().join("small.gguf");
+    make_model(&python, &model, 256, 4);
+    let mport = free_port();
+    let sleeps = "[workload.sleep]\nidle = \"6s\"\n";
+    let config = pools(dir.path(), "1GB", mport)
+        + &workload("kept", &server, &model, true)
+        + sleeps
+        + &workload("plain", &server, &model, false)
+        + sleeps;
+    write_config(dir.path(), &config);
+    let mut d = Daemon::start_in(dir).await;
+    let talk = prompt(500, 1);
+    let back = format!("{talk} the a of");
+    for id in ["kept", "plain"] {
+        let i = d.ready(id, id).await;
+        let talk = talk.clone();
+        let (computed, _) = tokio::task::spawn_blocking(move || completion(i.port, &talk))
+            .await
+            .expect("joined");
+        assert!(
+            computed > 1000,
+            "{id}: the first turn computes its prompt: {computed}"
+        );
+    }
+    for id in ["kept", "plain"] {
+        d.asleep(id).await;
+    }
+    assert!(
+        stored(&mut d).await > 1_000_000,
+        "kept's state was saved before it slept"
+    );
+    let log = d.log();
+    assert_eq!(
+        log.matches("quiet ahead of its sleep").count(),
+        1,
+        "one save ahead of the sleep, kept's: {log}"
+    );
+    let mut came_back = Vec::new();
+    for id in ["kept", "plain"] {
+        let i = d.ready(id, id).await;
+        let back = back.clone();
+        let timings = tokio::task::spawn_blocking(move || completion(i.port, &back))
+            .await
+            .expect("joined");
+        came_back.push((id, timings));
+    }
+    let (kept, plain) = (came_back[0].1, came_back[1].1);
+    assert!(
+        kept.0 < 20 && kept.1 > 1000,
+        "kept: restored as it woke, only the new words computed (prompt_n {}, cache_n {})",
+        kept.0,
+        kept.1
+    );
+    assert!(
+        plain.0 > 1000,
+        "plain: its slot went with its sleep ({})",
+        plain.0
+    );
+    let metrics = metrics_page(mport).await;
+    assert!(
+        metrics.contains("residentd_kv_states_total{event=\"saved\"} 1")
+            && metrics.contains("residentd_kv_states_total{event=\"restored\"} 1"),
+        "{metrics}"
+    );
+}
+
 /// A disk pool with room for one saved state: the second save evicts the
 /// first (least recently used); the pool never holds more than its budget.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

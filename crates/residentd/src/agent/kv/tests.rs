@@ -296,3 +296,24 @@ proptest! {
         DISK.with(|c| c.set((u64::MAX / 4, 0)));
     }
 }
+
+/// A run is saved ahead of its sleep once it has been quiet long enough,
+/// and again only after it did something new.
+#[test]
+fn a_save_ahead_of_sleep_is_due_once_per_quiet_spell() {
+    use std::time::{Duration, Instant};
+    let store = super::KvStore::default();
+    let t0 = Instant::now();
+    let at = |s: u64| t0 + Duration::from_secs(s);
+    let after = Duration::from_secs(2);
+    let due = |seen: &str, s: u64| store.save_due("a", 1, seen.to_string(), at(s), after);
+    assert!(!due("x", 0), "first seen: quiet from now");
+    assert!(!due("x", 1));
+    assert!(due("x", 2), "quiet for 2 s");
+    assert!(!due("x", 5), "nothing new since the save");
+    assert!(!due("y", 6), "it worked: quiet again from now");
+    assert!(!due("y", 7));
+    assert!(due("y", 8));
+    store.forget_runs(|_, _| false);
+    assert!(!due("y", 9), "forgotten: quiet from now again");
+}
