@@ -500,10 +500,13 @@ class Agent:
     def list(self, *, timeout: Optional[float] = None) -> List[pb.Instance]:
         return list(self._call(self._stub.List, pb.ListRequest(), timeout).instances)
 
-    def place(self, workload: str, *, on_full=None, timeout: Optional[float] = None) -> pb.Placement:
-        """What a Start would do, changing nothing."""
-        return self._call(self._stub.Place, pb.PlaceRequest(workload=workload, on_full=_policy(on_full)),
-                          timeout)
+    def place(self, workload: str, *, on_full=None, instance_id: str = "",
+              timeout: Optional[float] = None) -> pb.Placement:
+        """What a Start would do, changing nothing; with `instance_id`, what a
+        Start naming it would do (admitted at once when it is resident, a
+        wake's plan when it is asleep)."""
+        req = pb.PlaceRequest(workload=workload, on_full=_policy(on_full), instance_id=instance_id)
+        return self._call(self._stub.Place, req, timeout)
 
     def touch(self, instance_id: str, *, hold_ms: int = 0, release_hold: bool = False,
               timeout: Optional[float] = None) -> pb.Instance:

@@ -63,6 +63,7 @@ pub async fn place(socket: &Path, server: i32, clients: usize, secs: f64) -> any
     let req = pb::PlaceRequest {
         workload: "trivial".into(),
         on_full: 0,
+        ..Default::default()
     };
     let run = |secs: f64| {
         let tasks: Vec<_> = conns
@@ -235,6 +236,7 @@ pub async fn floor_spawn_rpc(
             let req = pb::PlaceRequest {
                 workload: "trivial".into(),
                 on_full: 0,
+                ..Default::default()
             };
             c.place(req).await.map(|_| ())
         }
@@ -383,6 +385,7 @@ async fn place_all(c: &Client, n: usize) -> anyhow::Result<()> {
     let requests = (0..n).map(|_| pb::PlaceRequest {
         workload: "trivial".into(),
         on_full: 0,
+        ..Default::default()
     });
     let answers = side_by_side(c, requests, |mut c, q| async move { c.place(q).await }).await?;
     if answers.iter().any(|p| !p.admitted) {
@@ -700,6 +703,7 @@ pub async fn churn(socket: &Path, calls: usize, clients: usize) -> anyhow::Resul
                         let req = pb::PlaceRequest {
                             workload: "churn".into(),
                             on_full: policy,
+                            ..Default::default()
                         };
                         answered(&socket, "Place call", None, c.place(req)).await??;
                     }

@@ -362,6 +362,7 @@ async fn placeable(
         .place(pb::PlaceRequest {
             workload: workload.into(),
             on_full: pb::Policy::Evict as i32,
+            ..Default::default()
         })
         .await?
         .into_inner();

@@ -147,6 +147,7 @@ async fn placeable(c: &mut NodeAgentClient<Channel>, workload: &str) -> anyhow::
             .place(pb::PlaceRequest {
                 workload: workload.into(),
                 on_full: pb::Policy::Evict as i32,
+                ..Default::default()
             })
             .await?
             .into_inner();

@@ -291,6 +291,22 @@ impl Agent {
         let req = pb::PlaceRequest {
             workload: workload.to_string(),
             on_full: 0,
+            ..Default::default()
+        };
+        Ok(self.client.clone().place(quick(req)).await?.into_inner())
+    }
+
+    /// What a Start of `workload` naming `id` would do now (its dry run:
+    /// a wake's for an instance asleep), under the workload's own policy.
+    pub async fn place_start(
+        &self,
+        workload: &str,
+        id: &str,
+    ) -> Result<pb::Placement, tonic::Status> {
+        let req = pb::PlaceRequest {
+            workload: workload.to_string(),
+            instance_id: id.to_string(),
+            ..Default::default()
         };
         Ok(self.client.clone().place(quick(req)).await?.into_inner())
     }

@@ -13,7 +13,8 @@
 //!   overtake a newer hold.
 //! - Starts go through one FIFO gate. A start the agent refuses as
 //!   *temporary* (memory held by requests in flight) waits at the head of
-//!   the gate until a hold drops, bounded by the queue timeout. For its
+//!   the gate until a hold drops here or a dry run of it (Place naming the
+//!   instance) says it would go through, bounded by the queue timeout. For its
 //!   first `swap_after`, new requests for the loaded models it waits for
 //!   (the refusal's holders) are still served: a loaded model's requests
 //!   go before a swap, so A-B-A does not thrash. After it, they queue
@@ -34,8 +35,9 @@ use crate::agent::{Agent, StartError};
 use crate::error::RouterError;
 use crate::metrics::Metrics;
 
-/// How often a start blocked by holds asks again even without a release
-/// seen here (holds set by other clients of the agent lapse on their own).
+/// How often a start blocked by holds asks (with a dry run) whether it
+/// still would be, without a release seen here (holds set by other
+/// clients of the agent lapse on their own).
 const RECHECK: Duration = Duration::from_millis(250);
 
 /// The least time between two reads of the roster for unknown names.
@@ -396,10 +398,21 @@ impl Models {
                         None => waiting = Some(Waiting::new(self, &model.name, holders)),
                     }
                     tracing::debug!(model = %model.name, %message, "waiting for held memory");
+                    // Started again once a release is seen here, or once a
+                    // dry run of the Start (Place, which the agent neither
+                    // logs nor counts) says it would no longer wait: a Start
+                    // refused every RECHECK would fill the agent's log, its
+                    // audit lines, events and refusal count meanwhile.
                     let wait = async {
-                        tokio::select! {
-                            () = released => {},
-                            () = tokio::time::sleep(RECHECK) => {},
+                        loop {
+                            tokio::select! {
+                                () = released.as_mut() => return,
+                                () = tokio::time::sleep(RECHECK) => {},
+                            }
+                            match self.agent.place_start(&model.name, &model.name).await {
+                                Ok(p) if !p.admitted && p.refusals.iter().any(|r| r.temporary) => {}
+                                _ => return,
+                            }
                         }
                     };
                     if tokio::time::timeout_at(deadline.into(), wait)

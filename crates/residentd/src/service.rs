@@ -208,9 +208,12 @@ impl pb::node_agent_server::NodeAgent for Service {
     ) -> Result<Response<pb::Placement>, Status> {
         let _timer = self.agent.metrics().time("Place");
         let r = req.into_inner();
-        let on_full = validate::place(&r)?;
+        let (on_full, id) = validate::place(&r)?;
         let span = tracing::info_span!("place", workload = %r.workload);
-        let placement = self.agent.place(&r.workload, on_full).instrument(span);
+        let placement = self
+            .agent
+            .place(&r.workload, on_full, id.as_ref())
+            .instrument(span);
         Ok(Response::new(placement.await?))
     }
 

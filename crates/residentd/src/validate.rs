@@ -122,9 +122,14 @@ pub fn stop(r: &pb::StopRequest) -> Result<(InstanceId, Option<Duration>), ApiEr
 }
 
 /// A Place: the policy.
-pub fn place(r: &pb::PlaceRequest) -> Result<Option<Policy>, ApiError> {
+pub fn place(r: &pb::PlaceRequest) -> Result<(Option<Policy>, Option<InstanceId>), ApiError> {
     workload_name("workload", &r.workload)?;
-    policy("on_full", r.on_full)
+    let on_full = policy("on_full", r.on_full)?;
+    let id = match r.instance_id.as_str() {
+        "" => None,
+        id => Some(instance_id("instance_id", id)?),
+    };
+    Ok((on_full, id))
 }
 
 /// The default least time between two figures-only updates of a

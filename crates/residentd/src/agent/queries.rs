@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use resident_api::{ApiError, pb};
 use resident_config::{Config, Workload};
-use resident_core::Policy;
+use resident_core::{InstanceId, Policy};
 
 use super::Agent;
 use super::admission::{footprint_key, workload_of};
@@ -128,18 +128,23 @@ impl Agent {
         pools
     }
 
-    /// The placement query: what a Start would do, changing nothing.
+    /// The placement query: what a Start would do, changing nothing; of
+    /// a Start naming `id`, when given.
     pub async fn place(
         self: &Arc<Self>,
         workload: &str,
         policy: Option<Policy>,
+        id: Option<&InstanceId>,
     ) -> Result<pb::Placement, ApiError> {
         let config = self.config();
         let w = workload_of(&config, workload)?;
         let policy = policy.unwrap_or(config.node.on_full);
         self.refresh_probes_async(&config).await;
         let key = footprint_key(&config, &w);
-        self.books.place(&w, policy, self.now_ms(), key)
+        match id {
+            Some(id) => self.books.place_start(&w, id, policy, self.now_ms(), key),
+            None => self.books.place(&w, policy, self.now_ms(), key),
+        }
     }
 
     /// The roster: every workload with its declared demand, raised by

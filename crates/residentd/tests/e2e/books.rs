@@ -211,6 +211,14 @@ async fn a_wake_kept_out_by_a_hold_is_queued_by_the_router_and_served_when_it_en
     );
     let other = d.get("o").await;
     assert_eq!(other.cause, pb::Cause::Evicted as i32, "{other:?}");
+    // While it waited the router asked again with dry runs (Place), not a
+    // Start every 250 ms: one refusal in the agent's log and metrics.
+    let log = d.log();
+    assert_eq!(
+        log.matches("start refused").count(),
+        1,
+        "one refused Start while the hold lasted: {log}"
+    );
 }
 
 /// An upgrade whose next agent is slow to start (a wrapper holds it 4 s

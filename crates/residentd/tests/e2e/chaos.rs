@@ -223,6 +223,7 @@ async fn client_ops(socket: std::path::PathBuf, mut rng: Rng, ops: usize) -> Tal
                     .place(pb::PlaceRequest {
                         workload: workload.into(),
                         on_full: policy,
+                        ..Default::default()
                     })
                     .await;
             }
@@ -525,6 +526,7 @@ async fn contended_ids_get_every_call_answered() {
                             let req = pb::PlaceRequest {
                                 workload: "nap".into(),
                                 on_full: policy,
+                                ..Default::default()
                             };
                             let call = tokio::time::timeout(BOUND, c.place(req)).await;
                             ("place", call.map(|_| ()))

@@ -565,6 +565,7 @@ async fn what_if_shows_places_answer_and_actions_are_off_until_turned_on() {
         .place(pb::PlaceRequest {
             workload: "big".into(),
             on_full: 0,
+            ..Default::default()
         })
         .await
         .expect("place")
@@ -590,6 +591,7 @@ async fn what_if_shows_places_answer_and_actions_are_off_until_turned_on() {
         .place(pb::PlaceRequest {
             workload: "small".into(),
             on_full: 0,
+            ..Default::default()
         })
         .await
         .expect("place")

@@ -75,6 +75,7 @@ async fn foreign_use_of_the_gpu_tightens_the_budget_until_it_exits() {
     let place = pb::PlaceRequest {
         workload: "m16".into(),
         on_full: 0,
+        ..Default::default()
     };
     let p = d.client.place(place).await.expect("place").into_inner();
     assert_eq!(p.pools[0].effective_budget_bytes, Some(24 * GB));
@@ -231,6 +232,7 @@ async fn per_process_device_use_counts_as_touched_memory() {
     let place = pb::PlaceRequest {
         workload: "new".into(),
         on_full: pb::Policy::Evict as i32,
+        ..Default::default()
     };
     // The device shows 8 GB free and, per process, that old holds its
     // 16 GB: evicting old gives them back, so new fits.

@@ -83,6 +83,7 @@ async fn spread_puts_two_on_two_devices_and_the_children_see_theirs() {
     let place = pb::PlaceRequest {
         workload: "any".into(),
         on_full: 0,
+        ..Default::default()
     };
     let p = d
         .client

@@ -129,7 +129,7 @@ proptest! {
 enum Call {
     Start(String, String, i32),
     Stop(String, u64),
-    Place(String, i32),
+    Place(String, String, i32),
     Touch(String, u64),
     Get(String),
 }
@@ -142,7 +142,7 @@ fn call() -> impl Strategy<Value = Call> {
     prop_oneof![
         (workload.clone(), id.clone(), policy.clone()).prop_map(|(w, i, p)| Call::Start(w, i, p)),
         (id.clone(), any::<u64>()).prop_map(|(i, g)| Call::Stop(i, g % 5000)),
-        (workload, policy).prop_map(|(w, p)| Call::Place(w, p)),
+        (workload.clone(), id.clone(), policy.clone()).prop_map(|(w, i, p)| Call::Place(w, i, p)),
         (id.clone(), any::<u64>()).prop_map(|(i, h)| Call::Touch(i, h)),
         id.prop_map(Call::Get),
     ]
@@ -219,8 +219,12 @@ async fn send(c: &mut Client, call: Call) -> Result<(), tonic::Status> {
             })
             .await
             .map(drop),
-        Call::Place(workload, on_full) => c
-            .place(pb::PlaceRequest { workload, on_full })
+        Call::Place(workload, instance_id, on_full) => c
+            .place(pb::PlaceRequest {
+                workload,
+                on_full,
+                instance_id,
+            })
             .await
             .map(drop),
         Call::Touch(instance_id, hold_ms) => c

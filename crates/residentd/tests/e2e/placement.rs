@@ -215,6 +215,7 @@ async fn evict_stops_the_least_recently_used_first_or_nothing() {
         .place(pb::PlaceRequest {
             workload: "planner".into(),
             on_full: pb::Policy::Evict as i32,
+            ..Default::default()
         })
         .await
         .expect("place")
@@ -363,6 +364,7 @@ async fn bad_input_is_invalid_argument_with_field_violations_and_changes_nothing
         .place(pb::PlaceRequest {
             workload: "".into(),
             on_full: 0,
+            ..Default::default()
         })
         .await
         .expect_err("empty workload");
@@ -371,6 +373,7 @@ async fn bad_input_is_invalid_argument_with_field_violations_and_changes_nothing
         .place(pb::PlaceRequest {
             workload: "planner".into(),
             on_full: -1,
+            ..Default::default()
         })
         .await
         .expect_err("bad policy");
@@ -428,6 +431,7 @@ async fn place_is_the_same_plan_without_side_effects() {
         .place(pb::PlaceRequest {
             workload: "planner".into(),
             on_full: 0,
+            ..Default::default()
         })
         .await
         .expect("place");
@@ -441,6 +445,7 @@ async fn place_is_the_same_plan_without_side_effects() {
     let evict = pb::PlaceRequest {
         workload: "planner".into(),
         on_full: pb::Policy::Evict as i32,
+        ..Default::default()
     };
     let evict = c.place(evict).await.expect("place").into_inner();
     assert!(evict.admitted);
@@ -523,9 +528,52 @@ async fn the_roster_is_served_and_a_start_may_name_an_alias() {
         .place(pb::PlaceRequest {
             workload: "chat".into(),
             on_full: 0,
+            ..Default::default()
         })
         .await
         .expect("place by alias")
         .into_inner();
     assert!(placed.admitted);
+}
+
+/// Place naming an instance id is the dry run of that Start: admitted at
+/// once for an instance already resident (a new instance of the same
+/// workload would not fit), refused like the Start for an id another
+/// workload holds or one that is no id, and a new instance's answer for
+/// an id nobody holds. Nothing changes.
+#[tokio::test]
+async fn place_naming_an_instance_is_that_starts_dry_run() {
+    let config = pool("ram", "4GB") + &sleeper("a", "ram", 3, "") + &sleeper("b", "ram", 3, "");
+    let mut d = Daemon::start(&config).await;
+    d.started("a", "a1").await;
+    let place = |workload: &str, id: &str| pb::PlaceRequest {
+        workload: workload.into(),
+        instance_id: id.into(),
+        ..Default::default()
+    };
+    let c = &mut d.client;
+    let same = c
+        .place(place("a", "a1"))
+        .await
+        .expect("placed")
+        .into_inner();
+    assert!(same.admitted && same.evict.is_empty(), "{same:?}");
+    let new = c.place(place("a", "")).await.expect("placed").into_inner();
+    assert!(!new.admitted, "a second 3 GB does not fit: {new:?}");
+    let b1 = c
+        .place(place("b", "b1"))
+        .await
+        .expect("placed")
+        .into_inner();
+    assert_eq!(
+        (b1.admitted, b1.refusals.len()),
+        (new.admitted, new.refusals.len()),
+        "an id nobody holds: a new instance's answer"
+    );
+    let taken = c.place(place("b", "a1")).await.expect_err("a1 is a's");
+    assert_eq!(taken.code(), Code::AlreadyExists, "{taken:?}");
+    let bad = c.place(place("a", "no such id!")).await.expect_err("no id");
+    assert_eq!(bad.code(), Code::InvalidArgument);
+    assert!(bad.message().contains("instance_id"), "{}", bad.message());
+    assert_eq!(d.ids().await, vec!["a1".to_string()], "nothing changed");
 }

@@ -285,6 +285,7 @@ async fn place_temporary(d: &mut Daemon, workload: &str) -> Option<bool> {
         .place(pb::PlaceRequest {
             workload: workload.into(),
             on_full: pb::Policy::Evict as i32,
+            ..Default::default()
         })
         .await
         .expect("place")

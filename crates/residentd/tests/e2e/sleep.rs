@@ -198,6 +198,7 @@ async fn the_planner_puts_residents_to_sleep_before_it_evicts_and_a_wake_makes_r
     let place = pb::PlaceRequest {
         workload: "other".into(),
         on_full: pb::Policy::Evict as i32,
+        ..Default::default()
     };
     let placement = d.client.place(place).await.expect("place").into_inner();
     assert!(placement.admitted, "{placement:?}");

@@ -556,6 +556,7 @@ async fn every_rpc(c: &mut NodeAgentClient<Channel>, id: &str) -> Vec<(&'static 
     let place = pb::PlaceRequest {
         workload: "nap".into(),
         on_full: 0,
+        ..Default::default()
     };
     out.push(("Place", code(c.place(place).await.map(drop))));
     out.push(("Node", code(c.node(pb::NodeRequest {}).await.map(drop))));

@@ -553,6 +553,7 @@ async fn command(cli: &Cli, mut c: NodeAgentClient<Channel>) -> Result<ExitCode,
             let req = pb::PlaceRequest {
                 workload: workload.clone(),
                 on_full: policy(*p),
+                ..Default::default()
             };
             let r = c.place(req).await?.into_inner();
             // The answer's exit status stands even when nobody reads it.
