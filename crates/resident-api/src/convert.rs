@@ -181,6 +181,16 @@ pub fn any_of(spec: &Spec) -> Vec<pb::AnyOfDemand> {
         .collect()
 }
 
+/// A run of `id` that a Stop ended before its process was spawned:
+/// EXITED, saying so.
+pub fn unspawned(id: &str, spec: &Spec) -> pb::Instance {
+    pb::Instance {
+        state: pb::State::Exited as i32,
+        message: "stopped before it was spawned".into(),
+        ..instance(id, spec, None)
+    }
+}
+
 /// An instance: its declared demand from `spec`, and what the supervisor
 /// reports (`None`: admitted, not handed to the supervisor yet: PENDING).
 pub fn instance(id: &str, spec: &Spec, status: Option<&Status>) -> pb::Instance {

@@ -10,7 +10,7 @@ mod error;
 
 pub use client::{channel_unix, connect_unix, endpoint_unix, endpoint_unix_lazy};
 
-pub use convert::{any_of, demand, instance, placement, pool_status, refusal};
+pub use convert::{any_of, demand, instance, placement, pool_status, refusal, unspawned};
 pub use error::{ApiError, code_name};
 
 /// Generated types and service traits of `resident.v1`.

@@ -19,7 +19,7 @@ use tokio::net::unix::pipe;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::{Instant, sleep, timeout};
 
-use crate::adopted::Watched;
+use crate::pidfd::Watched;
 use crate::cgroup::{Cgroups, RunCgroup};
 use crate::child::Child;
 use crate::logs::{LogRing, OutputPipes, PipeSpares};

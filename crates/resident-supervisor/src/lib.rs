@@ -17,6 +17,7 @@ pub mod cgroup;
 mod child;
 mod instance;
 mod logs;
+mod pidfd;
 pub mod procfs;
 pub mod reach;
 mod readiness;

@@ -10,7 +10,8 @@ use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 
-use crate::adopted::{AdoptActor, Adoption, Watched};
+use crate::adopted::{AdoptActor, Adoption};
+use crate::pidfd::Watched;
 use crate::cgroup::{CgroupMode, Cgroups};
 use crate::instance::{Actor, First, Shared, StopRequest};
 use crate::logs::{LogLimits, LogRing, PipeSpares};

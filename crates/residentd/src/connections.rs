@@ -32,7 +32,15 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::server::Connected;
 
-use crate::agent::Agent;
+use crate::metrics::Metrics;
+
+/// What the connections need of the agent they serve.
+pub trait Host: Send + Sync + fmt::Debug {
+    /// `max_connections` and `max_connections_per_peer` in force now.
+    fn limits(&self) -> (usize, usize);
+    /// Where opened, refused and closed connections are counted.
+    fn metrics(&self) -> &Metrics;
+}
 
 /// How long a TCP client may take to finish its TLS handshake, or to send
 /// HTTP/2's preface on a plaintext listener.
@@ -80,14 +88,14 @@ struct Open {
 /// The open connections of every listener.
 #[derive(Debug)]
 pub struct Connections {
-    agent: Arc<Agent>,
+    host: Arc<dyn Host>,
     open: Mutex<Open>,
 }
 
 impl Connections {
-    pub fn new(agent: Arc<Agent>) -> Arc<Self> {
+    pub fn new(host: Arc<dyn Host>) -> Arc<Self> {
         Arc::new(Self {
-            agent,
+            host,
             open: Mutex::new(Open::default()),
         })
     }
@@ -99,11 +107,7 @@ impl Connections {
     /// A slot for a new connection of `peer`, or `None` (logged and
     /// counted) when it would go over a limit.
     pub fn admit(self: &Arc<Self>, peer: Peer) -> Option<Slot> {
-        let config = self.agent.config();
-        let (max, per_peer) = (
-            config.node.max_connections,
-            config.node.max_connections_per_peer,
-        );
+        let (max, per_peer) = self.host.limits();
         let mut open = self.lock();
         let held = open.by_peer.get(&peer).copied().unwrap_or(0);
         let over = if open.total >= max {
@@ -117,7 +121,7 @@ impl Connections {
         };
         if let Some((limit, why, first)) = over {
             drop(open);
-            self.agent.metrics().connection_refused(limit);
+            self.host.metrics().connection_refused(limit);
             if first {
                 tracing::warn!(target: "audit", %peer, limit, "connection refused: {why}; further refusals like it are counted, not logged, until a connection closes");
             }
@@ -126,7 +130,7 @@ impl Connections {
         open.total += 1;
         *open.by_peer.entry(peer).or_default() += 1;
         drop(open);
-        self.agent.metrics().connection_opened(peer.transport());
+        self.host.metrics().connection_opened(peer.transport());
         Some(Slot {
             connections: self.clone(),
             peer,
@@ -226,7 +230,7 @@ impl Drop for Slot {
         open.refused.remove(&self.peer);
         open.refused_total = false;
         drop(open);
-        let metrics = self.connections.agent.metrics();
+        let metrics = self.connections.host.metrics();
         metrics.connection_closed(self.peer.transport());
     }
 }

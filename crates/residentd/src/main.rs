@@ -137,10 +137,16 @@ fn main() -> ExitCode {
                 );
             }
         }
+        let tls = match &config.node.tls {
+            Some(files) => Some(Arc::new(
+                residentd::tls::TlsServer::new(files).map_err(|e| anyhow::anyhow!("node.tls: {e}"))?,
+            )),
+            None => None,
+        };
         let agent = Agent::new(config, host)
             .map_err(|e| anyhow::anyhow!("state_dir {}: {e}", state_dir.display()))?;
         agent.restore().await;
-        residentd::server::serve(agent, listeners).await
+        residentd::server::serve(agent, listeners, tls).await
     });
     match result {
         Ok(()) => ExitCode::SUCCESS,

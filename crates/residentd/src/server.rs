@@ -26,6 +26,7 @@ use crate::agent::Agent;
 use crate::authority::AuthorityFix;
 use crate::connections::{Connections, Counted, Peer};
 use crate::service::Service;
+use crate::tls::TlsServer;
 
 /// How long open connections may take to close once every child is gone.
 const DRAIN: Duration = Duration::from_secs(3);
@@ -148,8 +149,15 @@ pub fn bind_unix(path: &Path, group: Option<&(String, u32)>) -> anyhow::Result<U
 
 /// Serves until SIGTERM or SIGINT, then drains: health NOT_SERVING, new
 /// starts refused, every child stopped, and returns.
-pub async fn serve(agent: Arc<Agent>, listeners: Vec<Bound>) -> anyhow::Result<()> {
+pub async fn serve(
+    agent: Arc<Agent>,
+    listeners: Vec<Bound>,
+    tls: Option<Arc<TlsServer>>,
+) -> anyhow::Result<()> {
     let config = agent.config();
+    if let Some(tls) = &tls {
+        follow_certificates(tls, &agent);
+    }
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<NodeAgentServer<Service>>().await;
     health.set_service_status("", ServingStatus::Serving).await;
@@ -269,7 +277,7 @@ pub async fn serve(agent: Arc<Agent>, listeners: Vec<Bound>) -> anyhow::Result<(
                 servers.spawn(router.serve_with_incoming_shutdown(incoming, shutdown));
             }
             Bound::Metrics(..) => {}
-            Bound::Tcp(listener, addr) => match agent.tls() {
+            Bound::Tcp(listener, addr) => match tls.clone() {
                 Some(tls) => {
                     tracing::info!(%addr, node = %config.node.name, "serving TCP with mutual TLS");
                     let incoming = tls.incoming(listener, connections.clone());
@@ -339,6 +347,47 @@ async fn upgrade_on_sigusr2(agent: Arc<Agent>, mut usr2: Signal) {
 }
 
 /// SIGHUP re-reads the configuration; a bad file is logged and ignored.
+/// The TLS listeners follow reloads of the agent's config: new
+/// certificates (the files were checked with the rest of the config) for
+/// new connections; a reload whose files cannot be used is refused,
+/// naming `node.tls`.
+fn follow_certificates(tls: &Arc<TlsServer>, agent: &Agent) {
+    let tls = tls.clone();
+    agent.on_reload(Box::new(move |old, new| {
+        let Some(files) = &new.node.tls else {
+            return Ok(());
+        };
+        if old.node.tls.as_ref() == Some(files) {
+            return Ok(());
+        }
+        tls.reload(files).map_err(|e| {
+            resident_config::ConfigError::of_file(
+                &new.source,
+                "node.tls",
+                format!("the TLS files cannot be used: {e}"),
+            )
+        })?;
+        tracing::info!("TLS certificates reloaded: new connections use them");
+        Ok(())
+    }));
+}
+
+/// What the connections need of the agent: the limits in force (a reload
+/// changes them) and where to count.
+impl crate::connections::Host for Agent {
+    fn limits(&self) -> (usize, usize) {
+        let config = self.config();
+        (
+            config.node.max_connections,
+            config.node.max_connections_per_peer,
+        )
+    }
+
+    fn metrics(&self) -> &crate::metrics::Metrics {
+        Agent::metrics(self)
+    }
+}
+
 async fn reload_on_sighup(agent: Arc<Agent>, mut hup: Signal) {
     while hup.recv().await.is_some() {
         let me = agent.clone();

@@ -16,7 +16,7 @@ use resident_core::{InstanceId, Policy};
 use resident_supervisor::{State, SupervisorError};
 
 use super::books::{Admitted, Decision, Sleepy};
-use super::queries::unspawned;
+use super::roster::{footprint_key, workload_of};
 use super::{Agent, Started};
 
 /// When a Start answers.
@@ -555,7 +555,7 @@ impl Agent {
         // No process of the run: it was stopped before its spawn.
         Ok(match self.books.record(id) {
             Some(r) if r.generation == c.generation => self.view(id, &r),
-            _ => unspawned(id, &c.spec),
+            _ => resident_api::unspawned(id, &c.spec),
         })
     }
 }
@@ -681,20 +681,6 @@ impl Agent {
     }
 }
 
-/// The workload `name` (or alias) of `config`'s roster.
-pub(super) fn workload_of(config: &Config, name: &str) -> Result<Arc<Workload>, ApiError> {
-    if name.is_empty() {
-        return Err(ApiError::invalid(
-            "workload",
-            "must name a workload of the roster",
-        ));
-    }
-    config.workload(name).cloned().ok_or_else(|| {
-        let name = resident_core::Excerpt::of(name);
-        ApiError::NotFound(format!("no workload {name} in the roster"))
-    })
-}
-
 fn generated_id(w: &Workload, n: u64) -> InstanceId {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -703,10 +689,4 @@ fn generated_id(w: &Workload, n: u64) -> InstanceId {
     // A workload name (64 chars max) plus digits stays a valid id.
     InstanceId::new(name)
         .unwrap_or_else(|_| InstanceId::new(format!("instance-{n}")).expect("a valid id"))
-}
-
-/// What `w`'s footprint is learned for under `config`: its key, or `None`
-/// when the node does not learn (`learn_footprints = false`).
-pub(super) fn footprint_key(config: &Config, w: &Workload) -> Option<u64> {
-    config.node.learn_footprints.then(|| w.footprint_key())
 }

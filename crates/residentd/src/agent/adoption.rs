@@ -16,7 +16,8 @@ use resident_core::{InstanceId, PoolName};
 use resident_supervisor::{Adoption, Readiness, procfs};
 
 use super::Agent;
-use super::admission::{Answer, workload_of};
+use super::admission::Answer;
+use super::roster::workload_of;
 
 /// An Adopt as asked.
 #[derive(Debug, Clone)]

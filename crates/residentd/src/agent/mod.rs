@@ -46,6 +46,7 @@ mod overrun;
 mod persist;
 mod picture;
 mod queries;
+mod roster;
 mod sleep;
 mod upgrade;
 
@@ -65,6 +66,20 @@ pub struct Started {
     pub evicted: Vec<String>,
     /// Who was put to sleep to make room.
     pub slept: Vec<String>,
+}
+
+/// Something outside the agent that follows the config (`on_reload`).
+pub type ReloadHook =
+    Box<dyn Fn(&Config, &Config) -> Result<(), resident_config::ConfigError> + Send + Sync>;
+
+/// The hooks `on_reload` registered, in order.
+#[derive(Default)]
+struct ReloadHooks(Vec<ReloadHook>);
+
+impl std::fmt::Debug for ReloadHooks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} reload hooks", self.0.len())
+    }
 }
 
 /// How long shutdown waits for the supervisor's last terminal events to
@@ -97,8 +112,9 @@ pub struct Agent {
     /// Which change is on disk, or failed, and who waits for which
     /// (`durable`).
     durable: Mutex<persist::Durable>,
-    /// TLS for TCP listeners, reloaded with the config.
-    tls: Option<Arc<crate::tls::TlsServer>>,
+    /// What follows the config outside the agent (the TLS listeners'
+    /// certificates), asked at each reload before anything changes.
+    reload_hooks: Mutex<ReloadHooks>,
     /// Whether each probe-bound pool's last reading was live.
     pools_live: Mutex<std::collections::HashMap<String, bool>>,
     /// The start time of each journaled process group's leader, by
@@ -126,12 +142,6 @@ impl Agent {
     /// tokio runtime.
     pub fn new(config: Config, host: Arc<dyn MemoryProbe>) -> std::io::Result<Arc<Self>> {
         let journal = Journal::open(&config.node.state_dir)?;
-        let tls = match &config.node.tls {
-            Some(files) => Some(Arc::new(
-                crate::tls::TlsServer::new(files).map_err(std::io::Error::other)?,
-            )),
-            None => None,
-        };
         let (tx, rx) = mpsc::unbounded_channel();
         let sup_config = SupervisorConfig {
             sample_every: config.node.sample_every,
@@ -167,7 +177,7 @@ impl Agent {
             durable: Mutex::new(persist::Durable::default()),
             start_ticks: Mutex::new(std::collections::HashMap::new()),
             metrics: crate::metrics::Metrics::new(),
-            tls,
+            reload_hooks: Mutex::new(ReloadHooks::default()),
             pools_live: Mutex::new(std::collections::HashMap::new()),
             exposure: Mutex::new(exposure::Seen::default()),
             kv: Arc::new(kv::KvStore::default()),
@@ -195,10 +205,15 @@ impl Agent {
         u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
 
-    /// The TLS server configuration of TCP listeners (`[node.tls]`),
-    /// which a reload replaces.
-    pub fn tls(&self) -> Option<Arc<crate::tls::TlsServer>> {
-        self.tls.clone()
+    /// Has `hook` take each reloaded config (old, new) before the agent
+    /// does: an error refuses the reload, and nothing changes. A listener
+    /// follows its certificates this way.
+    pub fn on_reload(&self, hook: ReloadHook) {
+        self.reload_hooks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .0
+            .push(hook);
     }
 
     /// The metrics.

@@ -8,7 +8,7 @@ use resident_config::{Config, Workload};
 use resident_core::{InstanceId, Policy};
 
 use super::Agent;
-use super::admission::{footprint_key, workload_of};
+use super::roster::{footprint_key, workload_of};
 use super::books::Sleepy;
 use super::books::{Hold, Record};
 
@@ -20,7 +20,7 @@ impl Agent {
             .status(id)
             .filter(|s| s.generation == record.generation);
         let mut out = match status {
-            None if record.cancelled => unspawned(id, &record.spec),
+            None if record.cancelled => resident_api::unspawned(id, &record.spec),
             _ => resident_api::instance(id, &record.spec, status.as_ref()),
         };
         self.with_record(&mut out, record);
@@ -241,19 +241,16 @@ impl Agent {
         let new = resident_config::load(&old.source)?;
         let mut warnings = new.warnings.clone();
         warnings.extend(restart_needed(&old, &new));
-        // New certificates for new connections (the files were checked
-        // with the rest of the config).
-        if let (Some(tls), Some(files)) = (&self.tls, &new.node.tls)
-            && old.node.tls.as_ref() != Some(files)
+        // What follows the config outside the agent (new certificates for
+        // new connections) takes it first; an error changes nothing.
+        for hook in self
+            .reload_hooks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .0
+            .iter()
         {
-            tls.reload(files).map_err(|e| {
-                resident_config::ConfigError::of_file(
-                    &new.source,
-                    "node.tls",
-                    format!("the TLS files cannot be used: {e}"),
-                )
-            })?;
-            tracing::info!("TLS certificates reloaded: new connections use them");
+            hook(&old, &new)?;
         }
         for w in &warnings {
             tracing::warn!("{w}");
@@ -302,13 +299,4 @@ fn restart_needed(old: &resident_config::Config, new: &resident_config::Config) 
             format!("node.{key} changed: it takes effect at the next restart of the agent")
         })
         .collect()
-}
-
-/// A run of `id` that a Stop ended before its process was spawned.
-pub(super) fn unspawned(id: &str, spec: &resident_core::Spec) -> pb::Instance {
-    pb::Instance {
-        state: pb::State::Exited as i32,
-        message: "stopped before it was spawned".into(),
-        ..resident_api::instance(id, spec, None)
-    }
 }
