@@ -6,11 +6,12 @@
 //! (path, length, modification time) and arguments, so a reload pays
 //! nothing for a model it already projected.
 
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::io::Read as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::{Mutex, OnceLock};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant, SystemTime};
 
 /// The projection tool, looked for beside the server binary.
@@ -74,20 +75,13 @@ pub fn project(tool: &Path, ask: &Ask) -> Result<Projection, String> {
         len: meta.len(),
         modified: meta.modified().ok(),
     };
-    let cached = cache()
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .get(&key)
-        .cloned();
+    let cached = cache().lock().get(&key).cloned();
     if let Some(p) = cached {
         return Ok(p);
     }
     let out = run(tool, ask)?;
     let projection = parse(&out)?;
-    cache()
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .insert(key, projection.clone());
+    cache().lock().insert(key, projection.clone());
     Ok(projection)
 }
 

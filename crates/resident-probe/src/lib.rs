@@ -5,7 +5,7 @@
 //! Architecture invariant: a probe only reads; what a reading means for
 //! admission is the core planner's business.
 
-use std::sync::Mutex;
+use parking_lot::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A source of "bytes available now".
@@ -43,7 +43,7 @@ impl Default for HostMemory {
 
 impl MemoryProbe for HostMemory {
     fn available(&self) -> Option<u64> {
-        let mut system = self.system.lock().unwrap_or_else(|e| e.into_inner());
+        let mut system = self.system.lock();
         system.refresh_memory_specifics(sysinfo::MemoryRefreshKind::nothing().with_ram());
         // A zero total means the reading failed (no /proc/meminfo).
         (system.total_memory() > 0).then(|| system.available_memory())

@@ -2,7 +2,7 @@
 //! libnvidia-ml at run time, so this builds everywhere and fails, with a
 //! clear error, only where no NVIDIA driver is installed.
 
-use std::sync::Mutex;
+use parking_lot::Mutex;
 
 use nvml_wrapper::Nvml;
 
@@ -35,7 +35,7 @@ impl NvmlProbe {
     /// GPU memory used by `pids` (the processes NVML lists as running
     /// compute or graphics work on this device).
     fn used(&self, pids: &[u32]) -> u64 {
-        let nvml = self.nvml.lock().unwrap_or_else(|e| e.into_inner());
+        let nvml = self.nvml.lock();
         let Ok(device) = nvml.device_by_index(self.index) else {
             return 0;
         };
@@ -63,7 +63,7 @@ impl MemoryProbe for NvmlProbe {
     }
 
     fn available(&self) -> Option<u64> {
-        let nvml = self.nvml.lock().unwrap_or_else(|e| e.into_inner());
+        let nvml = self.nvml.lock();
         let device = nvml.device_by_index(self.index).ok()?;
         device.memory_info().ok().map(|m| m.free)
     }

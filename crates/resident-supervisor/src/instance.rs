@@ -19,10 +19,10 @@ use tokio::net::unix::pipe;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::{Instant, sleep, timeout};
 
-use crate::pidfd::Watched;
 use crate::cgroup::{Cgroups, RunCgroup};
 use crate::child::Child;
 use crate::logs::{LogRing, OutputPipes, PipeSpares};
+use crate::pidfd::Watched;
 use crate::spawn::{self, Ports, signal_group};
 use crate::spec::{LaunchSpec, Macros};
 use crate::status::{Exit, State, Status};
@@ -60,19 +60,16 @@ pub(crate) struct Shared {
     /// The running group's id, 0 when none (read by the memory sampler).
     pub(crate) pgid: AtomicI32,
     /// The running process's cgroup, if it has one (read by the sampler).
-    pub(crate) cgroup: std::sync::Mutex<Option<Arc<RunCgroup>>>,
+    pub(crate) cgroup: parking_lot::Mutex<Option<Arc<RunCgroup>>>,
 }
 
 impl Shared {
     pub(crate) fn cgroup(&self) -> Option<Arc<RunCgroup>> {
-        self.cgroup
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.cgroup.lock().clone()
     }
 
     fn set_cgroup(&self, cg: Option<Arc<RunCgroup>>) {
-        *self.cgroup.lock().unwrap_or_else(|e| e.into_inner()) = cg;
+        *self.cgroup.lock() = cg;
     }
 }
 

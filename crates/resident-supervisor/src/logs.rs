@@ -18,10 +18,11 @@
 //! which it holds open for reading too: its output waits in them while no
 //! agent runs, and the next agent reads on from the same paths.
 
+use parking_lot::Mutex;
 use std::collections::VecDeque;
 use std::io;
 use std::os::fd::{AsFd as _, OwnedFd};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use tokio::net::unix::pipe;
 use tokio::sync::{broadcast, oneshot};
@@ -109,7 +110,7 @@ impl LogRing {
     }
 
     fn push(&self, stream: Stream, line: String) {
-        let mut ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());
+        let mut ring = self.ring.lock();
         ring.next_seq += 1;
         let entry = LogLine {
             seq: ring.next_seq,
@@ -144,7 +145,7 @@ impl LogRing {
 
     /// The last `n` lines, oldest first.
     pub fn tail(&self, n: usize) -> Vec<LogLine> {
-        let ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());
+        let ring = self.ring.lock();
         let skip = ring.lines.len().saturating_sub(n);
         ring.lines.iter().skip(skip).cloned().collect()
     }
@@ -152,7 +153,7 @@ impl LogRing {
     /// The last `n` lines and a subscription to every later line, with no
     /// gap and no repeat between the two.
     pub fn tail_and_follow(&self, n: usize) -> (Vec<LogLine>, broadcast::Receiver<LogLine>) {
-        let mut ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());
+        let mut ring = self.ring.lock();
         let buffer = self.limits.follow_buffer.max(1);
         let rx = ring
             .followers
@@ -164,7 +165,7 @@ impl LogRing {
 
     /// Bytes of text held now (at most `limits.bytes`).
     pub fn held_bytes(&self) -> usize {
-        self.ring.lock().unwrap_or_else(|e| e.into_inner()).bytes
+        self.ring.lock().bytes
     }
 
     /// Reads a run's stdout and stderr, line by line, into the ring: one
@@ -405,8 +406,8 @@ impl PipeSpares {
         }
     }
 
-    fn spares(&self) -> std::sync::MutexGuard<'_, Vec<OutputPipes>> {
-        self.spares.lock().unwrap_or_else(|e| e.into_inner())
+    fn spares(&self) -> parking_lot::MutexGuard<'_, Vec<OutputPipes>> {
+        self.spares.lock()
     }
 
     /// A spare pair, or new pipes.

@@ -9,11 +9,12 @@
 //! spawner threads (a few, so that spawns overlap) live as long as the
 //! agent, so the signal fires exactly when the agent dies.
 
+use parking_lot::Mutex;
 use std::collections::HashSet;
 use std::io;
 use std::net::{Ipv4Addr, TcpListener};
 use std::os::fd::OwnedFd;
-use std::sync::{Arc, Mutex, OnceLock, mpsc};
+use std::sync::{Arc, OnceLock, mpsc};
 
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
@@ -52,7 +53,7 @@ fn spawner() -> &'static Mutex<mpsc::Sender<Job>> {
                     loop {
                         // One thread waits on the queue at a time; the lock
                         // is let go before the job runs.
-                        let job = rx.lock().unwrap_or_else(|e| e.into_inner()).recv();
+                        let job = rx.lock().recv();
                         match job {
                             Ok(job) => job(),
                             Err(_) => return,
@@ -110,7 +111,6 @@ pub async fn spawn(prepared: Prepared) -> io::Result<Child> {
     });
     spawner()
         .lock()
-        .unwrap_or_else(|e| e.into_inner())
         .send(job)
         .map_err(|_| io::Error::other("the spawner thread is gone"))?;
     let spawned = rx
@@ -142,12 +142,7 @@ impl Ports {
             let port = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?
                 .local_addr()?
                 .port();
-            if self
-                .held
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(port)
-            {
+            if self.held.lock().insert(port) {
                 return Ok(port);
             }
         }
@@ -159,17 +154,11 @@ impl Ports {
 
     /// Marks `port` held (a process taken over already has it).
     pub fn hold(&self, port: u16) {
-        self.held
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(port);
+        self.held.lock().insert(port);
     }
 
     /// Marks `port` free again.
     pub fn release(&self, port: u16) {
-        self.held
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&port);
+        self.held.lock().remove(&port);
     }
 }

@@ -2,19 +2,20 @@
 //! sampler, and the calls the daemon makes (start, stop, status, logs,
 //! shutdown).
 
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicI32, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 
 use crate::adopted::{AdoptActor, Adoption};
-use crate::pidfd::Watched;
 use crate::cgroup::{CgroupMode, Cgroups};
 use crate::instance::{Actor, First, Shared, StopRequest};
 use crate::logs::{LogLimits, LogRing, PipeSpares};
+use crate::pidfd::Watched;
 use crate::spawn::Ports;
 use crate::spec::LaunchSpec;
 use crate::status::{State, Status};
@@ -192,11 +193,8 @@ impl Supervisor {
         Self { inner }
     }
 
-    fn table(&self) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
-        self.inner
-            .instances
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+    fn table(&self) -> parking_lot::MutexGuard<'_, HashMap<String, Entry>> {
+        self.inner.instances.lock()
     }
 
     /// Starts an instance and answers once it is spawned (STARTING) or has
@@ -635,7 +633,7 @@ async fn sample_memory(inner: Weak<Inner>, every: Duration) {
             return;
         };
         let groups: Vec<(i32, Arc<Shared>)> = {
-            let table = inner.instances.lock().unwrap_or_else(|e| e.into_inner());
+            let table = inner.instances.lock();
             table
                 .values()
                 .map(|e| (e.shared.pgid.load(Ordering::Relaxed), e.shared.clone()))

@@ -1,8 +1,8 @@
 //! The router's metrics, under the `residentd_router_` prefix, in the
 //! OpenMetrics text format (`GET /metrics`). docs/router.md lists them.
 
+use parking_lot::Mutex;
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::Mutex;
 use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -37,10 +37,6 @@ struct WhyLabels {
 fn latency() -> Histogram {
     // 100 µs to about 53 s.
     Histogram::new(exponential_buckets(0.0001, 2.0, 20))
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Every metric of the router.
@@ -242,7 +238,7 @@ impl Metrics {
             model: model.to_string(),
         };
         self.in_flight.get_or_create(&labels).inc_by(by);
-        *lock(&self.in_flight_now).entry(labels.model).or_default() += by;
+        *self.in_flight_now.lock().entry(labels.model).or_default() += by;
         self.traffic_changed.send_modify(|n| *n += 1);
     }
 
@@ -277,7 +273,9 @@ impl Metrics {
     /// A start of `model` began (+1) or stopped (-1) waiting on holds.
     pub fn waiting(&self, model: &str, by: i64) {
         self.waiting.inc_by(by);
-        *lock(&self.waiting_now)
+        *self
+            .waiting_now
+            .lock()
             .entry(model.to_string())
             .or_default() += by;
         self.traffic_changed.send_modify(|n| *n += 1);
@@ -285,7 +283,7 @@ impl Metrics {
 
     /// A request answered: kept for the console.
     pub fn served(&self, s: Served) {
-        let mut recent = lock(&self.recent);
+        let mut recent = self.recent.lock();
         if recent.len() == RECENT_KEPT {
             recent.pop_front();
         }
@@ -298,9 +296,9 @@ impl Metrics {
     /// the last requests answered.
     pub fn traffic(&self) -> Traffic {
         Traffic {
-            in_flight: lock(&self.in_flight_now).clone(),
-            waiting: lock(&self.waiting_now).clone(),
-            recent: lock(&self.recent).iter().rev().cloned().collect(),
+            in_flight: self.in_flight_now.lock().clone(),
+            waiting: self.waiting_now.lock().clone(),
+            recent: self.recent.lock().iter().rev().cloned().collect(),
         }
     }
 

@@ -24,8 +24,9 @@
 //!   hung up) is stopped while it still loads, unless a request waits for
 //!   it again: memory is not held for a model nobody waits for.
 
+use parking_lot::{Mutex, RwLock};
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use resident_api::pb;
@@ -94,8 +95,8 @@ impl Model {
         }
     }
 
-    fn limits(&self) -> std::sync::MutexGuard<'_, (u32, Arc<Semaphore>)> {
-        self.limits.lock().unwrap_or_else(|e| e.into_inner())
+    fn limits(&self) -> parking_lot::MutexGuard<'_, (u32, Arc<Semaphore>)> {
+        self.limits.lock()
     }
 
     fn set_limit(&self, limit: u32) {
@@ -189,11 +190,7 @@ impl Drop for Held {
         let models = self.models.clone();
         let model = self.model.clone();
         models.metrics.in_flight(&model.name, -1);
-        let mut tasks = self
-            .models
-            .releasing
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut tasks = self.models.releasing.lock();
         while tasks.try_join_next().is_some() {}
         tasks.spawn(async move { models.unhold(&model).await });
     }
@@ -226,7 +223,7 @@ impl Models {
     /// Reads the roster again from the agent.
     pub async fn refresh(&self) -> Result<(), tonic::Status> {
         let workloads = self.agent.workloads().await?;
-        let mut roster = self.roster.write().unwrap_or_else(|e| e.into_inner());
+        let mut roster = self.roster.write();
         let mut by_name = HashMap::new();
         for w in &workloads {
             let model = roster
@@ -253,15 +250,11 @@ impl Models {
 
     /// The roster's workloads.
     pub fn workloads(&self) -> Vec<pb::Workload> {
-        self.roster
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .workloads
-            .clone()
+        self.roster.read().workloads.clone()
     }
 
     fn lookup(&self, name: &str) -> Option<Arc<Model>> {
-        let roster = self.roster.read().unwrap_or_else(|e| e.into_inner());
+        let roster = self.roster.read();
         roster.by_name.get(name).cloned()
     }
 
@@ -272,11 +265,7 @@ impl Models {
         if let Some(m) = self.lookup(name) {
             return Ok(m);
         }
-        let read_at = self
-            .roster
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .read_at;
+        let read_at = self.roster.read().read_at;
         if read_at.is_none_or(|t| t.elapsed() >= REREAD) {
             self.refresh()
                 .await
@@ -440,8 +429,8 @@ impl Models {
         }
     }
 
-    fn blocking_lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Vec<Instant>>> {
-        self.blocking.lock().unwrap_or_else(|e| e.into_inner())
+    fn blocking_lock(&self) -> parking_lot::MutexGuard<'_, HashMap<String, Vec<Instant>>> {
+        self.blocking.lock()
     }
 
     /// Whether a start has waited `swap_after` for memory that `name`'s
@@ -569,7 +558,7 @@ impl Models {
         loop {
             every.tick().await;
             let models: Vec<Arc<Model>> = {
-                let roster = self.roster.read().unwrap_or_else(|e| e.into_inner());
+                let roster = self.roster.read();
                 roster.all.values().cloned().collect()
             };
             for m in models {
@@ -583,8 +572,7 @@ impl Models {
 
     /// Waits until every hold release already begun has been sent.
     pub async fn settle(&self) {
-        let mut tasks =
-            std::mem::take(&mut *self.releasing.lock().unwrap_or_else(|e| e.into_inner()));
+        let mut tasks = std::mem::take(&mut *self.releasing.lock());
         while tasks.join_next().await.is_some() {}
     }
 }

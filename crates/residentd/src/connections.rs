@@ -17,13 +17,14 @@
 //! The limits are read from the configuration at each accept, so a reload
 //! changes them for new connections.
 
+use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::future::Future;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -100,8 +101,8 @@ impl Connections {
         })
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Open> {
-        self.open.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self) -> parking_lot::MutexGuard<'_, Open> {
+        self.open.lock()
     }
 
     /// A slot for a new connection of `peer`, or `None` (logged and

@@ -7,8 +7,8 @@
 //! upgrade: a client that kept a revision of another epoch (the agent
 //! crashed and began again at 0) must not resume from it.
 
+use parking_lot::Mutex;
 use std::collections::VecDeque;
-use std::sync::Mutex;
 
 use resident_api::pb;
 use tokio::sync::broadcast;
@@ -81,8 +81,8 @@ impl EventLog {
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self) -> parking_lot::MutexGuard<'_, Inner> {
+        self.inner.lock()
     }
 
     /// Publishes `event` with the next revision; returns the revision.

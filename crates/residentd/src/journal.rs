@@ -40,13 +40,13 @@
 //! the file as found is kept aside beside it
 //! (`instances.journal.damaged-UNIXTIME`) for the operator.
 
+use parking_lot::Mutex;
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 use std::fs::File;
 use std::io::Write as _;
 use std::os::unix::fs::MetadataExt as _;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 
 use nix::sys::signal::Signal;
 use resident_supervisor::procfs;
@@ -267,7 +267,7 @@ impl Journal {
             .into_iter()
             .map(|l| (l.workload.clone(), l))
             .collect();
-        let mut log = self.log.lock().unwrap_or_else(|e| e.into_inner());
+        let mut log = self.log.lock();
         let live = entries.len() + learned.len();
         if let Some(l) = log.as_mut()
             && let Some((mut text, mut n)) = l.delta(&entries)

@@ -6,7 +6,8 @@
 //! run side by side, each bounded, within the connection limits of
 //! `connections.rs`, so a client that stalls one delays nobody else.
 
-use std::sync::{Arc, RwLock};
+use parking_lot::RwLock;
+use std::sync::Arc;
 
 use resident_config::TlsFiles;
 use rustls::ServerConfig;
@@ -39,12 +40,12 @@ impl TlsServer {
     /// what they shook hands with.
     pub fn reload(&self, files: &TlsFiles) -> anyhow::Result<()> {
         let config = server_config(files)?;
-        *self.config.write().unwrap_or_else(|e| e.into_inner()) = config;
+        *self.config.write() = config;
         Ok(())
     }
 
     fn acceptor(&self) -> TlsAcceptor {
-        let config = self.config.read().unwrap_or_else(|e| e.into_inner());
+        let config = self.config.read();
         TlsAcceptor::from(config.clone())
     }
 

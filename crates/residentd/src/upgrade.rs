@@ -18,11 +18,12 @@
 //! afresh (`/proc/self/exe`) with the same listeners: it takes its
 //! instances over again as after a crash, at the same pid.
 
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::ffi::CString;
 use std::os::fd::{AsRawFd as _, BorrowedFd, FromRawFd as _, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, OnceLock};
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use nix::fcntl::{FcntlArg, FdFlag, fcntl};
@@ -78,10 +79,7 @@ fn handed() -> &'static Mutex<Vec<(String, OwnedFd)>> {
 /// Keeps a copy of listening socket `fd` under `key`, for the next agent.
 pub fn keep_listener(key: String, fd: BorrowedFd<'_>) -> std::io::Result<()> {
     let copy = fd.try_clone_to_owned()?;
-    handed()
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .push((key, copy));
+    handed().lock().push((key, copy));
     Ok(())
 }
 
@@ -227,7 +225,7 @@ fn trusted_binary(bin: &std::path::Path) -> Result<(), String> {
 
 /// The `RESIDENTD_INHERIT` text naming every handed-over listener.
 fn inherit_text() -> String {
-    let handed = handed().lock().unwrap_or_else(|e| e.into_inner());
+    let handed = handed().lock();
     handed
         .iter()
         .map(|(key, fd)| format!("{}:{key}\n", fd.as_raw_fd()))
@@ -236,7 +234,7 @@ fn inherit_text() -> String {
 
 /// The raw numbers of the handed-over listeners.
 fn handed_fds() -> Vec<RawFd> {
-    let handed = handed().lock().unwrap_or_else(|e| e.into_inner());
+    let handed = handed().lock();
     handed.iter().map(|(_, fd)| fd.as_raw_fd()).collect()
 }
 

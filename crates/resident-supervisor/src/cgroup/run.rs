@@ -5,12 +5,13 @@
 //! are opened once per cgroup and read in place (one `pread`): every start
 //! and stop reads them, and a reused cgroup keeps them open.
 
+use parking_lot::Mutex;
 use std::fs::{self, File};
 use std::io;
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::FileExt as _;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::{at_path, write};
@@ -48,7 +49,7 @@ impl Counter {
     /// path made only when the file is not open yet); 0 when the file or
     /// the key cannot be read.
     fn read(&self, path: impl FnOnce() -> PathBuf, key: &str) -> u64 {
-        let mut file = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut file = self.0.lock();
         if file.is_none() {
             *file = File::open(path()).ok();
         }

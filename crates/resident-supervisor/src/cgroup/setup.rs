@@ -21,7 +21,7 @@ pub struct Cgroups {
     next: AtomicU64,
     /// Emptied run cgroups kept for the next runs: making and removing a
     /// cgroup costs the kernel far more than a spawn does.
-    spare: std::sync::Mutex<Vec<RunCgroup>>,
+    spare: parking_lot::Mutex<Vec<RunCgroup>>,
     /// Whose runs outlive their agent ("": they do not).
     lineage: String,
 }
@@ -110,7 +110,7 @@ impl Cgroups {
             v2_memory,
             v1_memory,
             next: AtomicU64::new(0),
-            spare: std::sync::Mutex::new(Vec::new()),
+            spare: parking_lot::Mutex::new(Vec::new()),
             lineage,
         })
     }
@@ -125,8 +125,8 @@ impl Cgroups {
         self.v2.iter().chain(self.v1_memory.iter())
     }
 
-    fn spares(&self) -> std::sync::MutexGuard<'_, Vec<RunCgroup>> {
-        self.spare.lock().unwrap_or_else(|e| e.into_inner())
+    fn spares(&self) -> parking_lot::MutexGuard<'_, Vec<RunCgroup>> {
+        self.spare.lock()
     }
 
     /// The cgroups of one run, with memory `limit`: an emptied one of an

@@ -10,8 +10,9 @@
 //! reach) it is resumed from the last revision seen, or from the agent's
 //! current one when that is no longer kept.
 
+use parking_lot::Mutex;
 use std::collections::VecDeque;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use resident_api::pb;
@@ -48,13 +49,9 @@ impl Feed {
         });
         // Under the lock the watcher keeps and sends under: no event is
         // both in the copy and received, or in neither.
-        let kept = lock(&self.kept);
+        let kept = self.kept.lock();
         (kept.iter().cloned().collect(), live.subscribe())
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Follows the agent for as long as the router runs.
@@ -111,7 +108,7 @@ async fn watch(
             }
             last = Some(e.revision);
             let v = Arc::new(stamped(&e, e.revision > heard_from));
-            let mut k = lock(&kept);
+            let mut k = kept.lock();
             if k.len() == KEPT {
                 k.pop_front();
             }

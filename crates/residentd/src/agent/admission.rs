@@ -642,7 +642,6 @@ impl Agent {
         let (tx, rx) = tokio::sync::watch::channel(false);
         self.restoring
             .lock()
-            .unwrap_or_else(|e| e.into_inner())
             .insert((id.to_string(), generation), rx);
         let (me, id, w) = (self.clone(), id.to_string(), w.clone());
         tokio::spawn(async move {
@@ -659,10 +658,7 @@ impl Agent {
                     .kv(counts.saved, counts.restored, counts.failed, counts.evicted);
             }
             let _ = tx.send(true);
-            me.restoring
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(&(id, generation));
+            me.restoring.lock().remove(&(id, generation));
         });
     }
 
@@ -672,7 +668,6 @@ impl Agent {
         let rx = self
             .restoring
             .lock()
-            .unwrap_or_else(|e| e.into_inner())
             .get(&(id.to_string(), generation))
             .cloned();
         if let Some(mut rx) = rx {

@@ -15,8 +15,9 @@
 //! Nothing under the lock makes a system call, writes the journal or calls
 //! into the supervisor.
 
+use parking_lot::{Mutex, MutexGuard};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 
 use resident_config::Config;
 use resident_core::{InstanceId, NodeState, Spec};
@@ -133,7 +134,7 @@ impl Books {
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+        self.inner.lock()
     }
 
     /// From now on nothing the agent decides by itself begins: no idle

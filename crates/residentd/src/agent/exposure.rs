@@ -264,7 +264,7 @@ impl Agent {
         }
         let me = self.clone();
         let found = tokio::task::spawn_blocking(move || {
-            let mut seen = me.exposure.lock().unwrap_or_else(|e| e.into_inner());
+            let mut seen = me.exposure.lock();
             seen.look(guarded)
         })
         .await

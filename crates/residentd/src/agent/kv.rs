@@ -19,9 +19,10 @@
 //! A save or restore that fails never fails the stop or the start: it is
 //! counted and logged.
 
+use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use resident_config::{Config, Workload};
@@ -154,7 +155,7 @@ impl KvStore {
         now: Instant,
         after: Duration,
     ) -> bool {
-        let mut quiet = self.quiet.lock().unwrap_or_else(|e| e.into_inner());
+        let mut quiet = self.quiet.lock();
         let q = quiet
             .entry((id.to_string(), generation))
             .or_insert_with(|| Quiet {
@@ -177,12 +178,12 @@ impl KvStore {
 
     /// Forgets the runs `keep` does not name (ended, or no longer followed).
     pub(super) fn forget_runs(&self, keep: impl Fn(&str, u64) -> bool) {
-        let mut quiet = self.quiet.lock().unwrap_or_else(|e| e.into_inner());
+        let mut quiet = self.quiet.lock();
         quiet.retain(|(id, generation), _| keep(id, *generation));
     }
 
-    fn disks(&self) -> std::sync::MutexGuard<'_, Disks> {
-        self.disks.lock().unwrap_or_else(|e| e.into_inner())
+    fn disks(&self) -> parking_lot::MutexGuard<'_, Disks> {
+        self.disks.lock()
     }
 
     /// Makes the directory `w`'s server saves into (0700), where missing:

@@ -25,11 +25,7 @@ impl Agent {
     /// slow driver never holds one of the runtime's threads; a node of host
     /// pools only reads /proc/meminfo (one small read) in place.
     pub(super) async fn refresh_probes_async(self: &Arc<Self>, config: &Arc<Config>) {
-        let devices = !self
-            .devices
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_empty();
+        let devices = !self.devices.read().is_empty();
         if !devices {
             self.refresh_probes_with(config);
             return;
@@ -47,7 +43,6 @@ impl Agent {
             available: self
                 .devices
                 .read()
-                .unwrap_or_else(|e| e.into_inner())
                 .iter()
                 .map(|(pool, probe)| (pool.clone(), probe.available()))
                 .collect(),
@@ -91,7 +86,7 @@ impl Agent {
     /// budget stands in) and when it comes back: a log line, a POOL event
     /// and the metrics, once per change.
     fn probe_health(&self, available: &[(String, Option<u64>)]) {
-        let mut live = self.pools_live.lock().unwrap_or_else(|e| e.into_inner());
+        let mut live = self.pools_live.lock();
         for (pool, reading) in available {
             let now = reading.is_some();
             let before = live.insert(pool.clone(), now);
@@ -122,7 +117,6 @@ impl Agent {
         let probes: Vec<(String, Arc<dyn resident_probe::MemoryProbe>)> = self
             .devices
             .read()
-            .unwrap_or_else(|e| e.into_inner())
             .iter()
             .filter(|(_, probe)| probe.used_by(&[]).is_some())
             .cloned()
@@ -167,7 +161,7 @@ impl Agent {
                 }
             }
         }
-        *self.devices.write().unwrap_or_else(|e| e.into_inner()) = probes;
+        *self.devices.write() = probes;
     }
     /// The live reading of `pool`, if it has a probe that answers. Called
     /// on a blocking thread (`await_memory_back`).
@@ -176,7 +170,6 @@ impl Agent {
         let device = self
             .devices
             .read()
-            .unwrap_or_else(|e| e.into_inner())
             .iter()
             .find(|(name, _)| name == pool)
             .map(|(_, probe)| probe.clone());

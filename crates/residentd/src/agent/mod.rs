@@ -21,8 +21,9 @@
 
 #![warn(clippy::disallowed_methods)]
 
+use parking_lot::{Mutex, RwLock};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use resident_api::pb;
@@ -195,10 +196,7 @@ impl Agent {
     /// The configuration in force. A request takes it once and decides on
     /// that one snapshot, so a reload never mixes two configs in it.
     pub fn config(&self) -> Arc<Config> {
-        self.config
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.config.read().clone()
     }
 
     fn now_ms(&self) -> u64 {
@@ -209,11 +207,7 @@ impl Agent {
     /// does: an error refuses the reload, and nothing changes. A listener
     /// follows its certificates this way.
     pub fn on_reload(&self, hook: ReloadHook) {
-        self.reload_hooks
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .0
-            .push(hook);
+        self.reload_hooks.lock().0.push(hook);
     }
 
     /// The metrics.

@@ -263,8 +263,8 @@ impl Agent {
             .map(|(_, why)| why.clone())
     }
 
-    fn durable_state(&self) -> std::sync::MutexGuard<'_, Durable> {
-        self.durable.lock().unwrap_or_else(|e| e.into_inner())
+    fn durable_state(&self) -> parking_lot::MutexGuard<'_, Durable> {
+        self.durable.lock()
     }
 
     /// Waits until the journal on disk holds change `change` (and every
@@ -305,7 +305,7 @@ impl Agent {
     /// set only the sealing write (at shutdown) goes through, so a late
     /// background write can never replace what shutdown wrote.
     pub(super) fn write_journal_now(&self, sealing: bool) {
-        let _one_writer = self.journal_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _one_writer = self.journal_lock.lock();
         if !sealing && self.closing.load(Ordering::Acquire) {
             return;
         }
@@ -356,7 +356,7 @@ impl Agent {
         // not tell, it is read from /proc once per process, not at every
         // write: a storm of starts writes often. Called only by the one
         // journal writer (under `journal_lock`).
-        let mut known = self.start_ticks.lock().unwrap_or_else(|e| e.into_inner());
+        let mut known = self.start_ticks.lock();
         // Ended runs' readings go now and then, not at every write.
         if known.len() > 2 * live.len() + 64 {
             let ids: std::collections::HashSet<&str> = live.iter().map(|r| r.id.as_str()).collect();

@@ -8,9 +8,9 @@ use resident_config::{Config, Workload};
 use resident_core::{InstanceId, Policy};
 
 use super::Agent;
-use super::roster::{footprint_key, workload_of};
 use super::books::Sleepy;
 use super::books::{Hold, Record};
+use super::roster::{footprint_key, workload_of};
 
 impl Agent {
     /// An instance as its record and its current run say.
@@ -243,13 +243,7 @@ impl Agent {
         warnings.extend(restart_needed(&old, &new));
         // What follows the config outside the agent (new certificates for
         // new connections) takes it first; an error changes nothing.
-        for hook in self
-            .reload_hooks
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .0
-            .iter()
-        {
+        for hook in self.reload_hooks.lock().0.iter() {
             hook(&old, &new)?;
         }
         for w in &warnings {
@@ -258,7 +252,7 @@ impl Agent {
         // The agent's snapshot first, then the books': an admission
         // decided on either old snapshot meanwhile is decided again.
         let new = Arc::new(new);
-        *self.config.write().unwrap_or_else(|e| e.into_inner()) = new.clone();
+        *self.config.write() = new.clone();
         self.books.reconfigure(&new);
         self.kv.configure(&new);
         self.open_device_probes();

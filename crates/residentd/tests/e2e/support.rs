@@ -316,10 +316,10 @@ type Left = (i32, i32, u64);
 /// journaled yet is nobody's. Killed when the test's last Daemon on that
 /// state is dropped (`kill_remembered`), never before: what the test
 /// checks after a kill -9 is the agents' doing.
-static LEFT: std::sync::Mutex<Vec<(PathBuf, Vec<Left>)>> = std::sync::Mutex::new(Vec::new());
+static LEFT: parking_lot::Mutex<Vec<(PathBuf, Vec<Left>)>> = parking_lot::Mutex::new(Vec::new());
 
 fn remember(state: &Path, left: Vec<Left>) {
-    let mut all = LEFT.lock().unwrap_or_else(|e| e.into_inner());
+    let mut all = LEFT.lock();
     all.push((state.to_path_buf(), left));
 }
 
@@ -327,7 +327,7 @@ fn remember(state: &Path, left: Vec<Left>) {
 /// process, by its start time): its process group where it leads one.
 fn kill_remembered(state: &Path) {
     let left: Vec<Left> = {
-        let mut all = LEFT.lock().unwrap_or_else(|e| e.into_inner());
+        let mut all = LEFT.lock();
         let (mine, rest): (Vec<_>, Vec<_>) = all.drain(..).partition(|(s, _)| s == state);
         *all = rest;
         mine.into_iter().flat_map(|(_, left)| left).collect()

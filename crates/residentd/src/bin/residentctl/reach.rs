@@ -8,13 +8,14 @@
 //! TLS, does it speak plaintext HTTP/2, which names its certificate has.
 //! Nothing here runs on a connection that works.
 
+use parking_lot::Mutex;
 use std::error::Error;
 use std::fmt::Write as _;
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::os::unix::fs::{FileTypeExt as _, MetadataExt as _};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
@@ -506,11 +507,7 @@ impl Tcp<'_> {
             connector.connect(server, tcp).await
         })
         .await;
-        recorder
-            .seen
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
+        recorder.seen.lock().take()
     }
 }
 
@@ -531,8 +528,7 @@ impl ServerCertVerifier for Recorder {
         _ocsp_response: &[u8],
         _now: UnixTime,
     ) -> Result<ServerCertVerified, rustls::Error> {
-        *self.seen.lock().unwrap_or_else(|e| e.into_inner()) =
-            Some(end_entity.clone().into_owned());
+        *self.seen.lock() = Some(end_entity.clone().into_owned());
         Err(rustls::Error::General("only looking".into()))
     }
 
