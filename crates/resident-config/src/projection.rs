@@ -6,13 +6,14 @@
 //! (path, length, modification time) and arguments, so a reload pays
 //! nothing for a model it already projected.
 
-use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::io::Read as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant, SystemTime};
+
+use parking_lot::Mutex;
 
 /// The projection tool, looked for beside the server binary.
 pub const TOOL: &str = "llama-fit-params";

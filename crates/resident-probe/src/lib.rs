@@ -5,8 +5,9 @@
 //! Architecture invariant: a probe only reads; what a reading means for
 //! admission is the core planner's business.
 
-use parking_lot::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+
+use parking_lot::Mutex;
 
 /// A source of "bytes available now".
 pub trait MemoryProbe: Send + Sync + std::fmt::Debug {

@@ -18,12 +18,12 @@
 //! which it holds open for reading too: its output waits in them while no
 //! agent runs, and the next agent reads on from the same paths.
 
-use parking_lot::Mutex;
 use std::collections::VecDeque;
 use std::io;
 use std::os::fd::{AsFd as _, OwnedFd};
 use std::sync::Arc;
 
+use parking_lot::Mutex;
 use tokio::net::unix::pipe;
 use tokio::sync::{broadcast, oneshot};
 

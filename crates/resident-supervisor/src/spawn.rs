@@ -9,7 +9,6 @@
 //! spawner threads (a few, so that spawns overlap) live as long as the
 //! agent, so the signal fires exactly when the agent dies.
 
-use parking_lot::Mutex;
 use std::collections::HashSet;
 use std::io;
 use std::net::{Ipv4Addr, TcpListener};
@@ -18,6 +17,7 @@ use std::sync::{Arc, OnceLock, mpsc};
 
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
+use parking_lot::Mutex;
 use tokio::sync::oneshot;
 
 use crate::child::{Child, Prepared, clone_exec};

@@ -2,12 +2,12 @@
 //! sampler, and the calls the daemon makes (start, stop, status, logs,
 //! shutdown).
 
-use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
+use parking_lot::Mutex;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 

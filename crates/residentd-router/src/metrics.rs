@@ -1,10 +1,10 @@
 //! The router's metrics, under the `residentd_router_` prefix, in the
 //! OpenMetrics text format (`GET /metrics`). docs/router.md lists them.
 
-use parking_lot::Mutex;
 use std::collections::{BTreeMap, VecDeque};
 use std::time::Duration;
 
+use parking_lot::Mutex;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;

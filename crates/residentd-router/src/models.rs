@@ -24,11 +24,11 @@
 //!   hung up) is stopped while it still loads, unless a request waits for
 //!   it again: memory is not held for a model nobody waits for.
 
-use parking_lot::{Mutex, RwLock};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use parking_lot::{Mutex, RwLock};
 use resident_api::pb;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 

@@ -17,7 +17,6 @@
 //! The limits are read from the configuration at each accept, so a reload
 //! changes them for new connections.
 
-use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::future::Future;
@@ -28,6 +27,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use parking_lot::Mutex;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_stream::wrappers::ReceiverStream;

@@ -7,9 +7,9 @@
 //! upgrade: a client that kept a revision of another epoch (the agent
 //! crashed and began again at 0) must not resume from it.
 
-use parking_lot::Mutex;
 use std::collections::VecDeque;
 
+use parking_lot::Mutex;
 use resident_api::pb;
 use tokio::sync::broadcast;
 

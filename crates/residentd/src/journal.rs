@@ -40,7 +40,6 @@
 //! the file as found is kept aside beside it
 //! (`instances.journal.damaged-UNIXTIME`) for the operator.
 
-use parking_lot::Mutex;
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 use std::fs::File;
@@ -48,8 +47,8 @@ use std::io::Write as _;
 use std::os::unix::fs::MetadataExt as _;
 use std::path::{Path, PathBuf};
 
-use nix::sys::signal::Signal;
-use resident_supervisor::procfs;
+use parking_lot::Mutex;
+use resident_supervisor::Leftover;
 
 /// One journaled instance.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -632,34 +631,19 @@ pub fn start_afresh(state_dir: &Path) -> std::io::Result<usize> {
     Ok(entries.len())
 }
 
-/// Kills what is left of each entry's process group from a previous run,
-/// after one scan of the process table. Returns how many processes were
-/// signalled. A group is ours when its leader still runs with the
-/// recorded start time, or when the leader is gone but members remain (a
-/// live group id cannot be reused as a pid). Adopted processes are never
-/// touched.
+/// SIGKILLs what is left of each entry's process group from a previous
+/// run (`resident_supervisor::kill_leftovers`); adopted processes are
+/// never touched. Returns how many processes were signalled.
 pub fn kill_leftovers(entries: &[Entry]) -> usize {
-    let table = procfs::scan();
-    let mut killed = 0;
-    for entry in entries {
-        if entry.pgid <= 1 || entry.adopted.is_some() {
-            continue;
-        }
-        let leader = table.iter().find(|p| p.pid == entry.pgid);
-        if leader.is_some_and(|l| l.start_ticks != entry.start_ticks) {
-            continue;
-        }
-        let members = table
-            .iter()
-            .filter(|p| p.pgrp == entry.pgid && p.state != 'Z')
-            .count();
-        if members > 0 {
-            let pgid = nix::unistd::Pid::from_raw(entry.pgid);
-            let _ = nix::sys::signal::killpg(pgid, Signal::SIGKILL);
-            killed += members;
-        }
-    }
-    killed
+    let groups: Vec<Leftover> = entries
+        .iter()
+        .filter(|e| e.adopted.is_none())
+        .map(|e| Leftover {
+            pgid: e.pgid,
+            start_ticks: e.start_ticks,
+        })
+        .collect();
+    resident_supervisor::kill_leftovers(&groups)
 }
 
 #[cfg(test)]

@@ -6,9 +6,9 @@
 //! run side by side, each bounded, within the connection limits of
 //! `connections.rs`, so a client that stalls one delays nobody else.
 
-use parking_lot::RwLock;
 use std::sync::Arc;
 
+use parking_lot::RwLock;
 use resident_config::TlsFiles;
 use rustls::ServerConfig;
 use rustls::pki_types::pem::PemObject as _;

@@ -18,7 +18,6 @@
 //! afresh (`/proc/self/exe`) with the same listeners: it takes its
 //! instances over again as after a crash, at the same pid.
 
-use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::ffi::CString;
 use std::os::fd::{AsRawFd as _, BorrowedFd, FromRawFd as _, OwnedFd, RawFd};
@@ -27,6 +26,7 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use nix::fcntl::{FcntlArg, FdFlag, fcntl};
+use parking_lot::Mutex;
 use tokio::io::AsyncBufReadExt as _;
 
 /// Listening sockets inherited from the agent this one replaces.

@@ -5,7 +5,6 @@
 //! are opened once per cgroup and read in place (one `pread`): every start
 //! and stop reads them, and a reused cgroup keeps them open.
 
-use parking_lot::Mutex;
 use std::fs::{self, File};
 use std::io;
 use std::os::fd::OwnedFd;
@@ -13,6 +12,8 @@ use std::os::unix::fs::FileExt as _;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
+
+use parking_lot::Mutex;
 
 use super::{at_path, write};
 

@@ -10,11 +10,11 @@
 //! reach) it is resumed from the last revision seen, or from the agent's
 //! current one when that is no longer kept.
 
-use parking_lot::Mutex;
 use std::collections::VecDeque;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+use parking_lot::Mutex;
 use resident_api::pb;
 use serde_json::{Value, json};
 use tokio::sync::broadcast;

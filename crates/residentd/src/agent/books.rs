@@ -15,10 +15,10 @@
 //! Nothing under the lock makes a system call, writes the journal or calls
 //! into the supervisor.
 
-use parking_lot::{Mutex, MutexGuard};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
+use parking_lot::{Mutex, MutexGuard};
 use resident_config::Config;
 use resident_core::{InstanceId, NodeState, Spec};
 use tokio::sync::oneshot;

@@ -19,12 +19,12 @@
 //! A save or restore that fails never fails the stop or the start: it is
 //! counted and logged.
 
-use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
+use parking_lot::Mutex;
 use resident_config::{Config, Workload};
 
 use super::http::{get_json, post_json};

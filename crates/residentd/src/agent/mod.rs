@@ -21,11 +21,11 @@
 
 #![warn(clippy::disallowed_methods)]
 
-use parking_lot::{Mutex, RwLock};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use parking_lot::{Mutex, RwLock};
 use resident_api::pb;
 use resident_config::Config;
 use resident_probe::MemoryProbe;
@@ -123,7 +123,7 @@ pub struct Agent {
     start_ticks: Mutex<std::collections::HashMap<String, persist::Ticks>>,
     metrics: crate::metrics::Metrics,
     /// Where an upgrade stands (`upgrade.rs`).
-    upgrade: tokio::sync::watch::Sender<u8>,
+    upgrade: tokio::sync::watch::Sender<upgrade::Stage>,
     /// What the exposure guard saw at its last look.
     exposure: Mutex<exposure::Seen>,
     /// The disk pools and the conversations saved in them (`keep_kv`).
@@ -168,7 +168,7 @@ impl Agent {
             id_seq: AtomicU64::new(0),
             closing: AtomicBool::new(false),
             closed: tokio::sync::watch::Sender::new(false),
-            upgrade: tokio::sync::watch::Sender::new(0),
+            upgrade: tokio::sync::watch::Sender::new(upgrade::Stage::Idle),
             figures_moved: tokio::sync::watch::Sender::new(0),
             roster_generation: AtomicU64::new(0),
             journal,

@@ -13,14 +13,19 @@ use resident_api::{ApiError, pb};
 
 use super::Agent;
 
-/// No upgrade.
-const IDLE: u8 = 0;
-/// The new binary is being checked: changes are refused.
-const CHECKING: u8 = 1;
-/// Everything is being handed over: the listeners stop accepting.
-const HANDING_OVER: u8 = 2;
-/// The next agent serves.
-const UPGRADED: u8 = 3;
+/// Where an upgrade stands, in the order it goes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord)]
+pub(super) enum Stage {
+    /// No upgrade.
+    #[default]
+    Idle,
+    /// The new binary is being checked: changes are refused.
+    Checking,
+    /// Everything is being handed over: the listeners stop accepting.
+    HandingOver,
+    /// The next agent serves.
+    Upgraded,
+}
 
 /// Starts admitted before the upgrade began get this long to be spawned.
 const SETTLE_BOUND: Duration = Duration::from_secs(30);
@@ -57,14 +62,14 @@ impl Agent {
 
     /// Whether an upgrade is under way (changes are refused meanwhile).
     pub fn upgrading(&self) -> bool {
-        *self.upgrade.borrow() != IDLE
+        *self.upgrade.borrow() != Stage::Idle
     }
 
     /// Resolves once an upgrade has begun to hand everything over.
     pub fn handing_over(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
         let mut rx = self.upgrade.subscribe();
         async move {
-            let _ = rx.wait_for(|s| *s >= HANDING_OVER).await;
+            let _ = rx.wait_for(|s| *s >= Stage::HandingOver).await;
         }
     }
 
@@ -72,7 +77,7 @@ impl Agent {
     pub fn upgraded(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
         let mut rx = self.upgrade.subscribe();
         async move {
-            let _ = rx.wait_for(|s| *s == UPGRADED).await;
+            let _ = rx.wait_for(|s| *s == Stage::Upgraded).await;
         }
     }
 
@@ -89,9 +94,9 @@ impl Agent {
             ));
         }
         let began = self.upgrade.send_if_modified(|s| {
-            let idle = *s == IDLE;
+            let idle = *s == Stage::Idle;
             if idle {
-                *s = CHECKING;
+                *s = Stage::Checking;
             }
             idle
         });
@@ -101,7 +106,7 @@ impl Agent {
             ));
         }
         let back = |e: ApiError| {
-            self.upgrade.send_replace(IDLE);
+            self.upgrade.send_replace(Stage::Idle);
             Err(e)
         };
         let new_version = match crate::upgrade::check_next().await {
@@ -130,7 +135,7 @@ impl Agent {
         }
         // From here on this process image ends: the next agent serves, or
         // this one runs afresh.
-        self.upgrade.send_replace(HANDING_OVER);
+        self.upgrade.send_replace(Stage::HandingOver);
         // Nothing the agent decides by itself (an idle sleep or stop, a
         // lease's expiry) begins after the journal below.
         self.books.close();
@@ -156,7 +161,7 @@ impl Agent {
         match crate::upgrade::start_next().await {
             Ok(next) => {
                 crate::upgrade::hand_main_pid(next.pid);
-                self.upgrade.send_replace(UPGRADED);
+                self.upgrade.send_replace(Stage::Upgraded);
                 tracing::info!(pid = next.pid, version = %next.version, "the upgraded agent serves");
                 Ok(pb::UpgradeResponse {
                     old_version,

@@ -8,7 +8,6 @@
 //! TLS, does it speak plaintext HTTP/2, which names its certificate has.
 //! Nothing here runs on a connection that works.
 
-use parking_lot::Mutex;
 use std::error::Error;
 use std::fmt::Write as _;
 use std::io;
@@ -18,6 +17,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use parking_lot::Mutex;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::pki_types::pem::PemObject as _;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
