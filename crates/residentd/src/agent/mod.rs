@@ -8,7 +8,10 @@
 //! run's end releases its memory) and runs the periodic work; `queries.rs`
 //! answers Get, List, Place, Touch and reload; `adoption.rs` enters a
 //! server started elsewhere (Adopt); `memory.rs` feeds probe
-//! readings; `persist.rs` keeps the journal and makes answers durable;
+//! readings; `durability.rs` (a room with walls: it imports nothing of
+//! the agent) numbers changes, writes the journal with group commit and
+//! settles who waits for what; `persist.rs` composes what the journal
+//! holds and restores from it;
 //! `sleep.rs` puts servers to sleep and wakes them (`[workload.sleep]`);
 //! `exposure.rs` stops servers that listen beyond loopback where their
 //! workload says `expose = "loopback"` (and reports adopted ones);
@@ -38,6 +41,7 @@ use crate::journal::Journal;
 mod admission;
 mod adoption;
 mod books;
+mod durability;
 mod exposure;
 mod follower;
 mod http;
@@ -103,16 +107,8 @@ pub struct Agent {
     closing: AtomicBool,
     /// Flips to true when shutdown begins; long streams end on it.
     closed: tokio::sync::watch::Sender<bool>,
-    journal: Journal,
-    /// Wakes the journal writer.
-    journal_dirty: tokio::sync::Notify,
-    /// One journal write at a time (see `write_journal_now`).
-    journal_lock: Mutex<()>,
-    /// Numbers the changes the journal must record (`persist`).
-    journal_changes: AtomicU64,
-    /// Which change is on disk, or failed, and who waits for which
-    /// (`durable`).
-    durable: Mutex<persist::Durable>,
+    /// The journal, change numbers and durable answers (`durability.rs`).
+    durability: durability::Durability,
     /// What follows the config outside the agent (the TLS listeners'
     /// certificates), asked at each reload before anything changes.
     reload_hooks: Mutex<ReloadHooks>,
@@ -171,11 +167,7 @@ impl Agent {
             upgrade: tokio::sync::watch::Sender::new(upgrade::Stage::Idle),
             figures_moved: tokio::sync::watch::Sender::new(0),
             roster_generation: AtomicU64::new(0),
-            journal,
-            journal_dirty: tokio::sync::Notify::new(),
-            journal_lock: Mutex::new(()),
-            journal_changes: AtomicU64::new(0),
-            durable: Mutex::new(persist::Durable::default()),
+            durability: durability::Durability::new(journal),
             start_ticks: Mutex::new(std::collections::HashMap::new()),
             metrics: crate::metrics::Metrics::new(),
             reload_hooks: Mutex::new(ReloadHooks::default()),
@@ -241,6 +233,7 @@ impl Agent {
     pub async fn shutdown(&self) {
         self.books.close();
         self.closing.store(true, Ordering::Release);
+        self.durability.seal();
         // The last write fsyncs: off the runtime's worker (a runtime of
         // one thread has no other to hand its tasks to).
         let flavor = tokio::runtime::Handle::current().runtime_flavor();

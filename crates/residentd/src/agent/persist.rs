@@ -3,14 +3,12 @@
 //!
 //! Answers are durable: every change takes a number (`persist`), and a
 //! Start or Stop answers only once a journal write that began after its
-//! change has reached the disk (`durable`). One writer task writes what
-//! the books hold now, so changes made while a write is under way all go
-//! into the next one: a storm of starts shares writes and fsyncs (group
-//! commit) instead of paying one each; a write appends only what changed
-//! (`journal.rs`).
+//! change has reached the disk (`durable`); the numbering, group commit
+//! and waiting are `durability.rs`'s, what the journal holds (the books'
+//! rows, each run's group) is composed here; a write appends only what
+//! changed (`journal.rs`).
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use resident_api::ApiError;
@@ -40,7 +38,7 @@ impl Agent {
         let me = self.clone();
         let outlive = self.config().node.instances_outlive_agent;
         let (found, taken, killed) = tokio::task::spawn_blocking(move || {
-            let found = me.journal.read();
+            let found = me.durability.journal().read();
             let (taken, others): (Vec<_>, Vec<_>) = found
                 .entries
                 .iter()
@@ -244,103 +242,32 @@ impl Agent {
         }
     }
 
-    /// Marks the journal out of date and returns the change's number; the
-    /// writer task rewrites it at once. Once shutdown has begun the
-    /// journal stays as shutdown wrote it.
+    /// Numbers a change the journal must record and has the writer write
+    /// it (`durability.rs`); once shutdown has begun the journal stays as
+    /// shutdown wrote it.
     pub(super) fn persist(&self) -> u64 {
-        let change = self.journal_changes.fetch_add(1, Ordering::SeqCst) + 1;
-        if !self.closing.load(Ordering::Acquire) {
-            self.journal_dirty.notify_one();
-        }
-        change
+        self.durability.change()
     }
 
     /// Why the last journal write failed, while it has not succeeded since.
     pub(super) fn journal_failing(&self) -> Option<String> {
-        self.durable_state()
-            .failed
-            .as_ref()
-            .map(|(_, why)| why.clone())
-    }
-
-    fn durable_state(&self) -> parking_lot::MutexGuard<'_, Durable> {
-        self.durable.lock()
+        self.durability.failing()
     }
 
     /// Waits until the journal on disk holds change `change` (and every
     /// earlier one). Err when the write failed or the agent is shutting
-    /// down before it could be made. Each waiter is woken once, by the
-    /// write that settles its change (a storm of a hundred answers waiting
-    /// on a shared signal would all wake at every write).
+    /// down before it could be made.
     pub(super) async fn durable(&self, change: u64) -> Result<(), ApiError> {
-        let closing = self.closing();
-        tokio::pin!(closing);
-        loop {
-            let woken = {
-                let mut d = self.durable_state();
-                if d.settles(change) {
-                    break;
-                }
-                let (tx, rx) = tokio::sync::oneshot::channel();
-                d.waiting.entry(change).or_default().push(tx);
-                rx
-            };
-            tokio::select! {
-                _ = woken => {}
-                () = &mut closing => break,
-            }
-        }
-        let d = self.durable_state();
-        if d.written >= change {
-            return Ok(());
-        }
-        Err(ApiError::Unavailable(match &d.failed {
-            Some((_, e)) => format!("the journal could not be written: {e}"),
-            None => "the agent is shutting down; the journal was not written".into(),
-        }))
+        self.durability.settled(change, self.closing()).await
     }
 
-    /// Writes the journal now (blocking: it fsyncs) and says which change
-    /// is on disk. Serialized with every other write; once `closing` is
-    /// set only the sealing write (at shutdown) goes through, so a late
-    /// background write can never replace what shutdown wrote.
+    /// Writes the journal now (blocking: it fsyncs): what the books hold,
+    /// with each run's group. Once sealed only the sealing write (at
+    /// shutdown, at a hand-over) goes through.
     pub(super) fn write_journal_now(&self, sealing: bool) {
-        let _one_writer = self.journal_lock.lock();
-        if !sealing && self.closing.load(Ordering::Acquire) {
-            return;
-        }
-        // Read before the books: every change numbered up to here was
-        // made in the books before it took its number.
-        let change = self.journal_changes.load(Ordering::SeqCst);
-        let was_failing = self.journal_failing().is_some();
-        let written = self
-            .journal
-            .write(self.journal_entries(), self.books.learned_rows());
-        self.metrics().journal_written(written.is_ok());
-        let settled = {
-            let mut d = self.durable_state();
-            match written {
-                Ok(()) => {
-                    if was_failing {
-                        tracing::info!("the journal is written again: starts resume");
-                    }
-                    d.written = d.written.max(change);
-                    d.failed = None;
-                }
-                Err(e) => {
-                    // Once per failure, not at every retry.
-                    if !was_failing {
-                        tracing::error!(error = %e, "cannot write the journal: starts are refused until it can be written");
-                    }
-                    d.failed = Some((change, e.to_string()));
-                }
-            }
-            // Those waiting for a change this write settled.
-            let later = d.waiting.split_off(&(change + 1));
-            std::mem::replace(&mut d.waiting, later)
-        };
-        for waiter in settled.into_values().flatten() {
-            let _ = waiter.send(());
+        let rows = || (self.journal_entries(), self.books.learned_rows());
+        if let Some(ok) = self.durability.write(sealing, rows) {
+            self.metrics().journal_written(ok);
         }
     }
 
@@ -355,7 +282,7 @@ impl Agent {
         // A group's start time comes from its spawn; when the spawn could
         // not tell, it is read from /proc once per process, not at every
         // write: a storm of starts writes often. Called only by the one
-        // journal writer (under `journal_lock`).
+        // journal writer.
         let mut known = self.start_ticks.lock();
         // Ended runs' readings go now and then, not at every write.
         if known.len() > 2 * live.len() + 64 {
@@ -460,13 +387,6 @@ fn still_runs(p: &resident_supervisor::TakeOver) -> bool {
         .is_some_and(|s| s.start_ticks == p.start_ticks && s.state != 'Z')
 }
 
-impl Durable {
-    /// Whether `change` is settled: on disk, or in a write that failed.
-    fn settles(&self, change: u64) -> bool {
-        self.written >= change || self.failed.as_ref().is_some_and(|f| f.0 >= change)
-    }
-}
-
 /// The start time of a journaled run's group leader, read once per run
 /// and pid.
 #[derive(Debug, Clone, Copy)]
@@ -474,17 +394,6 @@ pub(super) struct Ticks {
     generation: u64,
     pid: i32,
     ticks: u64,
-}
-
-/// What of the journal is on disk, and who waits for what.
-#[derive(Debug, Default)]
-pub(super) struct Durable {
-    /// Every change up to this number is on disk.
-    written: u64,
-    /// The last write failed: the newest change it held, and why.
-    failed: Option<(u64, String)>,
-    /// Who waits for which change, woken by the write that settles it.
-    waiting: std::collections::BTreeMap<u64, Vec<tokio::sync::oneshot::Sender<()>>>,
 }
 
 /// Rewrites the journal whenever it is marked out of date, on a blocking
@@ -496,7 +405,7 @@ pub(super) async fn write_journal(agent: std::sync::Weak<Agent>) {
             return;
         };
         let notified = async {
-            strong.journal_dirty.notified().await;
+            strong.durability.dirtied().await;
         };
         // Wake now and then, to notice when the agent is gone.
         let wait = tokio::time::timeout(Duration::from_secs(10), notified);

@@ -140,6 +140,7 @@ impl Agent {
         // lease's expiry) begins after the journal below.
         self.books.close();
         self.closing.store(true, Ordering::Release);
+        self.durability.seal();
         self.closed.send_replace(true);
         self.sup.hand_over(HAND_OVER_BOUND).await;
         let me = self.clone();
