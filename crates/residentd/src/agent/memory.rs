@@ -1,5 +1,6 @@
-//! The agent's live readings: probes of host- and device-bound pools, fed
-//! into the ledger, and the wait for evicted victims' memory to come back.
+//! The agent's live readings: the probes' readings (`probes.rs`) of host-
+//! and device-bound pools fed into the ledger, their health told, and the
+//! wait for evicted victims' memory to come back.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -25,8 +26,7 @@ impl Agent {
     /// slow driver never holds one of the runtime's threads; a node of host
     /// pools only reads /proc/meminfo (one small read) in place.
     pub(super) async fn refresh_probes_async(self: &Arc<Self>, config: &Arc<Config>) {
-        let devices = !self.devices.read().is_empty();
-        if !devices {
+        if !self.probes.has_devices() {
             self.refresh_probes_with(config);
             return;
         }
@@ -40,12 +40,7 @@ impl Agent {
     #[allow(clippy::disallowed_methods)]
     pub(super) fn refresh_probes_with(&self, config: &Config) {
         let mut readings = Readings {
-            available: self
-                .devices
-                .read()
-                .iter()
-                .map(|(pool, probe)| (pool.clone(), probe.available()))
-                .collect(),
+            available: self.probes.devices(),
             measured: self
                 .device_use()
                 .into_iter()
@@ -63,7 +58,7 @@ impl Agent {
         // Only host-bound pools count measured bytes; a node without one
         // skips the copy of every status (this runs every second).
         if !readings.host_pools.is_empty() {
-            let host = self.host.available();
+            let host = self.probes.host();
             for pool in &readings.host_pools {
                 readings.available.push((pool.to_string(), host));
             }
@@ -86,24 +81,18 @@ impl Agent {
     /// budget stands in) and when it comes back: a log line, a POOL event
     /// and the metrics, once per change.
     fn probe_health(&self, available: &[(String, Option<u64>)]) {
-        let mut live = self.pools_live.lock();
-        for (pool, reading) in available {
-            let now = reading.is_some();
-            let before = live.insert(pool.clone(), now);
-            if before == Some(now) {
-                continue;
-            }
-            self.metrics.pool_live(pool, now);
-            if now {
-                if before.is_some() {
-                    tracing::info!(pool = %pool, "live readings are back");
-                    self.publish_pool(pool, "live readings are back");
+        for h in self.probes.health(available) {
+            self.metrics.pool_live(&h.pool, h.live);
+            if h.live {
+                if h.known {
+                    tracing::info!(pool = %h.pool, "live readings are back");
+                    self.publish_pool(&h.pool, "live readings are back");
                 }
             } else {
                 let message =
                     "no live reading: its configured budget stands in until readings come back";
-                tracing::warn!(pool = %pool, "{message}");
-                self.publish_pool(pool, message);
+                tracing::warn!(pool = %h.pool, "{message}");
+                self.publish_pool(&h.pool, message);
             }
         }
     }
@@ -114,13 +103,7 @@ impl Agent {
     /// (a device probe is open: on a blocking thread).
     #[allow(clippy::disallowed_methods)]
     fn device_use(&self) -> Vec<(String, String, u64)> {
-        let probes: Vec<(String, Arc<dyn resident_probe::MemoryProbe>)> = self
-            .devices
-            .read()
-            .iter()
-            .filter(|(_, probe)| probe.used_by(&[]).is_some())
-            .cloned()
-            .collect();
+        let probes = self.probes.per_process();
         if probes.is_empty() {
             return Vec::new();
         }
@@ -145,39 +128,11 @@ impl Agent {
         out
     }
 
-    /// Opens the probe of every device-bound pool. A pool whose probe
-    /// cannot be opened keeps its static budget, with one warning.
+    /// Opens the probe of every device-bound pool of the config in force.
     pub(super) fn open_device_probes(&self) {
-        let config = self.config();
-        let mut probes = Vec::new();
-        for p in &config.pools {
-            let Some(device) = &p.device else {
-                continue;
-            };
-            match resident_probe::device_probe(device) {
-                Ok(probe) => probes.push((p.pool.name.to_string(), Arc::from(probe))),
-                Err(e) => {
-                    tracing::warn!(pool = %p.pool.name, error = %e, "no live reading; static budget")
-                }
-            }
-        }
-        *self.devices.write() = probes;
+        self.probes.open(&self.config());
     }
-    /// The live reading of `pool`, if it has a probe that answers. Called
-    /// on a blocking thread (`await_memory_back`).
-    #[allow(clippy::disallowed_methods)]
-    pub(super) fn read_pool(&self, pool: &str) -> Option<u64> {
-        let device = self
-            .devices
-            .read()
-            .iter()
-            .find(|(name, _)| name == pool)
-            .map(|(_, probe)| probe.clone());
-        match device {
-            Some(probe) => probe.available(),
-            None => self.host.available(),
-        }
-    }
+
     /// Waits, bounded by `memory_recovery`, until every live pool shows at
     /// least `want` bytes available: drivers and the kernel free a large
     /// process's memory after it is reaped, and a new model should not
@@ -195,7 +150,7 @@ impl Agent {
             let readings = tokio::task::spawn_blocking(move || {
                 pools
                     .iter()
-                    .map(|(pool, _)| me.read_pool(pool))
+                    .map(|(pool, _)| me.probes.available(pool))
                     .collect::<Vec<_>>()
             })
             .await

@@ -7,15 +7,18 @@
 //! `follower.rs` applies the supervisor's transitions (the one place a
 //! run's end releases its memory) and runs the periodic work; `queries.rs`
 //! answers Get, List, Place, Touch and reload; `adoption.rs` enters a
-//! server started elsewhere (Adopt); `memory.rs` feeds probe
-//! readings; `durability.rs` (a room with walls: it imports nothing of
-//! the agent) numbers changes, writes the journal with group commit and
-//! settles who waits for what; `persist.rs` composes what the journal
-//! holds and restores from it;
-//! `sleep.rs` puts servers to sleep and wakes them (`[workload.sleep]`);
-//! `exposure.rs` stops servers that listen beyond loopback where their
-//! workload says `expose = "loopback"` (and reports adopted ones);
-//! `picture.rs` is what a fleet view keeps of the node (`WatchNode`).
+//! server started elsewhere (Adopt); `memory.rs` feeds the probes'
+//! readings to the books; `persist.rs` composes what the journal holds
+//! and restores from it; `sleep.rs` puts servers to sleep and wakes them
+//! (`[workload.sleep]`); `exposure.rs` stops servers that listen beyond
+//! loopback where their workload says `expose = "loopback"` (and reports
+//! adopted ones); `picture.rs` is what a fleet view keeps of the node
+//! (`WatchNode`). Rooms with walls, which import nothing of the agent:
+//! `durability.rs` (change numbers, the journal written with group
+//! commit, who waits for what), `probes.rs` (host and device probes and
+//! their health), `kv.rs` (saved conversations and the disk pools'
+//! books), `http.rs` (the client for the servers' own endpoints) and
+//! `roster.rs` (a workload by name).
 //!
 //! No code here reads the file system or scans /proc on a runtime thread:
 //! clippy's `disallowed_methods` (crates/residentd/clippy.toml) is on for
@@ -50,6 +53,7 @@ mod memory;
 mod overrun;
 mod persist;
 mod picture;
+mod probes;
 mod queries;
 mod roster;
 mod sleep;
@@ -98,9 +102,8 @@ pub struct Agent {
     books: Books,
     sup: Supervisor,
     events: EventLog,
-    host: Arc<dyn MemoryProbe>,
-    /// Probes of device-bound pools (`device = "..."`), by pool name.
-    devices: RwLock<Vec<(String, Arc<dyn MemoryProbe>)>>,
+    /// Host memory and the device-bound pools' probes (`probes.rs`).
+    probes: probes::Probes,
     epoch: Instant,
     /// Numbers generated instance ids.
     id_seq: AtomicU64,
@@ -112,8 +115,6 @@ pub struct Agent {
     /// What follows the config outside the agent (the TLS listeners'
     /// certificates), asked at each reload before anything changes.
     reload_hooks: Mutex<ReloadHooks>,
-    /// Whether each probe-bound pool's last reading was live.
-    pools_live: Mutex<std::collections::HashMap<String, bool>>,
     /// The start time of each journaled process group's leader, by
     /// instance, run and pid.
     start_ticks: Mutex<std::collections::HashMap<String, persist::Ticks>>,
@@ -158,8 +159,7 @@ impl Agent {
             config: RwLock::new(config),
             sup: Supervisor::new(sup_config, tx),
             events,
-            host,
-            devices: RwLock::new(Vec::new()),
+            probes: probes::Probes::new(host),
             epoch: Instant::now(),
             id_seq: AtomicU64::new(0),
             closing: AtomicBool::new(false),
@@ -171,7 +171,6 @@ impl Agent {
             start_ticks: Mutex::new(std::collections::HashMap::new()),
             metrics: crate::metrics::Metrics::new(),
             reload_hooks: Mutex::new(ReloadHooks::default()),
-            pools_live: Mutex::new(std::collections::HashMap::new()),
             exposure: Mutex::new(exposure::Seen::default()),
             kv: Arc::new(kv::KvStore::default()),
             restoring: Mutex::new(std::collections::HashMap::new()),
