@@ -677,7 +677,8 @@ fn sleep_delta(r: &Resident, pool: &str) -> i128 {
 /// bytes in a short pool and their asleep demand fits everywhere it goes;
 /// then, if still short, least-recently-used permitted residents holding
 /// bytes in a short pool (sleepers, and those just chosen to sleep, among
-/// them) are evicted. Sleeps that the evictions made needless are dropped.
+/// them) are evicted. Victims and sleeps that later evictions made
+/// needless are dropped, the most recently used first.
 fn victims(
     state: &NodeState,
     m: &Mover,
@@ -725,6 +726,9 @@ fn victims(
     }
     // Then evict.
     if excess.short() {
+        // Each least-recently-used victim with what its eviction freed
+        // and whether it had been chosen to sleep.
+        let mut picked: Vec<(&Resident, BTreeMap<&str, i128>, bool)> = Vec::new();
         for r in &candidates {
             let slept = sleep.iter().any(|s| s.seq == r.seq);
             let counted = |pool: &str| {
@@ -736,9 +740,14 @@ fn victims(
                 }
             };
             if excess.helps(r, counted) {
-                excess.apply(|pool| -i128::from(counted(pool)));
+                let freed: BTreeMap<&str, i128> = excess
+                    .by_pool
+                    .keys()
+                    .map(|pool| (*pool, i128::from(counted(pool))))
+                    .collect();
+                excess.apply(|pool| -freed[pool]);
                 sleep.retain(|s| s.seq != r.seq);
-                evict.push(r.id.clone());
+                picked.push((r, freed, slept));
                 if !excess.short() {
                     break;
                 }
@@ -747,6 +756,24 @@ fn victims(
         if excess.short() {
             return None;
         }
+        // A victim the later ones made needless stays (a small model
+        // evicted first, then a large one that alone made the room): each
+        // is spared, most recently used first, where the target still fits
+        // without its eviction; one chosen to sleep first sleeps again.
+        for i in (0..picked.len()).rev() {
+            let (r, freed, slept) = &picked[i];
+            excess.apply(|pool| freed[pool]);
+            if excess.short() {
+                excess.apply(|pool| -freed[pool]);
+            } else {
+                if *slept {
+                    sleep.push(r);
+                }
+                picked.remove(i);
+            }
+        }
+        evict.extend(picked.iter().map(|(r, _, _)| r.id.clone()));
+        sleep.sort_by_key(|r| (r.last_used, r.seq));
         // A sleep the evictions made needless is not done: undone, most
         // recently used first, where the target still fits without it.
         for i in (0..sleep.len()).rev() {

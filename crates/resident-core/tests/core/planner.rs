@@ -460,3 +460,25 @@ fn a_demand_on_an_unknown_pool_is_an_error() {
         "workload 't' asks for memory in pool 'gpu9', which this node does not have"
     );
 }
+
+#[test]
+fn a_victim_a_later_one_made_needless_is_spared() {
+    // The serve trace's thrash: a small model used least recently, then a
+    // large one; a start needing the large one's room took both (the small
+    // first, still short, then the large), though the large alone was
+    // enough. Only the large goes now.
+    let mut n = one_pool(10, None, &[]);
+    put(&mut n, "small", unified("small", 1), 0);
+    put(&mut n, "large", unified("large", 5), 1);
+    put(&mut n, "recent", unified("recent", 3), 2);
+    assert_eq!(
+        show(&plan(&n, unified("t", 5), Policy::Evict)),
+        "admit [large]"
+    );
+    // When the large alone is not enough (9 held of 10, 7 wanted), the
+    // small goes with it.
+    assert_eq!(
+        show(&plan(&n, unified("t", 7), Policy::Evict)),
+        "admit [small, large]"
+    );
+}

@@ -536,6 +536,22 @@ fn check_moves(
         let e = excess.get(p).copied().unwrap_or(0);
         assert!(e <= 0, "the moves leave pool {p} short: {excess:?}");
     }
+    // No victim is needless: without any one of them (those that could
+    // not sleep instead), a pool the target needs would be short.
+    for v in evict.iter().filter(|v| !conflicting.contains(v)) {
+        let r = n.resident(v.as_str()).expect("victims are residents");
+        if r.can_sleep() {
+            continue;
+        }
+        let short = targets
+            .iter()
+            .chain(&grown)
+            .any(|p| excess.get(p).copied().unwrap_or(0) + i128::from(r.charge(p).counted()) > 0);
+        assert!(
+            short,
+            "victim {v} is needless: the others make room: {evict:?}"
+        );
+    }
 }
 
 /// Runs 256 cases of `run` over worlds of `worlds`, with the seed printed
