@@ -639,10 +639,7 @@ impl Agent {
         if w.keep_kv.is_none() {
             return;
         }
-        let (tx, rx) = tokio::sync::watch::channel(false);
-        self.restoring
-            .lock()
-            .insert((id.to_string(), generation), rx);
+        let restoring = self.kv.restoring(id, generation);
         let (me, id, w) = (self.clone(), id.to_string(), w.clone());
         tokio::spawn(async move {
             let ready = me
@@ -657,22 +654,14 @@ impl Agent {
                 me.metrics
                     .kv(counts.saved, counts.restored, counts.failed, counts.evicted);
             }
-            let _ = tx.send(true);
-            me.restoring.lock().remove(&(id, generation));
+            drop(restoring);
         });
     }
 
     /// Waits until the restore of run `generation` of `id`, if any, is
     /// done.
     async fn conversations_restored(&self, id: &str, generation: u64) {
-        let rx = self
-            .restoring
-            .lock()
-            .get(&(id.to_string(), generation))
-            .cloned();
-        if let Some(mut rx) = rx {
-            let _ = rx.wait_for(|done| *done).await;
-        }
+        self.kv.restored(id, generation).await;
     }
 }
 

@@ -59,6 +59,22 @@ pub(super) struct KvStore {
     disks: Mutex<Disks>,
     /// What was last seen of each run that saves ahead of its sleep.
     quiet: Mutex<BTreeMap<(String, u64), Quiet>>,
+    /// Runs whose conversations are being restored: done when true.
+    restoring: Mutex<BTreeMap<(String, u64), tokio::sync::watch::Receiver<bool>>>,
+}
+
+/// A restore under way (`KvStore::restoring`): done when dropped.
+pub(super) struct Restoring {
+    store: Arc<KvStore>,
+    run: (String, u64),
+    done: tokio::sync::watch::Sender<bool>,
+}
+
+impl Drop for Restoring {
+    fn drop(&mut self) {
+        let _ = self.done.send(true);
+        self.store.restoring.lock().remove(&self.run);
+    }
 }
 
 /// A run's activity as last read (its `/metrics` counters), since when it
@@ -174,6 +190,32 @@ impl KvStore {
             q.saved = Some(q.seen.clone());
         }
         due
+    }
+
+    /// Marks the restore of run `generation` of `id` under way until the
+    /// returned guard is dropped; `restored` waits for it.
+    pub(super) fn restoring(self: &Arc<Self>, id: &str, generation: u64) -> Restoring {
+        let (done, rx) = tokio::sync::watch::channel(false);
+        let run = (id.to_string(), generation);
+        self.restoring.lock().insert(run.clone(), rx);
+        Restoring {
+            store: self.clone(),
+            run,
+            done,
+        }
+    }
+
+    /// Waits until the restore of run `generation` of `id`, if one is
+    /// under way, is done.
+    pub(super) async fn restored(&self, id: &str, generation: u64) {
+        let rx = self
+            .restoring
+            .lock()
+            .get(&(id.to_string(), generation))
+            .cloned();
+        if let Some(mut rx) = rx {
+            let _ = rx.wait_for(|done| *done).await;
+        }
     }
 
     /// Forgets the runs `keep` does not name (ended, or no longer followed).

@@ -125,8 +125,6 @@ pub struct Agent {
     exposure: Mutex<exposure::Seen>,
     /// The disk pools and the conversations saved in them (`keep_kv`).
     kv: Arc<kv::KvStore>,
-    /// Runs whose saved conversations are being restored: done when true.
-    restoring: Mutex<std::collections::HashMap<(String, u64), tokio::sync::watch::Receiver<bool>>>,
     /// Bumped when pool figures or holds may have moved without an event
     /// (`picture.rs`).
     figures_moved: tokio::sync::watch::Sender<u64>,
@@ -173,7 +171,6 @@ impl Agent {
             reload_hooks: Mutex::new(ReloadHooks::default()),
             exposure: Mutex::new(exposure::Seen::default()),
             kv: Arc::new(kv::KvStore::default()),
-            restoring: Mutex::new(std::collections::HashMap::new()),
         });
         agent.kv.configure(&agent.config());
         agent.open_device_probes();
