@@ -288,16 +288,12 @@ impl Agent {
     /// What a Start of `workload` would do now (a dry run, under the
     /// workload's own policy).
     pub async fn place(&self, workload: &str) -> Result<pb::Placement, tonic::Status> {
-        let req = pb::PlaceRequest {
-            workload: workload.to_string(),
-            on_full: 0,
-            ..Default::default()
-        };
-        Ok(self.client.clone().place(quick(req)).await?.into_inner())
+        self.place_start(workload, "").await
     }
 
     /// What a Start of `workload` naming `id` would do now (its dry run:
-    /// a wake's for an instance asleep), under the workload's own policy.
+    /// a wake's for an instance asleep; empty: a new instance's), under
+    /// the workload's own policy.
     pub async fn place_start(
         &self,
         workload: &str,

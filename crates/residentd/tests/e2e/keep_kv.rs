@@ -93,6 +93,39 @@ fn bytes_under(dir: &Path) -> u64 {
         .sum()
 }
 
+/// Starts (or wakes) `kept` and `plain` and sends each the conversation
+/// `back` again: on `kept` (its one slot saved and restored) only the new
+/// words are computed, on `plain` the whole prompt (its slot went `when`).
+async fn comes_back(d: &mut Daemon, back: &str, mport: u16, when: &str) {
+    let mut came_back = Vec::new();
+    for id in ["kept", "plain"] {
+        let i = d.ready(id, id).await;
+        let back = back.to_string();
+        let timings = tokio::task::spawn_blocking(move || completion(i.port, &back))
+            .await
+            .expect("joined");
+        came_back.push(timings);
+    }
+    let (kept, plain) = (came_back[0], came_back[1]);
+    assert!(
+        kept.0 < 20 && kept.1 > 1000,
+        "kept, {when}: only the new words computed (prompt_n {}, cache_n {})",
+        kept.0,
+        kept.1
+    );
+    assert!(
+        plain.0 > 1000,
+        "plain, {when}: the whole prompt again ({})",
+        plain.0
+    );
+    let metrics = metrics_page(mport).await;
+    assert!(
+        metrics.contains("residentd_kv_states_total{event=\"saved\"} 1")
+            && metrics.contains("residentd_kv_states_total{event=\"restored\"} 1"),
+        "{metrics}"
+    );
+}
+
 /// The used bytes of pool `kv`.
 async fn stored(d: &mut Daemon) -> u64 {
     let node = d.node().await;
@@ -164,33 +197,7 @@ async fn a_conversation_comes_back_computed_after_its_server_was_stopped() {
             || std::fs::read_dir(kv.join("plain")).expect("dir").count() == 0,
         "nothing saved for plain"
     );
-    let mut came_back = Vec::new();
-    for id in ["kept", "plain"] {
-        let i = d.ready(id, id).await;
-        let back = back.clone();
-        let timings = tokio::task::spawn_blocking(move || completion(i.port, &back))
-            .await
-            .expect("joined");
-        came_back.push((id, timings));
-    }
-    let (kept, plain) = (came_back[0].1, came_back[1].1);
-    assert!(
-        kept.0 < 20 && kept.1 > 1000,
-        "kept: only the new words computed (prompt_n {}, cache_n {})",
-        kept.0,
-        kept.1
-    );
-    assert!(
-        plain.0 > 1000,
-        "plain: the whole prompt again ({})",
-        plain.0
-    );
-    let metrics = metrics_page(mport).await;
-    assert!(
-        metrics.contains("residentd_kv_states_total{event=\"saved\"} 1")
-            && metrics.contains("residentd_kv_states_total{event=\"restored\"} 1"),
-        "{metrics}"
-    );
+    comes_back(&mut d, &back, mport, "after its stop").await;
 
     // Other arguments (a context of its own): the state saved under the
     // old ones is dropped at the next start, never restored.
@@ -269,33 +276,7 @@ async fn a_conversation_saved_before_its_server_sleeps_is_restored_as_it_wakes()
         1,
         "one save ahead of the sleep, kept's: {log}"
     );
-    let mut came_back = Vec::new();
-    for id in ["kept", "plain"] {
-        let i = d.ready(id, id).await;
-        let back = back.clone();
-        let timings = tokio::task::spawn_blocking(move || completion(i.port, &back))
-            .await
-            .expect("joined");
-        came_back.push((id, timings));
-    }
-    let (kept, plain) = (came_back[0].1, came_back[1].1);
-    assert!(
-        kept.0 < 20 && kept.1 > 1000,
-        "kept: restored as it woke, only the new words computed (prompt_n {}, cache_n {})",
-        kept.0,
-        kept.1
-    );
-    assert!(
-        plain.0 > 1000,
-        "plain: its slot went with its sleep ({})",
-        plain.0
-    );
-    let metrics = metrics_page(mport).await;
-    assert!(
-        metrics.contains("residentd_kv_states_total{event=\"saved\"} 1")
-            && metrics.contains("residentd_kv_states_total{event=\"restored\"} 1"),
-        "{metrics}"
-    );
+    comes_back(&mut d, &back, mport, "after its sleep").await;
 }
 
 /// A disk pool with room for one saved state: the second save evicts the

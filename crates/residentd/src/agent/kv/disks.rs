@@ -225,18 +225,8 @@ impl Disks {
             let before = self.ledger.clone();
             self.ledger.release(id.as_str());
             let spec = state_spec(workload, &pool_name, *bound);
-            match self
-                .ledger
-                .admit(&id, Entry::Start(spec), Policy::Evict, now)
-            {
-                Ok(admission) => {
-                    for victim in admission.evict {
-                        if let Some(f) = self.files.remove(&victim) {
-                            remove(&f);
-                        }
-                        self.ledger.release(victim.as_str());
-                        moves.evicted += 1;
-                    }
+            match self.make_room(&id, spec, now, moves) {
+                Ok(()) => {
                     self.files.insert(id, file.clone());
                     reserved.push(*slot);
                 }
@@ -284,18 +274,8 @@ impl Disks {
             return;
         };
         let spec = state_spec(workload, &pool_name, bytes);
-        match self
-            .ledger
-            .admit(&id, Entry::Start(spec), Policy::Evict, now)
-        {
-            Ok(admission) => {
-                for victim in admission.evict {
-                    if let Some(f) = self.files.remove(&victim) {
-                        remove(&f);
-                    }
-                    self.ledger.release(victim.as_str());
-                    moves.evicted += 1;
-                }
+        match self.make_room(&id, spec, now, moves) {
+            Ok(()) => {
                 self.ledger.set_measured(id.as_str(), &pool_name, bytes);
                 self.files.insert(id, file.to_path_buf());
             }
@@ -305,6 +285,29 @@ impl Disks {
                 moves.dropped += 1;
             }
         }
+    }
+
+    /// Admits state `id` of `spec` under evict: the least recently used
+    /// states the planner chose are removed (files and charges) to make
+    /// its room. A refusal changes nothing.
+    fn make_room(
+        &mut self,
+        id: &InstanceId,
+        spec: Arc<Spec>,
+        now: u64,
+        moves: &mut Moves,
+    ) -> Result<(), resident_core::AdmitError> {
+        let admission = self
+            .ledger
+            .admit(id, Entry::Start(spec), Policy::Evict, now)?;
+        for victim in admission.evict {
+            if let Some(f) = self.files.remove(&victim) {
+                remove(&f);
+            }
+            self.ledger.release(victim.as_str());
+            moves.evicted += 1;
+        }
+        Ok(())
     }
 
     /// Marks the state in `file` of `workload` used at `now`.
