@@ -126,6 +126,17 @@ async fn comes_back(d: &mut Daemon, back: &str, mport: u16, when: &str) {
     );
 }
 
+/// The llama-server binary, a directory for the agent and the test model
+/// written in it; `None` (the helpers say why) without the venv's Python
+/// or a built llama-server.
+fn setup() -> Option<(std::path::PathBuf, tempfile::TempDir, std::path::PathBuf)> {
+    let (python, bin) = (python()?, llama_server_bin()?);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = dir.path().join("small.gguf");
+    make_model(&python, &model, 256, 4);
+    Some((bin.join("llama-server"), dir, model))
+}
+
 /// The used bytes of pool `kv`.
 async fn stored(d: &mut Daemon) -> u64 {
     let node = d.node().await;
@@ -153,13 +164,9 @@ async fn stop(d: &mut Daemon, id: &str) {
 /// saved under the old ones is dropped, never restored.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_conversation_comes_back_computed_after_its_server_was_stopped() {
-    let (Some(python), Some(bin)) = (python(), llama_server_bin()) else {
+    let Some((server, dir, model)) = setup() else {
         return;
     };
-    let server = bin.join("llama-server");
-    let dir = tempfile::tempdir().expect("tempdir");
-    let model = dir.path().join("small.gguf");
-    make_model(&python, &model, 256, 4);
     let mport = free_port();
     let config = pools(dir.path(), "1GB", mport)
         + &workload("kept", &server, &model, true)
@@ -234,13 +241,9 @@ async fn a_conversation_comes_back_computed_after_its_server_was_stopped() {
 /// beside it and computes the whole conversation again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_conversation_saved_before_its_server_sleeps_is_restored_as_it_wakes() {
-    let (Some(python), Some(bin)) = (python(), llama_server_bin()) else {
+    let Some((server, dir, model)) = setup() else {
         return;
     };
-    let server = bin.join("llama-server");
-    let dir = tempfile::tempdir().expect("tempdir");
-    let model = dir.path().join("small.gguf");
-    make_model(&python, &model, 256, 4);
     let mport = free_port();
     let sleeps = "[workload.sleep]\nidle = \"6s\"\n";
     let config = pools(dir.path(), "1GB", mport)
@@ -283,13 +286,9 @@ async fn a_conversation_saved_before_its_server_sleeps_is_restored_as_it_wakes()
 /// first (least recently used); the pool never holds more than its budget.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_disk_pool_evicts_the_oldest_saved_state_for_room() {
-    let (Some(python), Some(bin)) = (python(), llama_server_bin()) else {
+    let Some((server, dir, model)) = setup() else {
         return;
     };
-    let server = bin.join("llama-server");
-    let dir = tempfile::tempdir().expect("tempdir");
-    let model = dir.path().join("small.gguf");
-    make_model(&python, &model, 256, 4);
     // About 2.4 MB per 1,150-token state: room for one, not two.
     let mport = free_port();
     let config = pools(dir.path(), "4MB", mport)
@@ -331,13 +330,9 @@ async fn a_disk_pool_evicts_the_oldest_saved_state_for_room() {
 /// leave the stop and the start working; each is counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_save_or_restore_leaves_the_stop_and_the_start_working() {
-    let (Some(python), Some(bin)) = (python(), llama_server_bin()) else {
+    let Some((server, dir, model)) = setup() else {
         return;
     };
-    let server = bin.join("llama-server");
-    let dir = tempfile::tempdir().expect("tempdir");
-    let model = dir.path().join("small.gguf");
-    make_model(&python, &model, 256, 4);
     let mport = free_port();
     write_config(
         dir.path(),
