@@ -4,9 +4,10 @@
 //! 1. Place latency (p50, p99) and throughput with 1, 16 and 64 clients,
 //!    against a zero-work tonic service on the same transport.
 //! 2. Start of 100 instances until all run, and their stop, against a plain
-//!    spawn loop / kill + wait and against supervisord.
+//!    spawn loop / kill + wait and against supervisord (waiting on its
+//!    pushed events, as on residentd's Watch).
 //! 3. kill -9 of a child until a Watch client hears of it, against
-//!    supervisord's XML-RPC report.
+//!    supervisord's pushed event (an event listener of its own).
 //! 4. The agent's CPU and peak RSS with 200 idle children, against
 //!    supervisord's.
 //! 5. Admission under churn: random Start/Stop/Place from 16 clients, then
@@ -860,7 +861,7 @@ async fn crash_row(
         None => None,
     };
     table.push(Row::peer_latency(
-        "kill -9 to Watch event (median)",
+        "kill -9 to the pushed exit event (median)",
         ours,
         theirs,
         "<= 1 ms, <= supervisord",

@@ -763,7 +763,8 @@ pub async fn check_books(c: &mut Client, pool: &str, budget: u64) -> anyhow::Res
     Ok(())
 }
 
-/// supervisord, driven by `scripts/bench_supervisord.py` in its venv.
+/// supervisord, driven by `scripts/bench_supervisord.py` in its venv; its
+/// waits for states are pushed, by an event listener of supervisord's own.
 #[derive(Debug)]
 pub struct Peer {
     pub python: PathBuf,
@@ -797,7 +798,7 @@ impl Peer {
         Ok((Self::secs(&v, "start_s")?, Self::secs(&v, "stop_s")?))
     }
 
-    /// Median kill -9 to report.
+    /// Median kill -9 to the pushed EXITED event.
     pub fn crash(&self, rounds: usize) -> anyhow::Result<Duration> {
         let v = self.run(&["crash".into(), rounds.to_string()])?;
         Self::secs(&v, "median_s")
