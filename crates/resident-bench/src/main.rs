@@ -2,7 +2,8 @@
 //! in one run on one machine, printed as one table of ratios.
 //!
 //! 1. Place latency (p50, p99) and throughput with 1, 16 and 64 clients,
-//!    against a zero-work tonic service on the same transport.
+//!    against a zero-work tonic service on the same transport, in short
+//!    turns A B B A.
 //! 2. Start of 100 instances until all run, and their stop, against a plain
 //!    spawn loop / kill + wait and against supervisord (waiting on its
 //!    pushed events, as on residentd's Watch).
@@ -57,7 +58,10 @@ use crate::report::{Row, Table};
 /// Sizes of one run.
 #[derive(Debug, Clone, Copy)]
 struct Plan {
+    /// Seconds of Place calls to each server at each client count, in
+    /// `place_rounds` rounds of turns A B B A.
     place_secs: f64,
+    place_rounds: usize,
     place_clients: &'static [usize],
     children: usize,
     start_rounds: usize,
@@ -84,6 +88,7 @@ struct Plan {
 
 const FULL: Plan = Plan {
     place_secs: 3.0,
+    place_rounds: 3,
     place_clients: &[1, 16, 64],
     children: 100,
     start_rounds: 10,
@@ -106,6 +111,7 @@ const FULL: Plan = Plan {
 
 const QUICK: Plan = Plan {
     place_secs: 0.2,
+    place_rounds: 1,
     place_clients: &[1, 16],
     children: 10,
     start_rounds: 1,
@@ -502,9 +508,13 @@ async fn place_rows(plan: &Plan, residentd: &Path, table: &mut Table) -> anyhow:
         c.start(start("trivial", &format!("resident-{i}"))).await?;
     }
     for &clients in plan.place_clients {
-        // Alternate, so drift of the machine hits both alike.
-        let ours = measure::place(&agent.socket, agent.pid(), clients, plan.place_secs).await?;
-        let base = measure::place(&floor.socket, floor.pid(), clients, plan.place_secs).await?;
+        let (ours, base) = measure::place_abba(
+            measure::Placer::connect(&agent.socket, agent.pid(), clients).await?,
+            measure::Placer::connect(&floor.socket, floor.pid(), clients).await?,
+            plan.place_secs,
+            plan.place_rounds,
+        )
+        .await?;
         table.push(Row::latency(
             format!("Place p50, {clients} clients"),
             ours.p50,
