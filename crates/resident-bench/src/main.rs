@@ -2,11 +2,13 @@
 //! in one run on one machine, printed as one table of ratios.
 //!
 //! 1. Place latency (p50, p99) and throughput with 1, 16 and 64 clients,
-//!    against a zero-work tonic service on the same transport.
+//!    against a zero-work tonic service on the same transport, in short
+//!    turns A B B A.
 //! 2. Start of 100 instances until all run, and their stop, against a plain
-//!    spawn loop / kill + wait and against supervisord.
+//!    spawn loop / kill + wait and against supervisord (waiting on its
+//!    pushed events, as on residentd's Watch).
 //! 3. kill -9 of a child until a Watch client hears of it, against
-//!    supervisord's XML-RPC report.
+//!    supervisord's pushed event (an event listener of its own).
 //! 4. The agent's CPU and peak RSS with 200 idle children, against
 //!    supervisord's.
 //! 5. Admission under churn: random Start/Stop/Place from 16 clients, then
@@ -56,7 +58,10 @@ use crate::report::{Row, Table};
 /// Sizes of one run.
 #[derive(Debug, Clone, Copy)]
 struct Plan {
+    /// Seconds of Place calls to each server at each client count, in
+    /// `place_rounds` rounds of turns A B B A.
     place_secs: f64,
+    place_rounds: usize,
     place_clients: &'static [usize],
     children: usize,
     start_rounds: usize,
@@ -83,6 +88,7 @@ struct Plan {
 
 const FULL: Plan = Plan {
     place_secs: 3.0,
+    place_rounds: 3,
     place_clients: &[1, 16, 64],
     children: 100,
     start_rounds: 10,
@@ -105,6 +111,7 @@ const FULL: Plan = Plan {
 
 const QUICK: Plan = Plan {
     place_secs: 0.2,
+    place_rounds: 1,
     place_clients: &[1, 16],
     children: 10,
     start_rounds: 1,
@@ -501,9 +508,13 @@ async fn place_rows(plan: &Plan, residentd: &Path, table: &mut Table) -> anyhow:
         c.start(start("trivial", &format!("resident-{i}"))).await?;
     }
     for &clients in plan.place_clients {
-        // Alternate, so drift of the machine hits both alike.
-        let ours = measure::place(&agent.socket, agent.pid(), clients, plan.place_secs).await?;
-        let base = measure::place(&floor.socket, floor.pid(), clients, plan.place_secs).await?;
+        let (ours, base) = measure::place_abba(
+            measure::Placer::connect(&agent.socket, agent.pid(), clients).await?,
+            measure::Placer::connect(&floor.socket, floor.pid(), clients).await?,
+            plan.place_secs,
+            plan.place_rounds,
+        )
+        .await?;
         table.push(Row::latency(
             format!("Place p50, {clients} clients"),
             ours.p50,
@@ -860,7 +871,7 @@ async fn crash_row(
         None => None,
     };
     table.push(Row::peer_latency(
-        "kill -9 to Watch event (median)",
+        "kill -9 to the pushed exit event (median)",
         ours,
         theirs,
         "<= 1 ms, <= supervisord",

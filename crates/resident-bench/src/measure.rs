@@ -52,27 +52,50 @@ fn summarize(mut lat: Vec<Duration>, elapsed: Duration, server: Option<Duration>
     }
 }
 
-/// Place from `clients` connections of their own, each calling in a loop
-/// for `secs` after a short warm-up, against the server `server` (its
-/// pid, whose CPU time the measured calls are charged).
-pub async fn place(socket: &Path, server: i32, clients: usize, secs: f64) -> anyhow::Result<Calls> {
-    let mut conns = Vec::new();
-    for _ in 0..clients {
-        conns.push(resident_api::connect_unix(socket).await?);
+/// `clients` connections of their own to one server, calling Place in
+/// closed loops, and what the counted calls took: their latencies, the
+/// time they ran, and the server's CPU time over those runs (its pid's).
+pub struct Placer {
+    conns: Vec<Client>,
+    server: i32,
+    lat: Vec<Duration>,
+    elapsed: Duration,
+    /// `None` once a reading of the server's CPU failed.
+    cpu: Option<Duration>,
+}
+
+impl Placer {
+    pub async fn connect(socket: &Path, server: i32, clients: usize) -> anyhow::Result<Self> {
+        let mut conns = Vec::new();
+        for _ in 0..clients {
+            conns.push(resident_api::connect_unix(socket).await?);
+        }
+        Ok(Self {
+            conns,
+            server,
+            lat: Vec::new(),
+            elapsed: Duration::ZERO,
+            cpu: Some(Duration::ZERO),
+        })
     }
-    let req = pb::PlaceRequest {
-        workload: "trivial".into(),
-        on_full: 0,
-        ..Default::default()
-    };
-    let run = |secs: f64| {
-        let tasks: Vec<_> = conns
+
+    /// Every client calls for `secs`; counted unless it is a warm-up.
+    pub async fn run(&mut self, secs: f64, counted: bool) -> anyhow::Result<()> {
+        let req = pb::PlaceRequest {
+            workload: "trivial".into(),
+            on_full: 0,
+            ..Default::default()
+        };
+        let cpu0 = process_cpu(self.server);
+        let t0 = Instant::now();
+        let end = t0 + Duration::from_secs_f64(secs);
+        let tasks: Vec<_> = self
+            .conns
             .iter()
             .cloned()
             .map(|mut c| {
                 let req = req.clone();
                 tokio::spawn(async move {
-                    let end = Instant::now() + Duration::from_secs_f64(secs);
                     let mut lat = Vec::new();
                     while Instant::now() < end {
                         let t0 = Instant::now();
@@ -83,22 +106,47 @@ pub async fn place(socket: &Path, server: i32, clients: usize, secs: f64) -> any
                 })
             })
             .collect();
-        async move {
-            let t0 = Instant::now();
-            let mut all = Vec::new();
-            for t in tasks {
-                all.extend(t.await??);
-            }
-            Ok::<_, anyhow::Error>((all, t0.elapsed()))
+        let mut all = Vec::new();
+        for t in tasks {
+            all.extend(t.await??);
         }
-    };
-    run(secs / 5.0).await?;
-    let cpu0 = process_cpu(server);
-    let (lat, elapsed) = run(secs).await?;
-    let spent = process_cpu(server)
-        .zip(cpu0)
-        .map(|(after, before)| after.saturating_sub(before));
-    Ok(summarize(lat, elapsed, spent))
+        let elapsed = t0.elapsed();
+        let spent = process_cpu(self.server)
+            .zip(cpu0)
+            .map(|(after, before)| after.saturating_sub(before));
+        if counted {
+            self.lat.extend(all);
+            self.elapsed += elapsed;
+            self.cpu = self.cpu.zip(spent).map(|(sum, s)| sum + s);
+        }
+        Ok(())
+    }
+
+    pub fn calls(self) -> Calls {
+        summarize(self.lat, self.elapsed, self.cpu)
+    }
+}
+
+/// Place against two servers side by side, `secs` of calls to each after a
+/// warm-up, in short turns A B B A repeated `rounds` times, so that a drift
+/// of the machine (another build starting, the CPU's clock) hits both
+/// alike and neither is always first.
+pub async fn place_abba(
+    mut a: Placer,
+    mut b: Placer,
+    secs: f64,
+    rounds: usize,
+) -> anyhow::Result<(Calls, Calls)> {
+    a.run(secs / 5.0, false).await?;
+    b.run(secs / 5.0, false).await?;
+    let turn = secs / (2 * rounds.max(1)) as f64;
+    for _ in 0..rounds.max(1) {
+        a.run(turn, true).await?;
+        b.run(turn, true).await?;
+        b.run(turn, true).await?;
+        a.run(turn, true).await?;
+    }
+    Ok((a.calls(), b.calls()))
 }
 
 /// The CPU time of process `pid`, user and system, of every thread it has
@@ -767,7 +815,8 @@ pub async fn check_books(c: &mut Client, pool: &str, budget: u64) -> anyhow::Res
     Ok(())
 }
 
-/// supervisord, driven by `scripts/bench_supervisord.py` in its venv.
+/// supervisord, driven by `scripts/bench_supervisord.py` in its venv; its
+/// waits for states are pushed, by an event listener of supervisord's own.
 #[derive(Debug)]
 pub struct Peer {
     pub python: PathBuf,
@@ -801,7 +850,7 @@ impl Peer {
         Ok((Self::secs(&v, "start_s")?, Self::secs(&v, "stop_s")?))
     }
 
-    /// Median kill -9 to report.
+    /// Median kill -9 to the pushed EXITED event.
     pub fn crash(&self, rounds: usize) -> anyhow::Result<Duration> {
         let v = self.run(&["crash".into(), rounds.to_string()])?;
         Self::secs(&v, "median_s")

@@ -164,9 +164,19 @@ pub struct Table {
     rows: Vec<Row>,
 }
 
+/// Two decimals, or two significant digits below 0.01 (a push that waits
+/// for a peer's one-second tick against one of a few hundred µs).
 fn ratio(ours: Option<Value>, other: Option<Value>) -> String {
     match (ours, other) {
-        (Some(a), Some(b)) if b.number() > 0.0 => format!("{:.2}x", a.number() / b.number()),
+        (Some(a), Some(b)) if b.number() > 0.0 => {
+            let r = a.number() / b.number();
+            if r > 0.0 && r < 0.01 {
+                let decimals = (-r.log10().floor()) as usize + 1;
+                format!("{r:.decimals$}x")
+            } else {
+                format!("{r:.2}x")
+            }
+        }
         _ => String::new(),
     }
 }
@@ -230,5 +240,19 @@ mod tests {
         assert!(table.missed().is_empty());
         table.push(Row::must_be_zero("failed requests".into(), 2));
         assert_eq!(table.missed(), ["failed requests: 2, target 0"]);
+    }
+
+    #[test]
+    fn a_ratio_keeps_two_significant_digits_below_one_hundredth() {
+        let check = |a: f64, b: f64, want: &str| {
+            let (a, b) = (Value::Rate(a), Value::Rate(b));
+            assert_eq!(ratio(Some(a), Some(b)), want, "{a:?} / {b:?}");
+        };
+        check(261.0, 2660.0, "0.10x");
+        check(3.0, 2.0, "1.50x");
+        check(318.0, 1_003_050.0, "0.00032x");
+        check(5.0, 1000.0, "0.0050x");
+        check(0.0, 1.0, "0.00x");
+        check(1.0, 0.0, "");
     }
 }
