@@ -18,7 +18,12 @@ memory of the system's model servers (their processes' RSS, summed) and
 the servers it saw start (a load each).
 
 Usage: serve.py --llama-bin DIR --residentd BIN --router BIN --work DIR
-    [--small] [--seed N] [--systems a,b,c,d] [--max-busy N] [--json OUT]
+    [--small | --light] [--seed N] [--systems a,b,c,d] [--max-busy N]
+    [--json OUT]
+
+`--light`: the same models under a load 2 cores can serve (16
+conversations, turns 20 to 45 s apart), where latency, not throughput
+under overload, is what the table ranks.
 
 Prints a table per system and, with --json, writes the figures. Exits 1
 when a hard rule broke in any system that must keep it (a failed request;
@@ -69,7 +74,7 @@ def make_models(work, python, small):
     return out
 
 
-def trace(seed, models, small):
+def trace(seed, models, small, light=False):
     """The requests, each (at, conversation, turn, model, messages-so-far
     length in words): conversations arrive in bursts, pick a model by Zipf
     popularity, and come back after other models ran."""
@@ -78,9 +83,9 @@ def trace(seed, models, small):
     popular = names[:]
     rng.shuffle(popular)
     weights = [1.0 / (k + 1) ** 1.1 for k in range(len(popular))]
-    conversations = 6 if small else 48
+    conversations = 6 if small else 16 if light else 48
     turns = (2, 3) if small else (2, 4)
-    gap = (3.0, 8.0) if small else (8.0, 30.0)
+    gap = (3.0, 8.0) if small else (20.0, 45.0) if light else (8.0, 30.0)
     out = []
     t = 0.0
     for c in range(conversations):
@@ -342,6 +347,9 @@ def main():
     p.add_argument("--work", required=True)
     p.add_argument("--python", default=sys.executable)
     p.add_argument("--small", action="store_true")
+    # The full-size models under a load 2 cores can serve: 16
+    # conversations, turns 20 to 45 s apart.
+    p.add_argument("--light", action="store_true")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--systems", default="a,b,c,d")
     p.add_argument("--cache-mib", type=int, default=64)
@@ -354,7 +362,7 @@ def main():
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     models = make_models(work, args.python, args.small)
-    requests = trace(args.seed, models, args.small)
+    requests = trace(args.seed, models, args.small, args.light)
     # The budget holds about half the models: the two largest reservations
     # and a little.
     probe = work / "probe"
