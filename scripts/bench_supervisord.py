@@ -21,6 +21,7 @@ import os
 import signal
 import statistics
 import subprocess
+import shutil
 import sys
 import tempfile
 import time
@@ -96,6 +97,8 @@ stderr_logfile=NONE
 {listener}""")
     exe = os.path.join(os.path.dirname(sys.executable), "supervisord")
     proc = subprocess.Popen([exe, "-c", conf], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # Removed with supervisord (`stop_supervisord`).
+    proc.bench_dir = d
     rpc = xmlrpc.client.ServerProxy("http://localhost", transport=UnixTransport(sock))
     deadline = time.monotonic() + 30
     while True:
@@ -116,6 +119,7 @@ def stop_supervisord(proc, rpc):
         pass
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=30)
+    shutil.rmtree(proc.bench_dir, ignore_errors=True)
 
 
 class Events:
