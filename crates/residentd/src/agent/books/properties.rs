@@ -231,7 +231,11 @@ impl<'t> World<'t> {
                 let w = self.config.workloads[WORKLOADS[w]].clone();
                 let policy = if evict { Policy::Evict } else { Policy::Refuse };
                 let config = self.config.clone();
-                match self.b.admit(&config, &w, &id, policy, now, 0, None, None) {
+                // Place naming the id first: the dry run of this Start.
+                let dry = self.b.place_start(&w, &id, policy, now, None);
+                let decided = self.b.admit(&config, &w, &id, policy, now, 0, None, None);
+                agrees(&dry, &decided)?;
+                match decided {
                     Ok(Decision::Admitted(a)) => {
                         Tally::add(&self.tally.started);
                         prop_assert!(self.held.insert((id.to_string(), a.generation)));
@@ -501,6 +505,41 @@ impl<'t> World<'t> {
         }
         Ok(())
     }
+}
+
+/// A Start's dry run (`place_start`) said what the Start then did: the
+/// same victims and sleepers for an admission or a wake, not admitted for
+/// a refusal.
+fn agrees(
+    dry: &Result<pb::Placement, ApiError>,
+    decided: &Result<Decision, ApiError>,
+) -> Result<(), TestCaseError> {
+    match (dry, decided) {
+        (Ok(p), Ok(Decision::Admitted(a) | Decision::Wake(a))) => {
+            let evict: Vec<&str> = a.evictions.iter().map(|e| e.id.as_str()).collect();
+            let sleep: Vec<&str> = a.sleepers.iter().map(|s| s.id.as_str()).collect();
+            prop_assert!(
+                p.admitted,
+                "the dry run refused what the Start admitted: {p:?}"
+            );
+            prop_assert_eq!(&p.evict, &evict, "victims");
+            prop_assert_eq!(&p.sleep, &sleep, "sleepers");
+        }
+        (Ok(p), Err(ApiError::Refused { .. })) => {
+            prop_assert!(
+                !p.admitted,
+                "the dry run admitted what the Start refused: {p:?}"
+            );
+        }
+        (Err(_), Ok(Decision::Admitted(_) | Decision::Wake(_))) => {
+            prop_assert!(
+                false,
+                "the dry run failed where the Start admitted: {dry:?}"
+            );
+        }
+        _ => {}
+    }
+    Ok(())
 }
 
 fn run(tally: &Tally, ops: Vec<Op>) -> Result<(), TestCaseError> {
