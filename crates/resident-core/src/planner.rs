@@ -670,6 +670,17 @@ fn sleep_delta(r: &Resident, pool: &str) -> i128 {
     i128::from(asleep) - i128::from(now)
 }
 
+/// What evicting `r` frees in `pool`: what it is counted as holding, or,
+/// chosen to sleep first (`slept`), what it would hold asleep.
+fn evicted_bytes(r: &Resident, slept: bool, pool: &str) -> u64 {
+    let counted = r.charge(pool).counted();
+    if slept {
+        u64::try_from(i128::from(counted) + sleep_delta(r, pool)).unwrap_or(0)
+    } else {
+        counted
+    }
+}
+
 /// The moves that make room, or `None` when even every permitted move
 /// would not: conflicting residents are evicted (all must be permitted);
 /// then, while a pool of the target is short, least-recently-used
@@ -726,28 +737,15 @@ fn victims(
     }
     // Then evict.
     if excess.short() {
-        // Each least-recently-used victim with what its eviction freed
-        // and whether it had been chosen to sleep.
-        let mut picked: Vec<(&Resident, BTreeMap<&str, i128>, bool)> = Vec::new();
+        // Each least-recently-used victim, and whether it had been chosen
+        // to sleep.
+        let mut picked: Vec<(&Resident, bool)> = Vec::new();
         for r in &candidates {
             let slept = sleep.iter().any(|s| s.seq == r.seq);
-            let counted = |pool: &str| {
-                let c = r.charge(pool).counted();
-                if slept {
-                    u64::try_from(i128::from(c) + sleep_delta(r, pool)).unwrap_or(0)
-                } else {
-                    c
-                }
-            };
-            if excess.helps(r, counted) {
-                let freed: BTreeMap<&str, i128> = excess
-                    .by_pool
-                    .keys()
-                    .map(|pool| (*pool, i128::from(counted(pool))))
-                    .collect();
-                excess.apply(|pool| -freed[pool]);
+            if excess.helps(r, |pool| evicted_bytes(r, slept, pool)) {
+                excess.apply(|pool| -i128::from(evicted_bytes(r, slept, pool)));
                 sleep.retain(|s| s.seq != r.seq);
-                picked.push((r, freed, slept));
+                picked.push((r, slept));
                 if !excess.short() {
                     break;
                 }
@@ -761,18 +759,18 @@ fn victims(
         // is spared, most recently used first, where the target still fits
         // without its eviction; one chosen to sleep first sleeps again.
         for i in (0..picked.len()).rev() {
-            let (r, freed, slept) = &picked[i];
-            excess.apply(|pool| freed[pool]);
+            let (r, slept) = picked[i];
+            excess.apply(|pool| i128::from(evicted_bytes(r, slept, pool)));
             if excess.short() {
-                excess.apply(|pool| -freed[pool]);
+                excess.apply(|pool| -i128::from(evicted_bytes(r, slept, pool)));
             } else {
-                if *slept {
+                if slept {
                     sleep.push(r);
                 }
                 picked.remove(i);
             }
         }
-        evict.extend(picked.iter().map(|(r, _, _)| r.id.clone()));
+        evict.extend(picked.iter().map(|(r, _)| r.id.clone()));
         sleep.sort_by_key(|r| (r.last_used, r.seq));
         // A sleep the evictions made needless is not done: undone, most
         // recently used first, where the target still fits without it.

@@ -627,9 +627,10 @@ impl Agent {
         else {
             return;
         };
-        let counts = self.kv.save(id, &record.workload, status.port).await;
-        self.metrics
-            .kv(counts.saved, counts.restored, counts.failed, counts.evicted);
+        self.kv
+            .save(id, &record.workload, status.port)
+            .await
+            .count(&self.metrics);
     }
 
     /// After a spawn: once run `generation` of `id` is READY, its saved
@@ -650,9 +651,7 @@ impl Agent {
                 .await
                 .filter(|s| s.generation == generation && s.state == State::Ready);
             if let Some(status) = ready {
-                let counts = me.kv.restore(&id, &w, status.port).await;
-                me.metrics
-                    .kv(counts.saved, counts.restored, counts.failed, counts.evicted);
+                me.kv.restore(&id, &w, status.port).await.count(&me.metrics);
             }
             drop(restoring);
         });

@@ -53,6 +53,13 @@ pub(super) struct KvCounts {
     pub(super) evicted: u64,
 }
 
+impl KvCounts {
+    /// Adds them to `metrics` (`residentd_kv_states_total`).
+    pub(super) fn count(self, metrics: &crate::metrics::Metrics) {
+        metrics.kv(self.saved, self.restored, self.failed, self.evicted);
+    }
+}
+
 /// The disk pools and the conversations saved in them.
 #[derive(Debug, Default)]
 pub(super) struct KvStore {
@@ -294,9 +301,8 @@ impl KvStore {
             .iter()
             .map(|s| (s.id, keep.dir.join(file_name(key, s.id)), bound(kv, s)))
             .collect();
-        let mut moves = Moves::default();
         let (me, pool, name) = (self.clone(), keep.pool.clone(), workload.clone());
-        let (reserved, m) = tokio::task::spawn_blocking(move || {
+        let (reserved, mut moves) = tokio::task::spawn_blocking(move || {
             let mut moves = Moves::default();
             let now = epoch_ms(SystemTime::now());
             let reserved = me.disks().reserve(&pool, &name, &wanted, now, &mut moves);
@@ -304,8 +310,6 @@ impl KvStore {
         })
         .await
         .unwrap_or_default();
-        moves.evicted += m.evicted;
-        moves.refused += m.refused;
         for slot in reserved {
             let file = keep.dir.join(file_name(key, slot));
             let body = format!("{{\"filename\": \"{}\"}}", file_name(key, slot));
@@ -317,24 +321,22 @@ impl KvStore {
             }
             let (me, pool, name) = (self.clone(), keep.pool.clone(), workload.clone());
             let ok = done.is_ok();
-            let m = tokio::task::spawn_blocking(move || {
+            let (kept, m) = tokio::task::spawn_blocking(move || {
                 #[allow(clippy::disallowed_methods)] // a blocking thread
                 let written = ok
                     .then(|| std::fs::metadata(&file).ok().map(|m| m.len()))
                     .flatten();
                 let mut moves = Moves::default();
                 let now = epoch_ms(SystemTime::now());
-                me.disks()
+                let kept = me
+                    .disks()
                     .settle(&pool, &name, &file, written, now, &mut moves);
-                (written.is_some(), moves)
+                (kept, moves)
             })
             .await
             .unwrap_or_default();
-            if m.0 && m.1.dropped == 0 {
-                counts.saved += 1;
-            }
-            moves.evicted += m.1.evicted;
-            moves.dropped += m.1.dropped;
+            counts.saved += u64::from(kept);
+            moves += m;
         }
         counts.evicted = moves.evicted;
         counts.failed += moves.dropped;

@@ -141,10 +141,7 @@ impl Agent {
         let policy = policy.unwrap_or(config.node.on_full);
         self.refresh_probes_async(&config).await;
         let key = footprint_key(&config, &w);
-        match id {
-            Some(id) => self.books.place_start(&w, id, policy, self.now_ms(), key),
-            None => self.books.place(&w, policy, self.now_ms(), key),
-        }
+        self.books.place(&w, id, policy, self.now_ms(), key)
     }
 
     /// The roster: every workload with its declared demand, raised by

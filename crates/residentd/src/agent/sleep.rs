@@ -190,9 +190,10 @@ impl Agent {
         if record.workload.keep_kv.is_none() {
             return;
         }
-        let counts = self.kv.restore(id, &record.workload, port).await;
-        self.metrics
-            .kv(counts.saved, counts.restored, counts.failed, counts.evicted);
+        self.kv
+            .restore(id, &record.workload, port)
+            .await
+            .count(&self.metrics);
     }
 
     /// Has the journal written as the books stand now and, with
@@ -384,7 +385,7 @@ impl Agent {
                 record.generation,
                 status.port,
             );
-            let keeps = record.workload.clone();
+            let w = record.workload.clone();
             tokio::spawn(async move {
                 let get = HttpCall {
                     method: "GET".to_string(),
@@ -405,7 +406,7 @@ impl Agent {
                 } else if !sleeping && asleep_now {
                     me.woke_by_itself(&id, generation, &workload).await;
                 } else if !sleeping {
-                    me.save_before_sleep(&id, generation, &keeps, port).await;
+                    me.save_before_sleep(&id, generation, &w, port).await;
                 }
             });
         }
@@ -430,9 +431,7 @@ impl Agent {
             return;
         }
         tracing::info!(instance_id = %id, "quiet ahead of its sleep: saving its conversations");
-        let counts = self.kv.save(id, w, port).await;
-        self.metrics
-            .kv(counts.saved, counts.restored, counts.failed, counts.evicted);
+        self.kv.save(id, w, port).await.count(&self.metrics);
     }
 
     /// Follows a server that fell asleep by itself: settled asleep in the

@@ -243,45 +243,33 @@ impl Books {
         Ok((generation, forgotten))
     }
 
-    /// The placement query: what a Start would do, with the pool figures
-    /// it was decided on.
+    /// The placement query: what a Start of `w` would do, with the pool
+    /// figures it was decided on. Naming `id`, that Start's dry run:
+    /// admitted at once for an instance of it resident and awake, a
+    /// wake's plan for one asleep, a new instance's under `id` otherwise
+    /// (refused as that Start would be when `id` is another workload's).
     pub(in crate::agent) fn place(
         &self,
         w: &Workload,
+        id: Option<&InstanceId>,
         policy: Policy,
         now: u64,
         key: Option<u64>,
     ) -> Result<pb::Placement, ApiError> {
         let b = self.lock();
         let spec = b.learned_spec(w, key);
-        let plan = b.ledger.place(&spec, policy, now).map_err(plan_error)?;
-        Ok(placement(&b.ledger, &plan, &spec))
-    }
-
-    /// The dry run of a Start of `w` naming `id`: admitted at once for an
-    /// instance of it resident and awake, a wake's plan for one asleep, a
-    /// new instance's under `id` otherwise (refused as that Start would
-    /// be when `id` is another workload's).
-    pub(in crate::agent) fn place_start(
-        &self,
-        w: &Workload,
-        id: &InstanceId,
-        policy: Policy,
-        now: u64,
-        key: Option<u64>,
-    ) -> Result<pb::Placement, ApiError> {
-        let b = self.lock();
-        taken(&b, id, w)?;
-        let spec = b.learned_spec(w, key);
-        let entry = match b.ledger.resident(id.as_str()).map(|r| r.tier) {
-            Some(Tier::Asleep) => Entry::Wake,
-            _ => Entry::Start(spec.clone()),
+        let plan = match id {
+            None => b.ledger.place(&spec, policy, now),
+            Some(id) => {
+                taken(&b, id, w)?;
+                let entry = match b.ledger.resident(id.as_str()).map(|r| r.tier) {
+                    Some(Tier::Asleep) => Entry::Wake,
+                    _ => Entry::Start(spec.clone()),
+                };
+                b.ledger.plan_entry(id, &entry, policy, now)
+            }
         };
-        let plan = b
-            .ledger
-            .plan_entry(id, &entry, policy, now)
-            .map_err(plan_error)?;
-        Ok(placement(&b.ledger, &plan, &spec))
+        Ok(placement(&b.ledger, &plan.map_err(plan_error)?, &spec))
     }
 
     /// Ends the reservation of `id`'s run `generation`, if it is still the

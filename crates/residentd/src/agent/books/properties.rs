@@ -232,7 +232,7 @@ impl<'t> World<'t> {
                 let policy = if evict { Policy::Evict } else { Policy::Refuse };
                 let config = self.config.clone();
                 // Place naming the id first: the dry run of this Start.
-                let dry = self.b.place_start(&w, &id, policy, now, None);
+                let dry = self.b.place(&w, Some(&id), policy, now, None);
                 let decided = self.b.admit(&config, &w, &id, policy, now, 0, None, None);
                 agrees(&dry, &decided)?;
                 match decided {
@@ -507,7 +507,7 @@ impl<'t> World<'t> {
     }
 }
 
-/// A Start's dry run (`place_start`) said what the Start then did: the
+/// A Start's dry run (`place` naming its id) said what the Start then did: the
 /// same victims and sleepers for an admission or a wake, not admitted for
 /// a refusal.
 fn agrees(

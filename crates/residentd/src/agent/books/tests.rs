@@ -114,7 +114,7 @@ fn a_learned_footprint_raises_the_next_admission_of_the_same_command_only() {
     start("b", 7);
     assert_eq!(reserved("b"), 4 * GB);
     let placement = b
-        .place(&w, Policy::Refuse, 0, Some(7))
+        .place(&w, None, Policy::Refuse, 0, Some(7))
         .expect("a placement");
     assert_eq!(placement.pools[0].used_bytes, 4 * GB);
     // Another command (key): the declaration, and its first reading

@@ -43,6 +43,14 @@ pub(super) struct Moves {
     pub(super) dropped: u64,
 }
 
+impl std::ops::AddAssign for Moves {
+    fn add_assign(&mut self, other: Moves) {
+        self.evicted += other.evicted;
+        self.refused += other.refused;
+        self.dropped += other.dropped;
+    }
+}
+
 /// The disk pools, their directories and the states they hold.
 #[derive(Debug)]
 pub(super) struct Disks {
@@ -66,10 +74,14 @@ pub(super) fn epoch_ms(t: SystemTime) -> u64 {
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
-/// The id of the state in file `file` of workload directory `workload`
+/// The id of the state in `file` of workload directory `workload`
 /// (`WORKLOAD.FILE`), or one made from its hash when that is no valid id
 /// (a file of someone else's: it takes room all the same).
-fn state_id(workload: &str, file: &str) -> InstanceId {
+fn state_id(workload: &str, file: &Path) -> InstanceId {
+    let file = file
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
     InstanceId::new(format!("{workload}.{file}")).unwrap_or_else(|_| {
         use std::hash::{Hash as _, Hasher as _};
         let mut h = std::collections::hash_map::DefaultHasher::new();
@@ -153,8 +165,7 @@ impl Disks {
         found.sort_by_key(|f| std::cmp::Reverse(f.0));
         let mut removed = 0;
         for (used, pool, workload, file, bytes) in found {
-            let name = file.file_name().map(|n| n.to_string_lossy().into_owned());
-            let id = state_id(&workload, &name.unwrap_or_default());
+            let id = state_id(&workload, &file);
             if self.enter_present(&id, &pool, &workload, bytes, used) {
                 self.files.insert(id, file);
             } else {
@@ -218,8 +229,7 @@ impl Disks {
         };
         let mut reserved = Vec::new();
         for (slot, file, bound) in slots {
-            let name = file.file_name().map(|n| n.to_string_lossy().into_owned());
-            let id = state_id(workload, &name.unwrap_or_default());
+            let id = state_id(workload, file);
             // The slot's earlier state gives way to the new one, planned
             // without it; refused, the books are as they were.
             let before = self.ledger.clone();
@@ -243,7 +253,7 @@ impl Disks {
     /// After the save of `file` (`written`: its size, `None` when the
     /// save failed): the reservation becomes what the file holds. A file
     /// larger than reserved is kept only if room can be made for it now;
-    /// otherwise it is removed (`moves.dropped`).
+    /// otherwise it is removed (`moves.dropped`). Whether it is kept.
     pub(super) fn settle(
         &mut self,
         pool: &str,
@@ -252,37 +262,38 @@ impl Disks {
         written: Option<u64>,
         now: u64,
         moves: &mut Moves,
-    ) {
-        let name = file.file_name().map(|n| n.to_string_lossy().into_owned());
-        let id = state_id(workload, &name.unwrap_or_default());
+    ) -> bool {
+        let id = state_id(workload, file);
         let reserved = self.ledger.release(id.as_str());
         let Some(bytes) = written else {
             self.files.remove(&id);
             remove(file);
-            return;
+            return false;
         };
         self.read_free();
         if self.enter_present(&id, pool, workload, bytes, now) {
             self.files.insert(id, file.to_path_buf());
-            return;
+            return true;
         }
         // More than the reservation (or the disk filled meanwhile): room
         // is made for it as for a new state, or it goes.
         let was = reserved.map_or(0, |r| r.footprint(pool));
         tracing::warn!(pool, workload, file = %file.display(), bytes, reserved = was, "a saved state is larger than the room reserved for it");
         let Ok(pool_name) = PoolName::new(pool) else {
-            return;
+            return false;
         };
         let spec = state_spec(workload, &pool_name, bytes);
         match self.make_room(&id, spec, now, moves) {
             Ok(()) => {
                 self.ledger.set_measured(id.as_str(), &pool_name, bytes);
                 self.files.insert(id, file.to_path_buf());
+                true
             }
             Err(_) => {
                 self.files.remove(&id);
                 remove(file);
                 moves.dropped += 1;
+                false
             }
         }
     }
@@ -312,15 +323,13 @@ impl Disks {
 
     /// Marks the state in `file` of `workload` used at `now`.
     pub(super) fn touch(&mut self, workload: &str, file: &Path, now: u64) {
-        let name = file.file_name().map(|n| n.to_string_lossy().into_owned());
-        let id = state_id(workload, &name.unwrap_or_default());
+        let id = state_id(workload, file);
         self.ledger.touch(id.as_str(), now, 0);
     }
 
     /// Removes the state in `file` of `workload` and its charge.
     pub(super) fn drop_state(&mut self, workload: &str, file: &Path) {
-        let name = file.file_name().map(|n| n.to_string_lossy().into_owned());
-        let id = state_id(workload, &name.unwrap_or_default());
+        let id = state_id(workload, file);
         self.ledger.release(id.as_str());
         self.files.remove(&id);
         remove(file);
