@@ -339,7 +339,9 @@ impl Agent {
             self.books.released(other, *generation).await;
         }
         if !a.recovery.is_empty() {
-            self.await_memory_back(config, &a.recovery).await;
+            self.probes
+                .await_back(config.node.memory_recovery, &a.recovery)
+                .await;
         }
         (evicted, slept)
     }

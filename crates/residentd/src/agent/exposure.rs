@@ -13,9 +13,9 @@ use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
 
-use resident_supervisor::State;
+use parking_lot::Mutex;
 
-use super::Agent;
+use super::books::Guarded;
 
 /// The TCP state LISTEN in /proc/net/tcp.
 const LISTEN: &str = "0A";
@@ -182,9 +182,12 @@ pub(super) struct Seen {
 }
 
 /// One exposure found: the run, and the address it listens on.
-struct Exposed {
-    guarded: super::books::Guarded,
-    addr: SocketAddr,
+#[derive(Debug)]
+pub(super) struct Exposed {
+    /// The run.
+    pub guarded: Guarded,
+    /// Where it listens beyond loopback.
+    pub addr: SocketAddr,
 }
 
 impl Seen {
@@ -192,7 +195,7 @@ impl Seen {
     /// listen beyond loopback; nothing when nothing changed since the last
     /// look. Reads /proc: runs on a blocking thread.
     #[allow(clippy::disallowed_methods)]
-    fn look(&mut self, guarded: Vec<(super::books::Guarded, i32)>) -> Vec<Exposed> {
+    fn look(&mut self, guarded: Vec<(Guarded, i32)>) -> Vec<Exposed> {
         let listening = listening();
         let beyond: HashSet<u64> = listening
             .iter()
@@ -239,55 +242,27 @@ impl Seen {
     }
 }
 
-impl Agent {
-    /// Stops every READY instance under `expose = "loopback"` that listens
-    /// beyond loopback; an adopted one is reported instead (once per run).
-    /// The look at /proc runs on a blocking thread, and only when a
-    /// listener beyond loopback or a guarded run is new (`Seen`).
-    pub(super) async fn guard_exposure(self: &Arc<Self>) {
-        let guarded: Vec<(super::books::Guarded, i32)> = self
-            .books
-            .loopback_only()
-            .into_iter()
-            .filter_map(|g| {
-                let s = self
-                    .sup
-                    .status(&g.id)
-                    .filter(|s| s.generation == g.generation)?;
-                let pid = s.pid.filter(|_| s.state == State::Ready)?;
-                let pid = i32::try_from(pid).ok()?;
-                Some((g, pid))
-            })
-            .collect();
+/// The guard: what it saw at its last look, and the look itself.
+#[derive(Debug, Default)]
+pub(super) struct Guard {
+    seen: Arc<Mutex<Seen>>,
+}
+
+impl Guard {
+    /// Which of the `guarded` runs (READY, under `expose = "loopback"`,
+    /// each with its process group's leader) listen beyond loopback. The
+    /// look at /proc runs on a blocking thread, and only when a listener
+    /// beyond loopback or a guarded run is new (`Seen`). A run being
+    /// stopped is found again at the next look until it is gone; an
+    /// adopted one once per run.
+    pub async fn look(&self, guarded: Vec<(Guarded, i32)>) -> Vec<Exposed> {
         if guarded.is_empty() {
-            return;
+            return Vec::new();
         }
-        let me = self.clone();
-        let found = tokio::task::spawn_blocking(move || {
-            let mut seen = me.exposure.lock();
-            seen.look(guarded)
-        })
-        .await
-        .unwrap_or_default();
-        for Exposed { guarded: g, addr } in found {
-            let what =
-                format!("EXPOSED: listening on {addr}, beyond loopback (expose = \"loopback\")");
-            if g.adopted {
-                let note = format!("{what}; adopted, so reported and not stopped");
-                if self.books.note(&g.id, g.generation, note) {
-                    tracing::warn!(instance_id = %g.id, %addr, "an adopted server listens beyond loopback under expose = \"loopback\"; reported, not stopped");
-                    self.metrics.exposed(&g.workload);
-                    self.publish_view(&g.id);
-                }
-                continue;
-            }
-            tracing::warn!(instance_id = %g.id, %addr, "listening beyond loopback under expose = \"loopback\"; stopping");
-            self.metrics.exposed(&g.workload);
-            let me = self.clone();
-            let (id, run) = (g.id, Some(g.generation));
-            let cause = Some((resident_api::pb::Cause::Exposed, what));
-            tokio::spawn(async move { me.stop_because(&id, run, None, cause).await });
-        }
+        let seen = self.seen.clone();
+        tokio::task::spawn_blocking(move || seen.lock().look(guarded))
+            .await
+            .unwrap_or_default()
     }
 }
 

@@ -1,17 +1,24 @@
 //! The supervisor's transitions applied to the books and the event log,
-//! and the periodic work (probe readings, idle expiry, owners' leases). A
-//! run's terminal event is the one place its memory is released: once, by
+//! and the periodic work: the probes' readings fed into the books and
+//! their health told, overruns told (`overrun.rs`), the exposure guard
+//! (`exposure.rs`), idle expiry and owners' leases. A run's terminal
+//! event is the one place its memory is released: once, by
 //! `follow_supervisor`, before the event is published.
 
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use resident_api::pb;
+use resident_config::Config;
+use resident_core::PoolName;
 use resident_supervisor::{State, Status};
 use tokio::sync::mpsc;
 
 use super::Agent;
-use super::books::Sleepy;
+use super::books::Readings;
+use super::books::{Guarded, Sleepy};
+use super::exposure::Exposed;
+use super::overrun;
 
 impl Agent {
     fn on_transition(&self, status: Status) {
@@ -101,6 +108,70 @@ impl Agent {
                 kind: pb::EventKind::Transition as i32,
                 ..Default::default()
             });
+        }
+    }
+
+    /// Tells about every overrun that began, changed pools or ended since
+    /// the last readings (an `OVERRUN` event), and stops the runs whose
+    /// policy says so.
+    fn tell_overruns(self: &Arc<Self>) {
+        for told in overrun::changes(&self.books, self.config().node.on_overrun) {
+            if let Some(record) = self.books.record(&told.id) {
+                self.events.publish(pb::Event {
+                    instance: Some(self.view(&told.id, &record)),
+                    kind: pb::EventKind::Overrun as i32,
+                    pool: told.pools.join(","),
+                    message: told.message.clone(),
+                    ..Default::default()
+                });
+            }
+            if told.stop {
+                let me = self.clone();
+                let cause = Some((
+                    pb::Cause::Overrun,
+                    format!("{}; on_overrun = \"stop\"", told.message),
+                ));
+                let (id, run) = (told.id, told.generation);
+                tokio::spawn(async move { me.stop_because(&id, Some(run), None, cause).await });
+            }
+        }
+    }
+
+    /// Stops every READY instance under `expose = "loopback"` that listens
+    /// beyond loopback; an adopted one is reported instead (once per run).
+    async fn guard_exposure(self: &Arc<Self>) {
+        let guarded: Vec<(Guarded, i32)> = self
+            .books
+            .loopback_only()
+            .into_iter()
+            .filter_map(|g| {
+                let s = self
+                    .sup
+                    .status(&g.id)
+                    .filter(|s| s.generation == g.generation)?;
+                let pid = s.pid.filter(|_| s.state == State::Ready)?;
+                let pid = i32::try_from(pid).ok()?;
+                Some((g, pid))
+            })
+            .collect();
+        for Exposed { guarded: g, addr } in self.exposure.look(guarded).await {
+            let what =
+                format!("EXPOSED: listening on {addr}, beyond loopback (expose = \"loopback\")");
+            if g.adopted {
+                let note = format!("{what}; adopted, so reported and not stopped");
+                if self.books.note(&g.id, g.generation, note) {
+                    tracing::warn!(instance_id = %g.id, %addr, "an adopted server listens beyond loopback under expose = \"loopback\"; reported, not stopped");
+                    self.metrics.exposed(&g.workload);
+                    self.publish_view(&g.id);
+                }
+                continue;
+            }
+            tracing::warn!(instance_id = %g.id, %addr, "listening beyond loopback under expose = \"loopback\"; stopping");
+            self.metrics.exposed(&g.workload);
+            let me = self.clone();
+            let (id, run) = (g.id, Some(g.generation));
+            let cause = Some((pb::Cause::Exposed, what));
+            tokio::spawn(async move { me.stop_because(&id, run, None, cause).await });
         }
     }
 
@@ -210,5 +281,104 @@ pub(super) async fn tick(agent: Weak<Agent>) {
         agent.sleep_idle();
         agent.expire_leases();
         agent.guard_exposure().await;
+    }
+}
+
+/// The live readings: the probes' (`probes.rs`) of host- and device-bound
+/// pools fed into the ledger, and their health told.
+impl Agent {
+    /// Reads the live probes into the books: host memory for host-bound
+    /// pools, device readings, and each instance's measured bytes. The
+    /// probes and `/proc` are read first; the books' lock is taken once,
+    /// for the numbers alone.
+    pub fn refresh_probes(&self) {
+        self.refresh_probes_with(&self.config());
+    }
+
+    /// [`Agent::refresh_probes_with`] from async code. Where a device probe
+    /// is open (an NVML call, a reading file, and the /proc scan that
+    /// per-process device use needs) it runs on a blocking thread, so a
+    /// slow driver never holds one of the runtime's threads; a node of host
+    /// pools only reads /proc/meminfo (one small read) in place.
+    pub(super) async fn refresh_probes_async(self: &Arc<Self>, config: &Arc<Config>) {
+        if !self.probes.has_devices() {
+            self.refresh_probes_with(config);
+            return;
+        }
+        let (me, config) = (self.clone(), config.clone());
+        let _ = tokio::task::spawn_blocking(move || me.refresh_probes_with(&config)).await;
+    }
+
+    /// [`Agent::refresh_probes`] under the request's config snapshot. On a
+    /// blocking thread where a device probe is open; on a node of host
+    /// pools alone, in place: one read of /proc/meminfo.
+    #[allow(clippy::disallowed_methods)]
+    pub(super) fn refresh_probes_with(&self, config: &Config) {
+        let mut readings = Readings {
+            available: self.probes.devices(),
+            measured: self
+                .probes
+                .device_use(|| {
+                    let runs = self.sup.list().into_iter();
+                    runs.filter_map(|s| Some((s.instance.to_string(), s.pid?)))
+                        .collect()
+                })
+                .into_iter()
+                .filter_map(|(id, pool, bytes)| Some((id, PoolName::new(pool).ok()?, bytes)))
+                .collect(),
+            host: Vec::new(),
+            host_pools: config
+                .pools
+                .iter()
+                .filter(|p| p.host)
+                .map(|p| p.pool.name.clone())
+                .collect(),
+            learn: config.node.learn_footprints,
+        };
+        // Only host-bound pools count measured bytes; a node without one
+        // skips the copy of every status (this runs every second).
+        if !readings.host_pools.is_empty() {
+            let host = self.probes.host();
+            for pool in &readings.host_pools {
+                readings.available.push((pool.to_string(), host));
+            }
+            readings.host = self
+                .sup
+                .list()
+                .into_iter()
+                .map(|s| (s.instance.to_string(), s.measured_bytes))
+                .collect();
+        }
+        self.probe_health(&readings.available);
+        if self.books.set_readings(readings) {
+            self.persist();
+            self.signals.roster_changed();
+        }
+        self.signals.figures_may_have_moved();
+    }
+
+    /// Tells when a pool's live reading fails (no reading: its configured
+    /// budget stands in) and when it comes back: a log line, a POOL event
+    /// and the metrics, once per change.
+    fn probe_health(&self, available: &[(String, Option<u64>)]) {
+        for h in self.probes.health(available) {
+            self.metrics.pool_live(&h.pool, h.live);
+            if h.live {
+                if h.known {
+                    tracing::info!(pool = %h.pool, "live readings are back");
+                    self.publish_pool(&h.pool, "live readings are back");
+                }
+            } else {
+                let message =
+                    "no live reading: its configured budget stands in until readings come back";
+                tracing::warn!(pool = %h.pool, "{message}");
+                self.publish_pool(&h.pool, message);
+            }
+        }
+    }
+
+    /// Opens the probe of every device-bound pool of the config in force.
+    pub(super) fn open_device_probes(&self) {
+        self.probes.open(&self.config());
     }
 }

@@ -5,20 +5,21 @@
 //! The rooms: `books.rs` admits, releases and cancels (nothing else
 //! touches the ledger); `admission.rs` carries a Start and a Stop out;
 //! `follower.rs` applies the supervisor's transitions (the one place a
-//! run's end releases its memory) and runs the periodic work; `queries.rs`
-//! answers Get, List, Place, Touch and reload; `adoption.rs` enters a
-//! server started elsewhere (Adopt); `memory.rs` feeds the probes'
-//! readings to the books; `persist.rs` composes what the journal holds
-//! and restores from it; `sleep.rs` puts servers to sleep and wakes them
-//! (`[workload.sleep]`); `exposure.rs` stops servers that listen beyond
-//! loopback where their workload says `expose = "loopback"` (and reports
-//! adopted ones); `picture.rs` is what a fleet view keeps of the node
-//! (`WatchNode`). Rooms with walls, which import nothing of the agent:
-//! `durability.rs` (change numbers, the journal written with group
-//! commit, who waits for what), `probes.rs` (host and device probes and
-//! their health), `kv.rs` (saved conversations and the disk pools'
-//! books), `http.rs` (the client for the servers' own endpoints) and
-//! `roster.rs` (a workload by name).
+//! run's end releases its memory), feeds the probes' readings to the
+//! books and runs the periodic work; `queries.rs` answers Get, List,
+//! Place, Touch, Node and reload; `adoption.rs` enters a server started
+//! elsewhere (Adopt); `persist.rs` composes what the journal holds and
+//! restores from it; `sleep.rs` puts servers to sleep and wakes them
+//! (`[workload.sleep]`); `upgrade.rs` hands the node over. Rooms with
+//! walls, which import nothing of the agent: `durability.rs` (change
+//! numbers, the journal written with group commit, who waits for what),
+//! `probes.rs` (host and device probes, their health, per-process device
+//! use, the wait for memory to come back), `exposure.rs` (who listens
+//! beyond loopback under `expose = "loopback"`), `overrun.rs` (an
+//! overrun's words and whether its policy stops it), `picture.rs` (what
+//! a fleet view keeps of the node, `WatchNode`), `kv.rs` (saved
+//! conversations and the disk pools' books), `http.rs` (the client for
+//! the servers' own endpoints) and `roster.rs` (a workload by name).
 //!
 //! No code here reads the file system or scans /proc on a runtime thread:
 //! clippy's `disallowed_methods` (crates/residentd/clippy.toml) is on for
@@ -49,7 +50,6 @@ mod exposure;
 mod follower;
 mod http;
 mod kv;
-mod memory;
 mod overrun;
 mod persist;
 mod picture;
@@ -103,7 +103,7 @@ pub struct Agent {
     sup: Supervisor,
     events: EventLog,
     /// Host memory and the device-bound pools' probes (`probes.rs`).
-    probes: probes::Probes,
+    probes: Arc<probes::Probes>,
     epoch: Instant,
     /// Numbers generated instance ids.
     id_seq: AtomicU64,
@@ -121,15 +121,12 @@ pub struct Agent {
     metrics: crate::metrics::Metrics,
     /// Where an upgrade stands (`upgrade.rs`).
     upgrade: tokio::sync::watch::Sender<upgrade::Stage>,
-    /// What the exposure guard saw at its last look.
-    exposure: Mutex<exposure::Seen>,
+    /// The exposure guard (`exposure.rs`).
+    exposure: exposure::Guard,
     /// The disk pools and the conversations saved in them (`keep_kv`).
     kv: Arc<kv::KvStore>,
-    /// Bumped when pool figures or holds may have moved without an event
-    /// (`picture.rs`).
-    figures_moved: tokio::sync::watch::Sender<u64>,
-    /// Counts changes of the roster (`picture.rs`).
-    roster_generation: AtomicU64,
+    /// What a fleet view waits on (`picture.rs`).
+    signals: picture::Signals,
 }
 
 impl Agent {
@@ -157,19 +154,18 @@ impl Agent {
             config: RwLock::new(config),
             sup: Supervisor::new(sup_config, tx),
             events,
-            probes: probes::Probes::new(host),
+            probes: Arc::new(probes::Probes::new(host)),
             epoch: Instant::now(),
             id_seq: AtomicU64::new(0),
             closing: AtomicBool::new(false),
             closed: tokio::sync::watch::Sender::new(false),
             upgrade: tokio::sync::watch::Sender::new(upgrade::Stage::Idle),
-            figures_moved: tokio::sync::watch::Sender::new(0),
-            roster_generation: AtomicU64::new(0),
+            signals: picture::Signals::default(),
             durability: durability::Durability::new(journal),
             start_ticks: Mutex::new(std::collections::HashMap::new()),
             metrics: crate::metrics::Metrics::new(),
             reload_hooks: Mutex::new(ReloadHooks::default()),
-            exposure: Mutex::new(exposure::Seen::default()),
+            exposure: exposure::Guard::default(),
             kv: Arc::new(kv::KvStore::default()),
         });
         agent.kv.configure(&agent.config());

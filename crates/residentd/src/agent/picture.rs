@@ -1,15 +1,14 @@
 //! What a fleet view keeps of this node (`WatchNode`): the whole node at
-//! once (`node_status`), its pools' figures and holds (`figures`), the
-//! roster, the epoch its revisions belong to, and the two signals a
-//! watcher waits on: figures that may have moved without an event (a
-//! probe reading, a measurement, a hold) and a roster that changed (a
-//! reload, a learned footprint raised or forgotten).
+//! once (`node_status`), its pools' figures and holds (`Figures`), and
+//! the two signals a watcher waits on (`Signals`): figures that may have
+//! moved without an event (a probe reading, a measurement, a hold) and a
+//! roster that changed (a reload, a learned footprint raised or
+//! forgotten). The agent answers with them in `queries.rs`.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use resident_api::pb;
-
-use super::Agent;
+use resident_config::Config;
 
 /// The pools' figures and the holds at one moment of the agent's clock.
 #[derive(Debug, Clone)]
@@ -21,6 +20,12 @@ pub struct Figures {
 }
 
 impl Figures {
+    /// `pools` and `holds` (each held instance and what is left of its
+    /// hold) read at `now`, on the agent's clock.
+    pub fn new(pools: Vec<pb::PoolStatus>, holds: Vec<(String, u64)>, now: u64) -> Self {
+        Self { pools, holds, now }
+    }
+
     /// Whether `other` shows the same figures and the same holds (each
     /// ending at the same instant; what is left of one shrinks with time
     /// and is no change).
@@ -50,51 +55,58 @@ impl Figures {
     }
 }
 
-impl Agent {
-    /// The epoch of this agent's revisions (drawn when it began afresh;
-    /// an upgrade hands it over with the history).
-    pub fn epoch(&self) -> u64 {
-        self.events.epoch()
+/// The whole node, as `Node` answers: `revision` and `instances` as read
+/// together by the caller (the revision first), `pools` read now, and the
+/// epoch the revisions belong to.
+pub(super) fn node_status(
+    config: &Config,
+    revision: u64,
+    instances: Vec<pb::Instance>,
+    pools: Vec<pb::PoolStatus>,
+    epoch: u64,
+) -> pb::NodeStatus {
+    let on_full = match config.node.on_full {
+        resident_core::Policy::Refuse => pb::Policy::Refuse,
+        resident_core::Policy::Evict => pb::Policy::Evict,
+    };
+    pb::NodeStatus {
+        revision,
+        node: config.node.name.clone(),
+        version: env!("CARGO_PKG_VERSION").to_string(),
+        agent_pid: std::process::id(),
+        pools,
+        instances,
+        epoch,
+        on_full: on_full as i32,
     }
+}
 
-    /// The whole node, as `Node` answers: `revision` and `instances` as
-    /// read together by the caller (the revision first), the pools read
-    /// now.
-    pub fn node_status(&self, revision: u64, instances: Vec<pb::Instance>) -> pb::NodeStatus {
-        let config = self.config();
-        let on_full = match config.node.on_full {
-            resident_core::Policy::Refuse => pb::Policy::Refuse,
-            resident_core::Policy::Evict => pb::Policy::Evict,
-        };
-        pb::NodeStatus {
-            revision,
-            node: config.node.name.clone(),
-            version: env!("CARGO_PKG_VERSION").to_string(),
-            agent_pid: std::process::id(),
-            pools: self.pools(),
-            instances,
-            epoch: self.epoch(),
-            on_full: on_full as i32,
+/// The two signals a fleet view waits on.
+#[derive(Debug)]
+pub(super) struct Signals {
+    /// Bumped when pool figures or holds may have moved without an event.
+    figures_moved: tokio::sync::watch::Sender<u64>,
+    /// Counts changes of the roster.
+    roster_generation: AtomicU64,
+}
+
+impl Default for Signals {
+    fn default() -> Self {
+        Self {
+            figures_moved: tokio::sync::watch::Sender::new(0),
+            roster_generation: AtomicU64::new(0),
         }
     }
+}
 
-    /// The pools' figures and every hold in force, now.
-    pub fn figures(&self) -> Figures {
-        let now = self.now_ms();
-        Figures {
-            pools: self.pools(),
-            holds: self.books.holds(now),
-            now,
-        }
-    }
-
+impl Signals {
     /// Changes each time the figures may have moved without an event.
     pub fn figures_moved(&self) -> tokio::sync::watch::Receiver<u64> {
         self.figures_moved.subscribe()
     }
 
     /// Tells watchers that the figures may have moved (a reading, a hold).
-    pub(super) fn figures_may_have_moved(&self) {
+    pub fn figures_may_have_moved(&self) {
         self.figures_moved.send_modify(|n| *n = n.wrapping_add(1));
     }
 
@@ -103,8 +115,9 @@ impl Agent {
         self.roster_generation.load(Ordering::Acquire)
     }
 
-    /// Tells watchers that the roster changed.
-    pub(super) fn roster_changed(&self) {
+    /// Tells watchers that the roster changed (and so the figures may
+    /// have).
+    pub fn roster_changed(&self) {
         self.roster_generation.fetch_add(1, Ordering::AcqRel);
         self.figures_may_have_moved();
     }

@@ -1,11 +1,13 @@
 //! The probes, a room with walls (it imports nothing of the agent): host
 //! memory, each device-bound pool's probe (`device = "nvml:N"` or
-//! `"file:..."`), and whether each pool's last reading was live. Every
+//! `"file:..."`), whether each pool's last reading was live, what each
+//! run holds on a device, and the wait for evicted memory to come back. Every
 //! reading here may block (an NVML call, a file): callers on the runtime
 //! run them on a blocking thread.
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, RwLock};
 use resident_config::Config;
@@ -125,5 +127,71 @@ impl Probes {
             }
         }
         changed
+    }
+
+    /// What each run holds on each device pool whose probe accounts per
+    /// process (NVML, or a file with `PID BYTES` lines): the sum over the
+    /// run's process group. `runs` (each instance and its group's leader)
+    /// is asked only when such a probe is open, and so is the one scan of
+    /// /proc. Blocking.
+    #[allow(clippy::disallowed_methods)]
+    pub(super) fn device_use(
+        &self,
+        runs: impl FnOnce() -> Vec<(String, u32)>,
+    ) -> Vec<(String, String, u64)> {
+        let probes = self.per_process();
+        if probes.is_empty() {
+            return Vec::new();
+        }
+        let mut groups: HashMap<i32, Vec<u32>> = HashMap::new();
+        for p in resident_supervisor::procfs::scan() {
+            groups.entry(p.pgrp).or_default().push(p.pid as u32);
+        }
+        let mut out = Vec::new();
+        for (instance, pgid) in runs() {
+            let Some(pids) = i32::try_from(pgid).ok().and_then(|g| groups.get(&g)) else {
+                continue;
+            };
+            for (pool, probe) in &probes {
+                if let Some(bytes) = probe.used_by(pids) {
+                    out.push((instance.clone(), pool.clone(), bytes));
+                }
+            }
+        }
+        out
+    }
+
+    /// Waits, at most `within`, until every live pool of `wanted` shows at
+    /// least its bytes available: drivers and the kernel free a large
+    /// process's memory after it is reaped, and a new model should not
+    /// start into memory that is not back yet. No reading: no wait. The
+    /// readings run on a blocking thread.
+    pub(super) async fn await_back(self: &Arc<Self>, within: Duration, wanted: &[(String, u64)]) {
+        let deadline = Instant::now() + within;
+        loop {
+            let (me, pools) = (self.clone(), wanted.to_vec());
+            let readings = tokio::task::spawn_blocking(move || {
+                pools
+                    .iter()
+                    .map(|(pool, _)| me.available(pool))
+                    .collect::<Vec<_>>()
+            })
+            .await
+            .unwrap_or_default();
+            let short: Vec<(&str, u64, Option<u64>)> = wanted
+                .iter()
+                .zip(readings)
+                .map(|((pool, want), now)| (pool.as_str(), *want, now))
+                .filter(|(_, want, now)| now.is_some_and(|a| a < *want))
+                .collect();
+            if short.is_empty() {
+                return;
+            }
+            if Instant::now() >= deadline {
+                tracing::warn!(?short, "evicted memory not back in time; starting anyway");
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 }

@@ -10,6 +10,7 @@ use resident_core::{InstanceId, Policy};
 use super::Agent;
 use super::books::Sleepy;
 use super::books::{Hold, Record};
+use super::picture::{self, Figures};
 use super::roster::{footprint_key, workload_of};
 
 impl Agent {
@@ -99,6 +100,41 @@ impl Agent {
             out.lease_ms = lease.ms;
             out.lease_left_ms = lease.until.saturating_sub(self.now_ms());
         }
+    }
+
+    /// The epoch of this agent's revisions (drawn when it began afresh;
+    /// an upgrade hands it over with the history).
+    pub fn epoch(&self) -> u64 {
+        self.events.epoch()
+    }
+
+    /// The whole node, as `Node` answers: `revision` and `instances` as
+    /// read together by the caller (the revision first), the pools read
+    /// now.
+    pub fn node_status(&self, revision: u64, instances: Vec<pb::Instance>) -> pb::NodeStatus {
+        picture::node_status(
+            &self.config(),
+            revision,
+            instances,
+            self.pools(),
+            self.epoch(),
+        )
+    }
+
+    /// The pools' figures and every hold in force, now.
+    pub fn figures(&self) -> Figures {
+        let now = self.now_ms();
+        Figures::new(self.pools(), self.books.holds(now), now)
+    }
+
+    /// Changes each time the figures may have moved without an event.
+    pub fn figures_moved(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.signals.figures_moved()
+    }
+
+    /// Counts changes of the roster (`Workloads`' answer).
+    pub fn roster_generation(&self) -> u64 {
+        self.signals.roster_generation()
     }
 
     /// One instance.
@@ -196,7 +232,7 @@ impl Agent {
         let name = w.spec.workload.to_string();
         if self.books.forget_learned(&name) {
             tracing::info!(workload = %name, "learned footprint forgotten");
-            self.roster_changed();
+            self.signals.roster_changed();
             let change = self.persist();
             self.durable(change).await?;
         }
@@ -213,7 +249,7 @@ impl Agent {
             )));
         }
         if !matches!(hold, Hold::For(0)) {
-            self.figures_may_have_moved();
+            self.signals.figures_may_have_moved();
         }
         self.get(id)
     }
@@ -254,7 +290,7 @@ impl Agent {
         self.kv.configure(&new);
         self.open_device_probes();
         self.refresh_probes();
-        self.roster_changed();
+        self.signals.roster_changed();
         Ok(warnings)
     }
 }
