@@ -10,9 +10,11 @@
 //! Place, Touch, Node and reload; `adoption.rs` enters a server started
 //! elsewhere (Adopt); `persist.rs` composes what the journal holds and
 //! restores from it; `sleep.rs` puts servers to sleep and wakes them
-//! (`[workload.sleep]`); `upgrade.rs` hands the node over. Rooms with
-//! walls, which import nothing of the agent: `durability.rs` (change
-//! numbers, the journal written with group commit, who waits for what),
+//! (`[workload.sleep]`). Here: the parts joined, shutdown, and the walk
+//! of an upgrade. Rooms with walls, which import nothing of the agent:
+//! `upgrade.rs` (where an upgrade stands, what it hands over),
+//! `durability.rs` (change numbers, the journal written with group
+//! commit, who waits for what),
 //! `probes.rs` (host and device probes, their health, per-process device
 //! use, the wait for memory to come back), `exposure.rs` (who listens
 //! beyond loopback under `expose = "loopback"`), `overrun.rs` (an
@@ -32,6 +34,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use resident_api::ApiError;
+
 use parking_lot::{Mutex, RwLock};
 use resident_api::pb;
 use resident_config::Config;
@@ -41,6 +45,7 @@ use tokio::sync::mpsc;
 
 use crate::events::EventLog;
 use crate::journal::Journal;
+use upgrade::Stage;
 
 mod admission;
 mod adoption;
@@ -120,7 +125,7 @@ pub struct Agent {
     start_ticks: Mutex<std::collections::HashMap<String, persist::Ticks>>,
     metrics: crate::metrics::Metrics,
     /// Where an upgrade stands (`upgrade.rs`).
-    upgrade: tokio::sync::watch::Sender<upgrade::Stage>,
+    upgrade: upgrade::Upgrades,
     /// The exposure guard (`exposure.rs`).
     exposure: exposure::Guard,
     /// The disk pools and the conversations saved in them (`keep_kv`).
@@ -159,7 +164,7 @@ impl Agent {
             id_seq: AtomicU64::new(0),
             closing: AtomicBool::new(false),
             closed: tokio::sync::watch::Sender::new(false),
-            upgrade: tokio::sync::watch::Sender::new(upgrade::Stage::Idle),
+            upgrade: upgrade::Upgrades::default(),
             signals: picture::Signals::default(),
             durability: durability::Durability::new(journal),
             start_ticks: Mutex::new(std::collections::HashMap::new()),
@@ -223,9 +228,7 @@ impl Agent {
     /// start of the agent (an upgrade, a restart) brings the same
     /// instances back.
     pub async fn shutdown(&self) {
-        self.books.close();
-        self.closing.store(true, Ordering::Release);
-        self.durability.seal();
+        self.close();
         // The last write fsyncs: off the runtime's worker (a runtime of
         // one thread has no other to hand its tasks to).
         let flavor = tokio::runtime::Handle::current().runtime_flavor();
@@ -248,6 +251,117 @@ impl Agent {
             .is_err()
         {
             tracing::warn!(held = ?self.books.resident_ids(), "reservations still held after shutdown");
+        }
+    }
+
+    /// Nothing moves after this: no admission, nothing the agent decides
+    /// by itself (an idle sleep or stop, a lease's expiry), and only the
+    /// sealing write of the journal (shutdown, hand-over) goes through.
+    fn close(&self) {
+        self.books.close();
+        self.closing.store(true, Ordering::Release);
+        self.durability.seal();
+    }
+
+    /// Whether an upgrade is under way (changes are refused meanwhile).
+    pub fn upgrading(&self) -> bool {
+        self.upgrade.upgrading()
+    }
+
+    /// Resolves once an upgrade has begun to hand everything over.
+    pub fn handing_over(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        self.upgrade.handing_over()
+    }
+
+    /// Resolves once the next agent serves.
+    pub fn upgraded(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        self.upgrade.upgraded()
+    }
+
+    /// Replaces this agent with the binary now at its path, without
+    /// stopping an instance. Answers once the next agent serves.
+    /// FAILED_PRECONDITION when the new binary fails its check (nothing
+    /// changed); INTERNAL when it did not start: this agent then executes
+    /// itself afresh and takes everything over again.
+    pub async fn upgrade(self: Arc<Self>) -> Result<pb::UpgradeResponse, ApiError> {
+        let old_version = env!("CARGO_PKG_VERSION").to_string();
+        if !self.config().node.instances_outlive_agent {
+            return Err(ApiError::FailedPrecondition(
+                "instances_outlive_agent = false: every instance would die with this agent; restart it instead".into(),
+            ));
+        }
+        if !self.upgrade.begin() {
+            return Err(ApiError::Unavailable(
+                "an upgrade is already under way".into(),
+            ));
+        }
+        let back = |e: ApiError| {
+            self.upgrade.to(Stage::Idle);
+            Err(e)
+        };
+        let new_version = match crate::upgrade::check_next().await {
+            Ok(v) => v,
+            Err(why) => {
+                return back(ApiError::FailedPrecondition(format!(
+                    "the new binary was not started: {why}; nothing changed"
+                )));
+            }
+        };
+        tracing::info!(old = %old_version, new = %new_version, "upgrading: the new binary passed its check");
+        // Starts admitted before changes were refused are spawned first,
+        // so the journal names every process.
+        let deadline = Instant::now() + upgrade::SETTLE_BOUND;
+        while self
+            .list()
+            .iter()
+            .any(|i| i.state == pb::State::Pending as i32)
+        {
+            if Instant::now() >= deadline {
+                return back(ApiError::Unavailable(
+                    "starts are still under way; try the upgrade again".into(),
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        // From here on this process image ends: the next agent serves, or
+        // this one runs afresh.
+        self.upgrade.to(Stage::HandingOver);
+        // Nothing the agent decides by itself (an idle sleep or stop, a
+        // lease's expiry) begins after the journal below.
+        self.close();
+        self.closed.send_replace(true);
+        self.sup.hand_over(upgrade::HAND_OVER_BOUND).await;
+        let me = self.clone();
+        let _ = tokio::task::spawn_blocking(move || me.write_journal_now(true)).await;
+        let state_dir = self.config().node.state_dir.clone();
+        if let Err(e) = self.events.save(&state_dir, upgrade::EVENTS_FILE) {
+            tracing::warn!(error = %e, "cannot hand the event history over; watchers will list again");
+        }
+        upgrade::hand_holds_over(&state_dir, &self.books.holds(self.now_ms()));
+        tracing::info!("every instance handed over; starting the new binary");
+        match crate::upgrade::start_next().await {
+            Ok(next) => {
+                crate::upgrade::hand_main_pid(next.pid);
+                self.upgrade.to(Stage::Upgraded);
+                tracing::info!(pid = next.pid, version = %next.version, "the upgraded agent serves");
+                Ok(pb::UpgradeResponse {
+                    old_version,
+                    new_version: next.version,
+                })
+            }
+            Err(why) => {
+                tracing::error!(error = %why, "the new binary did not start; this agent executes itself afresh");
+                // After the answer has gone out.
+                std::thread::spawn(|| {
+                    std::thread::sleep(Duration::from_millis(300));
+                    let e = crate::upgrade::reexec_self();
+                    tracing::error!(error = %e, "cannot execute the agent afresh");
+                    std::process::exit(1);
+                });
+                Err(ApiError::Internal(format!(
+                    "the new binary did not start: {why}; this agent ({old_version}) goes on, executed afresh"
+                )))
+            }
         }
     }
 }

@@ -242,6 +242,15 @@ impl Agent {
         }
     }
 
+    /// After a restore: the holds the agent an upgrade replaced handed
+    /// over, each for what was left of it.
+    fn take_holds(&self) {
+        let dir = self.config().node.state_dir.clone();
+        for (id, ms) in super::upgrade::handed_holds(&dir) {
+            self.books.touch(&id, self.now_ms(), super::Hold::For(ms));
+        }
+    }
+
     /// Numbers a change the journal must record and has the writer write
     /// it (`durability.rs`); once shutdown has begun the journal stays as
     /// shutdown wrote it.

@@ -1,17 +1,17 @@
-//! The agent's part of an upgrade (`Upgrade`, SIGUSR2; the process side is
-//! `crate::upgrade`): changes refused while it runs, the new binary
-//! checked, every instance handed over (the supervisor lets each process
-//! run on; the journal and the event history are written for the next
-//! agent), the next agent started, and this one's end: it exits once the
-//! next one serves, or executes itself afresh when it did not start.
+//! Where an upgrade stands (`Upgrade`, SIGUSR2; the process side is
+//! `crate::upgrade`), a room with walls: the stage, which refuses changes
+//! from the check of the new binary on and tells the listeners when to
+//! stop accepting, and what the state directory keeps for the next agent
+//! beside the journal (the event history, the holds). The agent's
+//! `upgrade` (mod.rs) walks the stages: the new binary checked, every
+//! instance handed over (the supervisor lets each process run on), the
+//! next agent started, and this one's end: it exits once the next one
+//! serves, or executes itself afresh when it did not start.
 
-use std::sync::Arc;
-use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+use std::path::Path;
+use std::time::Duration;
 
-use resident_api::{ApiError, pb};
-
-use super::Agent;
+use tokio::sync::watch;
 
 /// Where an upgrade stands, in the order it goes.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord)]
@@ -28,9 +28,9 @@ pub(super) enum Stage {
 }
 
 /// Starts admitted before the upgrade began get this long to be spawned.
-const SETTLE_BOUND: Duration = Duration::from_secs(30);
+pub(super) const SETTLE_BOUND: Duration = Duration::from_secs(30);
 /// The supervisor's actors get this long to let their processes go.
-const HAND_OVER_BOUND: Duration = Duration::from_secs(10);
+pub(super) const HAND_OVER_BOUND: Duration = Duration::from_secs(10);
 
 /// Where the event history waits for the next agent, in the state
 /// directory.
@@ -40,34 +40,25 @@ pub(super) const EVENTS_FILE: &str = "events.handover";
 /// directory: `ID<TAB>MS` lines.
 const HOLDS_FILE: &str = "holds.handover";
 
-impl Agent {
-    /// After a restore: the holds the agent an upgrade replaced handed
-    /// over, each for what was left of it (the file is removed).
-    pub(super) fn take_holds(&self) {
-        let dir = self.config().node.state_dir.clone();
-        let Ok(bytes) = crate::state_files::read(&dir, HOLDS_FILE) else {
-            return;
-        };
-        crate::state_files::remove(&dir, HOLDS_FILE);
-        let text = String::from_utf8_lossy(&bytes);
-        for line in text.lines() {
-            let Some((id, ms)) = line.split_once('\t') else {
-                continue;
-            };
-            if let Ok(ms) = ms.parse::<u64>() {
-                self.books.touch(id, self.now_ms(), super::Hold::For(ms));
-            }
-        }
-    }
+/// Where an upgrade stands, and who waits for its stages.
+#[derive(Debug)]
+pub(super) struct Upgrades(watch::Sender<Stage>);
 
+impl Default for Upgrades {
+    fn default() -> Self {
+        Self(watch::Sender::new(Stage::Idle))
+    }
+}
+
+impl Upgrades {
     /// Whether an upgrade is under way (changes are refused meanwhile).
     pub fn upgrading(&self) -> bool {
-        *self.upgrade.borrow() != Stage::Idle
+        *self.0.borrow() != Stage::Idle
     }
 
     /// Resolves once an upgrade has begun to hand everything over.
     pub fn handing_over(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
-        let mut rx = self.upgrade.subscribe();
+        let mut rx = self.0.subscribe();
         async move {
             let _ = rx.wait_for(|s| *s >= Stage::HandingOver).await;
         }
@@ -75,113 +66,55 @@ impl Agent {
 
     /// Resolves once the next agent serves.
     pub fn upgraded(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
-        let mut rx = self.upgrade.subscribe();
+        let mut rx = self.0.subscribe();
         async move {
             let _ = rx.wait_for(|s| *s == Stage::Upgraded).await;
         }
     }
 
-    /// Replaces this agent with the binary now at its path, without
-    /// stopping an instance. Answers once the next agent serves.
-    /// FAILED_PRECONDITION when the new binary fails its check (nothing
-    /// changed); INTERNAL when it did not start: this agent then executes
-    /// itself afresh and takes everything over again.
-    pub async fn upgrade(self: Arc<Self>) -> Result<pb::UpgradeResponse, ApiError> {
-        let old_version = env!("CARGO_PKG_VERSION").to_string();
-        if !self.config().node.instances_outlive_agent {
-            return Err(ApiError::FailedPrecondition(
-                "instances_outlive_agent = false: every instance would die with this agent; restart it instead".into(),
-            ));
-        }
-        let began = self.upgrade.send_if_modified(|s| {
+    /// Begins an upgrade (changes refused from now on); false when one is
+    /// already under way.
+    pub fn begin(&self) -> bool {
+        self.0.send_if_modified(|s| {
             let idle = *s == Stage::Idle;
             if idle {
                 *s = Stage::Checking;
             }
             idle
-        });
-        if !began {
-            return Err(ApiError::Unavailable(
-                "an upgrade is already under way".into(),
-            ));
-        }
-        let back = |e: ApiError| {
-            self.upgrade.send_replace(Stage::Idle);
-            Err(e)
-        };
-        let new_version = match crate::upgrade::check_next().await {
-            Ok(v) => v,
-            Err(why) => {
-                return back(ApiError::FailedPrecondition(format!(
-                    "the new binary was not started: {why}; nothing changed"
-                )));
-            }
-        };
-        tracing::info!(old = %old_version, new = %new_version, "upgrading: the new binary passed its check");
-        // Starts admitted before changes were refused are spawned first,
-        // so the journal names every process.
-        let deadline = Instant::now() + SETTLE_BOUND;
-        while self
-            .list()
-            .iter()
-            .any(|i| i.state == pb::State::Pending as i32)
-        {
-            if Instant::now() >= deadline {
-                return back(ApiError::Unavailable(
-                    "starts are still under way; try the upgrade again".into(),
-                ));
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        // From here on this process image ends: the next agent serves, or
-        // this one runs afresh.
-        self.upgrade.send_replace(Stage::HandingOver);
-        // Nothing the agent decides by itself (an idle sleep or stop, a
-        // lease's expiry) begins after the journal below.
-        self.books.close();
-        self.closing.store(true, Ordering::Release);
-        self.durability.seal();
-        self.closed.send_replace(true);
-        self.sup.hand_over(HAND_OVER_BOUND).await;
-        let me = self.clone();
-        let _ = tokio::task::spawn_blocking(move || me.write_journal_now(true)).await;
-        let state_dir = self.config().node.state_dir.clone();
-        if let Err(e) = self.events.save(&state_dir, EVENTS_FILE) {
-            tracing::warn!(error = %e, "cannot hand the event history over; watchers will list again");
-        }
-        let holds: String = self
-            .books
-            .holds(self.now_ms())
-            .into_iter()
-            .map(|(id, ms)| format!("{id}\t{ms}\n"))
-            .collect();
-        if let Err(e) = crate::state_files::write_new(&state_dir, HOLDS_FILE, holds.as_bytes()) {
-            tracing::warn!(error = %e, "cannot hand the holds over; their holders renew them");
-        }
-        tracing::info!("every instance handed over; starting the new binary");
-        match crate::upgrade::start_next().await {
-            Ok(next) => {
-                crate::upgrade::hand_main_pid(next.pid);
-                self.upgrade.send_replace(Stage::Upgraded);
-                tracing::info!(pid = next.pid, version = %next.version, "the upgraded agent serves");
-                Ok(pb::UpgradeResponse {
-                    old_version,
-                    new_version: next.version,
-                })
-            }
-            Err(why) => {
-                tracing::error!(error = %why, "the new binary did not start; this agent executes itself afresh");
-                // After the answer has gone out.
-                std::thread::spawn(|| {
-                    std::thread::sleep(Duration::from_millis(300));
-                    let e = crate::upgrade::reexec_self();
-                    tracing::error!(error = %e, "cannot execute the agent afresh");
-                    std::process::exit(1);
-                });
-                Err(ApiError::Internal(format!(
-                    "the new binary did not start: {why}; this agent ({old_version}) goes on, executed afresh"
-                )))
-            }
-        }
+        })
+    }
+
+    /// Moves on to `stage`; `Stage::Idle` gives an upgrade up before
+    /// anything was handed over.
+    pub fn to(&self, stage: Stage) {
+        self.0.send_replace(stage);
+    }
+}
+
+/// The holds the agent an upgrade replaced handed over, each with what was
+/// left of it; the file is removed. Nothing when there is none.
+pub(super) fn handed_holds(dir: &Path) -> Vec<(String, u64)> {
+    let Ok(bytes) = crate::state_files::read(dir, HOLDS_FILE) else {
+        return Vec::new();
+    };
+    crate::state_files::remove(dir, HOLDS_FILE);
+    String::from_utf8_lossy(&bytes)
+        .lines()
+        .filter_map(|line| {
+            let (id, ms) = line.split_once('\t')?;
+            Some((id.to_string(), ms.parse().ok()?))
+        })
+        .collect()
+}
+
+/// Writes the holds in force (each instance and what is left of its
+/// hold) for the next agent.
+pub(super) fn hand_holds_over(dir: &Path, holds: &[(String, u64)]) {
+    let text: String = holds
+        .iter()
+        .map(|(id, ms)| format!("{id}\t{ms}\n"))
+        .collect();
+    if let Err(e) = crate::state_files::write_new(dir, HOLDS_FILE, text.as_bytes()) {
+        tracing::warn!(error = %e, "cannot hand the holds over; their holders renew them");
     }
 }
