@@ -1,4 +1,4 @@
-//! Carrying a Start and a Stop out: the books decide (one critical
+//! Carrying a Start, an Adopt and a Stop out: the books decide (one critical
 //! section), then victims are stopped side by side, evicted memory is
 //! awaited, the journal that records the admission is awaited on disk,
 //! and only then is the instance spawned. A journal known to fail refuses
@@ -13,8 +13,9 @@ use std::time::Duration;
 use resident_api::{ApiError, pb};
 use resident_config::{Config, Workload};
 use resident_core::{InstanceId, Policy};
-use resident_supervisor::{State, SupervisorError};
+use resident_supervisor::{Adoption, State, SupervisorError};
 
+use super::adoption::{AdoptCall, Looked, look_at};
 use super::books::{Admitted, Decision, Sleepy};
 use super::roster::{footprint_key, workload_of};
 use super::{Agent, Started};
@@ -674,4 +675,103 @@ fn generated_id(w: &Workload, n: u64) -> InstanceId {
     // A workload name (64 chars max) plus digits stays a valid id.
     InstanceId::new(name)
         .unwrap_or_else(|_| InstanceId::new(format!("instance-{n}")).expect("a valid id"))
+}
+
+/// Adopt: the flow (adoption.rs checks the process).
+impl Agent {
+    /// Adopts a running process (see the module's text); answers once the
+    /// journal on disk holds it.
+    pub async fn adopt(self: &Arc<Self>, call: AdoptCall) -> Result<pb::Instance, ApiError> {
+        self.adopt_answering(call, None, Answer::Durable).await
+    }
+
+    /// [`Agent::adopt`]; with `start_ticks`, only the process that started
+    /// then (a journaled adoption being restored).
+    pub(super) async fn adopt_answering(
+        self: &Arc<Self>,
+        call: AdoptCall,
+        start_ticks: Option<u64>,
+        answer: Answer,
+    ) -> Result<pb::Instance, ApiError> {
+        let config = self.config();
+        let w = workload_of(&config, &call.workload)?;
+        let pid = call.pid;
+        if !w.spec.any_of.is_empty() {
+            return Err(ApiError::FailedPrecondition(format!(
+                "workload '{}' has an any-of demand: which of its pools a running server holds is not known, so it cannot be adopted",
+                w.spec.workload
+            )));
+        }
+        // What the process is, what it may be adopted as, its port and
+        // the memory it holds: read from /proc on a blocking thread.
+        let looked = {
+            let (w, config, port, admin) = (w.clone(), config.clone(), call.port, call.admin);
+            tokio::task::spawn_blocking(move || look_at(pid, start_ticks, &w, &config, port, admin))
+                .await
+                .map_err(|e| ApiError::Internal(format!("looking at pid {pid}: {e}")))??
+        };
+        let Looked {
+            stat,
+            port,
+            present,
+        } = looked;
+        if pid == std::process::id() {
+            return Err(ApiError::FailedPrecondition(format!(
+                "pid {pid} is the agent itself"
+            )));
+        }
+        let ours = self.sup.list().into_iter().find(|s| {
+            s.pid
+                .is_some_and(|p| p == pid || p as i32 == stat.pgrp || p as i32 == stat.ppid)
+        });
+        // A process of one of our own runs (not an adoption: adopting the
+        // same pid twice is the books' to refuse).
+        if let Some(s) = ours
+            && self
+                .books
+                .record(&s.instance)
+                .is_none_or(|r| r.adopted.is_none())
+        {
+            return Err(ApiError::FailedPrecondition(format!(
+                "pid {pid} belongs to instance '{}', which this agent runs",
+                s.instance
+            )));
+        }
+        let adoption = Adoption {
+            pid,
+            start_ticks: stat.start_ticks,
+            port,
+            manage: call.manage,
+        };
+        let id = call.id;
+        let admitted = self
+            .books
+            .adopt(&config, &w, &id, self.now_ms(), adoption, &present);
+        let (generation, forgotten) = match admitted {
+            Ok(a) => a,
+            Err(ApiError::Refused { refusal, placement }) => {
+                self.refused(&call.workload, &refusal, resident_core::Policy::Refuse);
+                return Err(ApiError::Refused { refusal, placement });
+            }
+            Err(e) => return Err(e),
+        };
+        for (gone, record) in &forgotten {
+            self.forgotten(gone, record);
+        }
+        let spec = w.launch(id.as_str(), generation, &config.node, &[]);
+        if let Err(e) = self.sup.adopt(spec, adoption).await {
+            // Nothing watches it: its end is marked here.
+            self.books.release(id.as_str(), generation);
+            self.publish_ended(id.as_str());
+            return Err(ApiError::FailedPrecondition(e.to_string()));
+        }
+        tracing::info!(instance_id = %id, pid, port, manage = call.manage, "adopted");
+        let change = self.persist();
+        if answer == Answer::Durable && config.node.durable_answers {
+            // On failure it stays adopted and watched; the caller hears
+            // that the journal could not say so.
+            self.durable(change).await?;
+        }
+        self.get(id.as_str())
+    }
 }

@@ -1,23 +1,20 @@
-//! Adopt: a server someone else started, entered into the books without a
-//! restart. The process is checked (alive, not the agent's own, not
-//! adopted twice; for a caller without the admin role, the workload's own
-//! program running as the workload's user: `may_adopt`), its port found from its listening sockets when the
-//! call does not give one, its present memory counted as already touched,
-//! and it is admitted under the refuse policy: nothing is evicted for a
-//! process that is already there. The supervisor then watches it; its
-//! exit releases it like any run's end. The journal keeps it, with its
-//! start time, so the next agent re-adopts it if it still runs.
+//! What Adopt checks of a server someone else started, a room with walls
+//! (it imports nothing of the agent): the process alive (and, for a
+//! journaled adoption, the one that started then), adoptable by the
+//! caller (for one without the admin role, the workload's own program
+//! running as the workload's user: `may_adopt`), its port found from its
+//! listening sockets when the call does not give one, and its present
+//! memory, counted as already touched. `admission.rs` then admits it
+//! under the refuse policy (nothing is evicted for a process that is
+//! already there) and hands it to the supervisor, whose watch releases it
+//! at its exit like any run's end. The journal keeps it, with its start
+//! time, so the next agent re-adopts it if it still runs.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 
-use resident_api::{ApiError, pb};
+use resident_api::ApiError;
 use resident_core::{InstanceId, PoolName};
-use resident_supervisor::{Adoption, Readiness, procfs};
-
-use super::Agent;
-use super::admission::Answer;
-use super::roster::workload_of;
+use resident_supervisor::{Readiness, procfs};
 
 /// An Adopt as asked.
 #[derive(Debug, Clone)]
@@ -38,109 +35,15 @@ pub struct AdoptCall {
     pub admin: bool,
 }
 
-impl Agent {
-    /// Adopts a running process (see the module's text); answers once the
-    /// journal on disk holds it.
-    pub async fn adopt(self: &Arc<Self>, call: AdoptCall) -> Result<pb::Instance, ApiError> {
-        self.adopt_answering(call, None, Answer::Durable).await
-    }
-
-    /// [`Agent::adopt`]; with `start_ticks`, only the process that started
-    /// then (a journaled adoption being restored).
-    pub(super) async fn adopt_answering(
-        self: &Arc<Self>,
-        call: AdoptCall,
-        start_ticks: Option<u64>,
-        answer: Answer,
-    ) -> Result<pb::Instance, ApiError> {
-        let config = self.config();
-        let w = workload_of(&config, &call.workload)?;
-        let pid = call.pid;
-        if !w.spec.any_of.is_empty() {
-            return Err(ApiError::FailedPrecondition(format!(
-                "workload '{}' has an any-of demand: which of its pools a running server holds is not known, so it cannot be adopted",
-                w.spec.workload
-            )));
-        }
-        // What the process is, what it may be adopted as, its port and
-        // the memory it holds: read from /proc on a blocking thread.
-        let looked = {
-            let (w, config, port, admin) = (w.clone(), config.clone(), call.port, call.admin);
-            tokio::task::spawn_blocking(move || look_at(pid, start_ticks, &w, &config, port, admin))
-                .await
-                .map_err(|e| ApiError::Internal(format!("looking at pid {pid}: {e}")))??
-        };
-        let Looked {
-            stat,
-            port,
-            present,
-        } = looked;
-        if pid == std::process::id() {
-            return Err(ApiError::FailedPrecondition(format!(
-                "pid {pid} is the agent itself"
-            )));
-        }
-        let ours = self.sup.list().into_iter().find(|s| {
-            s.pid
-                .is_some_and(|p| p == pid || p as i32 == stat.pgrp || p as i32 == stat.ppid)
-        });
-        // A process of one of our own runs (not an adoption: adopting the
-        // same pid twice is the books' to refuse).
-        if let Some(s) = ours
-            && self
-                .books
-                .record(&s.instance)
-                .is_none_or(|r| r.adopted.is_none())
-        {
-            return Err(ApiError::FailedPrecondition(format!(
-                "pid {pid} belongs to instance '{}', which this agent runs",
-                s.instance
-            )));
-        }
-        let adoption = Adoption {
-            pid,
-            start_ticks: stat.start_ticks,
-            port,
-            manage: call.manage,
-        };
-        let id = call.id;
-        let admitted = self
-            .books
-            .adopt(&config, &w, &id, self.now_ms(), adoption, &present);
-        let (generation, forgotten) = match admitted {
-            Ok(a) => a,
-            Err(ApiError::Refused { refusal, placement }) => {
-                self.refused(&call.workload, &refusal, resident_core::Policy::Refuse);
-                return Err(ApiError::Refused { refusal, placement });
-            }
-            Err(e) => return Err(e),
-        };
-        for (gone, record) in &forgotten {
-            self.forgotten(gone, record);
-        }
-        let spec = w.launch(id.as_str(), generation, &config.node, &[]);
-        if let Err(e) = self.sup.adopt(spec, adoption).await {
-            // Nothing watches it: its end is marked here.
-            self.books.release(id.as_str(), generation);
-            self.publish_ended(id.as_str());
-            return Err(ApiError::FailedPrecondition(e.to_string()));
-        }
-        tracing::info!(instance_id = %id, pid, port, manage = call.manage, "adopted");
-        let change = self.persist();
-        if answer == Answer::Durable && config.node.durable_answers {
-            // On failure it stays adopted and watched; the caller hears
-            // that the journal could not say so.
-            self.durable(change).await?;
-        }
-        self.get(id.as_str())
-    }
-}
-
 /// What an Adopt found of its process.
-struct Looked {
-    stat: procfs::ProcStat,
-    port: u16,
-    present: BTreeMap<PoolName, u64>,
+#[derive(Debug)]
+pub(super) struct Looked {
+    /// Its /proc/PID/stat.
+    pub stat: procfs::ProcStat,
+    /// Its readiness port.
+    pub port: u16,
+    /// What it holds now, by pool.
+    pub present: BTreeMap<PoolName, u64>,
 }
 
 /// The process `pid` (started at `start_ticks`, when given), checked as
@@ -148,7 +51,7 @@ struct Looked {
 /// that caller, its port (`port`, or the one it listens on) and what it
 /// holds. Reads /proc: runs on a blocking thread.
 #[allow(clippy::disallowed_methods)]
-fn look_at(
+pub(super) fn look_at(
     pid: u32,
     start_ticks: Option<u64>,
     w: &resident_config::Workload,

@@ -2,26 +2,29 @@
 //! supervisor, the event log, the probes and the journal, joined. Every
 //! RPC of the service is one method here; the service only translates.
 //!
-//! The rooms: `books.rs` admits, releases and cancels (nothing else
-//! touches the ledger); `admission.rs` carries a Start and a Stop out;
-//! `follower.rs` applies the supervisor's transitions (the one place a
-//! run's end releases its memory), feeds the probes' readings to the
-//! books and runs the periodic work; `queries.rs` answers Get, List,
-//! Place, Touch, Node and reload; `adoption.rs` enters a server started
-//! elsewhere (Adopt); `persist.rs` composes what the journal holds and
-//! restores from it; `sleep.rs` puts servers to sleep and wakes them
+//! The coordinator's rooms, each an `impl Agent` of its own:
+//! `admission.rs` carries a Start, an Adopt and a Stop out; `follower.rs`
+//! applies the supervisor's transitions (the one place a run's end
+//! releases its memory), feeds the probes' readings to the books and runs
+//! the periodic work; `queries.rs` answers Get, List, Place, Touch, Node
+//! and reload; `persist.rs` composes what the journal holds and restores
+//! from it; `sleep.rs` puts servers to sleep and wakes them
 //! (`[workload.sleep]`). Here: the parts joined, shutdown, and the walk
-//! of an upgrade. Rooms with walls, which import nothing of the agent:
+//! of an upgrade.
+//!
+//! Rooms with walls, which import nothing of the agent: `books.rs`
+//! (admits, releases and cancels: nothing else touches the ledger),
 //! `upgrade.rs` (where an upgrade stands, what it hands over),
 //! `durability.rs` (change numbers, the journal written with group
-//! commit, who waits for what),
-//! `probes.rs` (host and device probes, their health, per-process device
-//! use, the wait for memory to come back), `exposure.rs` (who listens
-//! beyond loopback under `expose = "loopback"`), `overrun.rs` (an
-//! overrun's words and whether its policy stops it), `picture.rs` (what
-//! a fleet view keeps of the node, `WatchNode`), `kv.rs` (saved
-//! conversations and the disk pools' books), `http.rs` (the client for
-//! the servers' own endpoints) and `roster.rs` (a workload by name).
+//! commit, who waits for what), `adoption.rs` (what Adopt checks of a
+//! process), `probes.rs` (host and device probes, their health,
+//! per-process device use, the wait for memory to come back),
+//! `exposure.rs` (who listens beyond loopback under `expose =
+//! "loopback"`), `overrun.rs` (an overrun's words and whether its policy
+//! stops it), `picture.rs` (what a fleet view keeps of the node,
+//! `WatchNode`), `kv.rs` (saved conversations and the disk pools' books),
+//! `http.rs` (the client for the servers' own endpoints) and `roster.rs`
+//! (a workload by name).
 //!
 //! No code here reads the file system or scans /proc on a runtime thread:
 //! clippy's `disallowed_methods` (crates/residentd/clippy.toml) is on for
