@@ -17,7 +17,7 @@ use resident_supervisor::{Adoption, State, SupervisorError};
 
 use super::adoption::{AdoptCall, Looked, look_at};
 use super::books::{Admitted, Decision, Sleepy};
-use super::roster::{footprint_key, workload_of};
+use super::roster::workload_of;
 use super::{Agent, Started};
 
 /// When a Start answers.
@@ -134,7 +134,7 @@ impl Agent {
             }
         }
         self.refresh_probes_async(&config).await;
-        let mut key = footprint_key(&config, &w);
+        let mut key = self.keys.fresh(&config, &w);
         let admitted = loop {
             if self.closing.load(Ordering::Acquire) {
                 return Err(ApiError::Unavailable("the agent is shutting down".into()));
@@ -190,7 +190,7 @@ impl Agent {
                     config = self.config();
                     (w, unpinned) = pin(workload_of(&config, workload)?, pinned);
                     policy = asked.unwrap_or(config.node.on_full);
-                    key = footprint_key(&config, &w);
+                    key = self.keys.fresh(&config, &w);
                 }
             }
         };

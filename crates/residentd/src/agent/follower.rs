@@ -273,6 +273,9 @@ pub(super) async fn tick(agent: Weak<Agent>) {
             agent.persist();
         }
         agent.refresh_probes_async(&agent.config()).await;
+        // Holds run out with time, and a node of static budgets reads
+        // nothing: the fleet views look again once a second.
+        agent.signals.figures_may_have_moved();
         agent.tell_overruns();
         // Once the agent closes or hands over, the books list no idle run
         // and no lapsed lease (`Books::close`): nothing moves after the
@@ -348,6 +351,12 @@ impl Agent {
                 .into_iter()
                 .map(|s| (s.instance.to_string(), s.measured_bytes))
                 .collect();
+        }
+        // A node whose pools all have static budgets reads nothing: then
+        // nothing moved, and a Start or a Place does not wake every fleet
+        // view (the tick still does, once a second).
+        if readings.available.is_empty() && readings.measured.is_empty() {
+            return;
         }
         self.probe_health(&readings.available);
         if self.books.set_readings(readings) {

@@ -135,6 +135,8 @@ pub struct Agent {
     kv: Arc<kv::KvStore>,
     /// What a fleet view waits on (`picture.rs`).
     signals: picture::Signals,
+    /// Footprint keys read lately (`roster.rs`).
+    keys: roster::Keys,
 }
 
 impl Agent {
@@ -169,6 +171,7 @@ impl Agent {
             closed: tokio::sync::watch::Sender::new(false),
             upgrade: upgrade::Upgrades::default(),
             signals: picture::Signals::default(),
+            keys: roster::Keys::default(),
             durability: durability::Durability::new(journal),
             start_ticks: Mutex::new(std::collections::HashMap::new()),
             metrics: crate::metrics::Metrics::new(),

@@ -176,7 +176,7 @@ impl Agent {
         let w = workload_of(&config, workload)?;
         let policy = policy.unwrap_or(config.node.on_full);
         self.refresh_probes_async(&config).await;
-        let key = footprint_key(&config, &w);
+        let key = self.keys.recent(&config, &w);
         self.books.place(&w, id, policy, self.now_ms(), key)
     }
 
