@@ -272,7 +272,15 @@ impl App {
             .get(header::CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<u64>().ok());
-        if declared.is_some_and(|n| n > max as u64) {
+        if let Some(n) = declared.filter(|n| *n > max as u64) {
+            // The 413 is read only by a client that could send its body:
+            // one refused before it finishes writing finds the connection
+            // reset (unread bytes make the kernel answer RST) and never
+            // sees the answer. Read and drop what it sends, up to a bound.
+            if n <= DRAIN_AT_MOST {
+                let drained = drain(body);
+                let _ = tokio::time::timeout(self.options.body_timeout, drained).await;
+            }
             return Err(RouterError::too_large(max));
         }
         let hint = http_body::Body::size_hint(&body);
@@ -601,6 +609,18 @@ async fn unknown_endpoint(method: Method, uri: Uri) -> Response {
     );
     e.status = StatusCode::NOT_FOUND;
     e.into_response()
+}
+
+/// The largest declared body a refusal reads and drops before its 413
+/// (within the body timeout); a larger one is refused at once, and its
+/// client may see the connection reset instead.
+const DRAIN_AT_MOST: u64 = 64 << 20;
+
+/// Reads `body` to its end and drops it.
+async fn drain(body: Body) {
+    use http_body_util::BodyExt as _;
+    let mut body = body;
+    while let Some(Ok(_)) = body.frame().await {}
 }
 
 #[cfg(test)]
