@@ -37,10 +37,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use resident_api::ApiError;
-
 use parking_lot::{Mutex, RwLock};
-use resident_api::pb;
+use resident_api::{ApiError, pb};
 use resident_config::Config;
 use resident_probe::MemoryProbe;
 use resident_supervisor::{Supervisor, SupervisorConfig};
