@@ -4,7 +4,11 @@
 //! `workloads.rs` with `demand.rs` and `lifecycle.rs`, after `flavor.rs`
 //! has filled in what a workload's flavor implies); this one runs them in
 //! order and holds the helpers they share. No section asks the machine
-//! anything itself: every look-up goes through `Lookups` (`host.rs`).
+//! anything itself: every look-up goes through `Lookups` (`host.rs`),
+//! which clippy holds it to (`disallowed-methods` in the crate's
+//! clippy.toml, on for this module).
+
+#![warn(clippy::disallowed_methods)]
 
 mod access;
 mod demand;

@@ -557,6 +557,7 @@ fn check_moves(
 /// Runs 256 cases of `run` over worlds of `worlds`, with the seed printed
 /// (and taken from PROPTEST_RNG_SEED) so that a failure can be run again,
 /// and checks that every kind of move came up.
+#[allow(clippy::disallowed_methods, clippy::disallowed_types)] // the harness's seed, not the core's
 fn cases(worlds: impl Strategy<Value = World>, plain: bool) {
     let seed: u64 = std::env::var("PROPTEST_RNG_SEED")
         .ok()
