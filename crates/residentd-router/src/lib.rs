@@ -617,9 +617,8 @@ async fn unknown_endpoint(method: Method, uri: Uri) -> Response {
 const DRAIN_AT_MOST: u64 = 64 << 20;
 
 /// Reads `body` to its end and drops it.
-async fn drain(body: Body) {
+async fn drain(mut body: Body) {
     use http_body_util::BodyExt as _;
-    let mut body = body;
     while let Some(Ok(_)) = body.frame().await {}
 }
 

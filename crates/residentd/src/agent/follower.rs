@@ -272,10 +272,12 @@ pub(super) async fn tick(agent: Weak<Agent>) {
             // Try again: starts resume once the state_dir takes writes.
             agent.persist();
         }
-        agent.refresh_probes_async(&agent.config()).await;
         // Holds run out with time, and a node of static budgets reads
-        // nothing: the fleet views look again once a second.
-        agent.signals.figures_may_have_moved();
+        // nothing: the fleet views look again once a second (a reading
+        // has told them already).
+        if !agent.refresh_probes_async(&agent.config()).await {
+            agent.signals.figures_may_have_moved();
+        }
         agent.tell_overruns();
         // Once the agent closes or hands over, the books list no idle run
         // and no lapsed lease (`Books::close`): nothing moves after the
@@ -295,7 +297,7 @@ impl Agent {
     /// probes and `/proc` are read first; the books' lock is taken once,
     /// for the numbers alone.
     pub fn refresh_probes(&self) {
-        self.refresh_probes_with(&self.config());
+        let _ = self.refresh_probes_with(&self.config());
     }
 
     /// [`Agent::refresh_probes_with`] from async code. Where a device probe
@@ -303,20 +305,22 @@ impl Agent {
     /// per-process device use needs) it runs on a blocking thread, so a
     /// slow driver never holds one of the runtime's threads; a node of host
     /// pools only reads /proc/meminfo (one small read) in place.
-    pub(super) async fn refresh_probes_async(self: &Arc<Self>, config: &Arc<Config>) {
+    pub(super) async fn refresh_probes_async(self: &Arc<Self>, config: &Arc<Config>) -> bool {
         if !self.probes.has_devices() {
-            self.refresh_probes_with(config);
-            return;
+            return self.refresh_probes_with(config);
         }
         let (me, config) = (self.clone(), config.clone());
-        let _ = tokio::task::spawn_blocking(move || me.refresh_probes_with(&config)).await;
+        tokio::task::spawn_blocking(move || me.refresh_probes_with(&config))
+            .await
+            .unwrap_or(false)
     }
 
     /// [`Agent::refresh_probes`] under the request's config snapshot. On a
     /// blocking thread where a device probe is open; on a node of host
-    /// pools alone, in place: one read of /proc/meminfo.
+    /// pools alone, in place: one read of /proc/meminfo. Whether there was
+    /// anything to read (and the fleet views were told).
     #[allow(clippy::disallowed_methods)]
-    pub(super) fn refresh_probes_with(&self, config: &Config) {
+    pub(super) fn refresh_probes_with(&self, config: &Config) -> bool {
         let mut readings = Readings {
             available: self.probes.devices(),
             measured: self
@@ -356,7 +360,7 @@ impl Agent {
         // nothing moved, and a Start or a Place does not wake every fleet
         // view (the tick still does, once a second).
         if readings.available.is_empty() && readings.measured.is_empty() {
-            return;
+            return false;
         }
         self.probe_health(&readings.available);
         if self.books.set_readings(readings) {
@@ -364,6 +368,7 @@ impl Agent {
             self.signals.roster_changed();
         }
         self.signals.figures_may_have_moved();
+        true
     }
 
     /// Tells when a pool's live reading fails (no reading: its configured
