@@ -1,5 +1,5 @@
-//! Carrying a Start, an Adopt and a Stop out: the books decide (one critical
-//! section), then victims are stopped side by side, evicted memory is
+//! Carrying a Start and an Adopt out: the books decide (one critical
+//! section), then victims are stopped side by side (`stop.rs`), evicted memory is
 //! awaited, the journal that records the admission is awaited on disk,
 //! and only then is the instance spawned. A journal known to fail refuses
 //! a Start before anything is decided. Once admitted, a Start runs to its
@@ -7,18 +7,60 @@
 //! reservation without a run.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use resident_api::{ApiError, pb};
 use resident_config::{Config, Workload};
 use resident_core::{InstanceId, Policy};
-use resident_supervisor::{Adoption, State, SupervisorError};
+use resident_supervisor::{Adoption, State, Supervisor};
 
 use super::adoption::{AdoptCall, Looked, look_at};
-use super::books::{Admitted, Decision, Sleepy};
-use super::roster::workload_of;
-use super::{Agent, Started};
+use super::books::{Admitted, Books, Decision, Sleepy};
+use super::durability::Durability;
+use super::kv::KvStore;
+use super::probes::Probes;
+use super::reading::Reader;
+use super::roster::{Keys, workload_of};
+use super::shared::{Clock, Closing, Current};
+use super::sleep::Sleeps;
+use super::stop::Stopper;
+use super::tell::Teller;
+use crate::metrics::Metrics;
+
+/// The result of a Start.
+#[derive(Debug)]
+pub struct Started {
+    /// The instance now.
+    pub instance: pb::Instance,
+    /// False for an idempotent repeat.
+    pub created: bool,
+    /// Who was stopped to make room.
+    pub evicted: Vec<String>,
+    /// Who was put to sleep to make room.
+    pub slept: Vec<String>,
+}
+
+/// The admissions: Start, Adopt, and the wakes a Start makes.
+#[derive(Debug)]
+pub(super) struct Admissions {
+    pub(super) config: Current,
+    pub(super) books: Arc<Books>,
+    pub(super) sup: Supervisor,
+    pub(super) kv: Arc<KvStore>,
+    pub(super) probes: Arc<Probes>,
+    pub(super) durability: Arc<Durability>,
+    pub(super) metrics: Arc<Metrics>,
+    pub(super) teller: Arc<Teller>,
+    pub(super) reader: Arc<Reader>,
+    pub(super) stopper: Arc<Stopper>,
+    pub(super) sleeps: Arc<Sleeps>,
+    pub(super) keys: Arc<Keys>,
+    pub(super) clock: Clock,
+    pub(super) closing: Closing,
+    /// Numbers generated instance ids.
+    pub(super) id_seq: AtomicU64,
+}
 
 /// When a Start answers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,11 +113,11 @@ impl Request {
     }
 }
 
-impl Agent {
+impl Admissions {
     /// Starts an instance of `workload`: plan and reserve atomically, stop
     /// the victims, spawn, and (with `wait_ready`) wait for READY. Answers
     /// once the journal on disk holds the instance.
-    pub async fn start(
+    pub(super) async fn start(
         self: &Arc<Self>,
         workload: &str,
         id: Option<InstanceId>,
@@ -114,7 +156,7 @@ impl Agent {
         answer: Answer,
         taken: Option<&TakenOver<'_>>,
     ) -> Result<Admission, ApiError> {
-        let mut config = self.config();
+        let mut config = self.config.get();
         let pinned = taken.map_or(&[][..], |t| t.chosen);
         let (mut w, mut unpinned) = pin(workload_of(&config, workload)?, pinned);
         let id = match id {
@@ -127,26 +169,26 @@ impl Agent {
             // A journal that cannot be written (a full or read-only
             // state_dir) refuses starts before anything is decided; the
             // writer retries every second and starts resume once it can.
-            if let Some(why) = self.journal_failing() {
+            if let Some(why) = self.durability.failing() {
                 return Err(ApiError::Unavailable(format!(
                     "the journal cannot be written ({why}); no start until it can, so that nothing runs that a crash would forget"
                 )));
             }
         }
-        self.refresh_probes_async(&config).await;
+        self.reader.refresh_async(&config).await;
         let mut key = self.keys.fresh(&config, &w);
         let admitted = loop {
-            if self.closing.load(Ordering::Acquire) {
+            if self.closing.is_closing() {
                 return Err(ApiError::Unavailable("the agent is shutting down".into()));
             }
-            let now = self.now_ms();
+            let now = self.clock.now_ms();
             let taken_over = taken.map(|t| t.as_it_was);
             match self
                 .books
                 .admit(&config, &w, &id, policy, now, lease_ms, key, taken_over)
             {
                 Err(ApiError::Refused { refusal, placement }) => {
-                    self.refused(workload, &refusal, policy);
+                    self.teller.refused(workload, &refusal, policy);
                     return Err(ApiError::Refused { refusal, placement });
                 }
                 Err(e) => return Err(e),
@@ -176,7 +218,7 @@ impl Agent {
                     }
                     let record = self.books.record(id.as_str()).unwrap_or(record);
                     return Ok(Admission::Existing(Started {
-                        instance: self.view(id.as_str(), &record),
+                        instance: self.teller.view(id.as_str(), &record),
                         created: false,
                         evicted: Vec::new(),
                         slept: Vec::new(),
@@ -187,7 +229,7 @@ impl Agent {
                     // A reload came between this call's snapshot and the
                     // books: decide again on the config the books hold.
                     tokio::task::yield_now().await;
-                    config = self.config();
+                    config = self.config.get();
                     (w, unpinned) = pin(workload_of(&config, workload)?, pinned);
                     policy = asked.unwrap_or(config.node.on_full);
                     key = self.keys.fresh(&config, &w);
@@ -195,7 +237,7 @@ impl Agent {
             }
         };
         for (gone, record) in &admitted.forgotten {
-            self.forgotten(gone, record);
+            self.teller.forgotten(gone, record);
         }
         if let Some(text) = unpinned {
             // Its process uses the pools it was given; the books now say
@@ -203,7 +245,7 @@ impl Agent {
             tracing::warn!(instance_id = %id, "{text}");
             self.books.note(id.as_str(), admitted.generation, text);
         }
-        let admitted_change = self.persist();
+        let admitted_change = self.durability.change();
         self.metrics.admitted(workload);
         let request = Request {
             config,
@@ -243,7 +285,7 @@ impl Agent {
         workload: &str,
         a: Admitted,
     ) -> Result<Started, ApiError> {
-        let config = self.config();
+        let config = self.config.get();
         // The workload the run was started from: a reload since may have
         // changed or removed it, and the wake admitted must still be made
         // (or it would be left waking for good).
@@ -256,7 +298,9 @@ impl Agent {
                 ApiError::Aborted(format!("instance '{id}' was stopped before it woke"))
             })?;
         let (evicted, slept) = self.make_room(id.as_str(), &config, &w, &a).await;
-        self.wake_up(id.as_str(), a.generation, workload).await?;
+        self.sleeps
+            .wake_up(id.as_str(), a.generation, workload)
+            .await?;
         let record = self
             .books
             .record(id.as_str())
@@ -265,7 +309,7 @@ impl Agent {
                 ApiError::Aborted(format!("instance '{id}' was stopped while it woke"))
             })?;
         Ok(Started {
-            instance: self.view(id.as_str(), &record),
+            instance: self.teller.view(id.as_str(), &record),
             created: false,
             evicted,
             slept,
@@ -315,16 +359,16 @@ impl Agent {
             );
         for (vid, generation, workload, why) in victims {
             self.metrics.evicted(w.spec.workload.as_str(), workload);
-            let me = self.clone();
+            let stopper = self.stopper.clone();
             let (vid, run) = (vid.clone(), Some(generation));
             let cause = Some((pb::Cause::Evicted, why));
-            stops.spawn(async move { me.stop_because(&vid, run, None, cause).await.map(|_| ()) });
+            stops.spawn(async move { stopper.stop(&vid, run, None, cause).await.map(|_| ()) });
         }
         for sleeper in sleepers {
-            let me = self.clone();
+            let sleeps = self.sleeps.clone();
             let sleeper = sleeper.clone();
             let why = format!("to make room for '{}' (instance '{id}')", w.spec.workload);
-            stops.spawn(async move { me.fall_asleep(&sleeper, &why).await });
+            stops.spawn(async move { sleeps.fall_asleep(&sleeper, &why).await });
         }
         while let Some(result) = stops.join_next().await {
             // NotFound: the chosen run ended by another path meanwhile.
@@ -359,7 +403,7 @@ impl Agent {
             // end is marked here, and told to watchers (no supervisor
             // event will).
             self.books.release(id, generation);
-            self.publish_ended(id);
+            self.teller.publish_ended(id);
             return Err(ApiError::Aborted(format!(
                 "instance '{id}' was stopped before it was spawned"
             )));
@@ -368,17 +412,17 @@ impl Agent {
             // The journal holds the instance before its process exists: a
             // crash from here on restores it, and a journal that cannot be
             // written never has a process running that it does not list.
-            if let Err(e) = self.durable(r.admitted).await {
+            if let Err(e) = self.durability.settled(r.admitted).await {
                 self.books
                     .cancel(id, Some(generation), pb::Cause::Unspecified);
                 self.books.release(id, generation);
-                self.publish_ended(id);
+                self.teller.publish_ended(id);
                 return Err(e);
             }
         }
         if r.workload.keep_kv.is_some() {
             let w = r.workload.clone();
-            let _ = tokio::task::spawn_blocking(move || super::kv::KvStore::prepare(&w)).await;
+            let _ = tokio::task::spawn_blocking(move || KvStore::prepare(&w)).await;
         }
         let spec = r.workload.launch(id, generation, &r.config.node, devices);
         let launched = match r.take_over {
@@ -409,7 +453,7 @@ impl Agent {
         }
         // The journal records the process group too (for the leftovers a
         // next agent clears); the answer does not wait for that write.
-        self.persist();
+        self.durability.change();
         if !self.books.wanted(id, generation) {
             // A Stop came while it was being spawned; the Stop waits for
             // this run's end, which this stop brings.
@@ -427,7 +471,7 @@ impl Agent {
         // The answer is this run: by now a Stop may have ended it and
         // another Start begun a newer one, which the id's record names.
         match self.books.record(id).filter(|r| r.generation == generation) {
-            Some(record) => Ok(self.view(id, &record)),
+            Some(record) => Ok(self.teller.view(id, &record)),
             None => Err(ApiError::Aborted(format!(
                 "instance '{id}' was stopped while it was being started"
             ))),
@@ -463,103 +507,6 @@ impl Agent {
             ))),
             _ => Ok(()),
         }
-    }
-
-    pub(super) fn refused(&self, workload: &str, refusal: &resident_core::Refusal, policy: Policy) {
-        tracing::info!(workload, ?policy, reason = %refusal.first(), "start refused");
-        self.metrics.refused(refusal.first().code());
-        self.events.publish(pb::Event {
-            kind: pb::EventKind::Refused as i32,
-            refusal: Some(pb::Refusal {
-                temporary: refusal.temporary(),
-                ..resident_api::refusal(refusal.first())
-            }),
-            workload: workload.to_string(),
-            ..Default::default()
-        });
-    }
-
-    /// Stops an instance and answers once its group has exited, its
-    /// memory is released and the journal on disk no longer lists it.
-    pub async fn stop(&self, id: &str, grace: Option<Duration>) -> Result<pb::Instance, ApiError> {
-        self.stop_because(id, None, grace, None).await
-    }
-
-    /// As [`Agent::stop`], with the cause the ended run's message gives
-    /// instead of "stopped" (an eviction, an idle TTL); with `run`, only
-    /// that run of `id`: the agent's own stops are decided for a run, and
-    /// get NotFound once a later run of the id has replaced it, which they
-    /// never end.
-    pub(super) async fn stop_because(
-        &self,
-        id: &str,
-        run: Option<u64>,
-        grace: Option<Duration>,
-        cause: Option<(pb::Cause, String)>,
-    ) -> Result<pb::Instance, ApiError> {
-        let (kind, cause) = match cause {
-            Some((kind, text)) => (kind, Some(text)),
-            None => (pb::Cause::Stopped, None),
-        };
-        if let Some(a) = self.books.record(id).and_then(|r| r.adopted)
-            && !a.manage
-        {
-            return Err(ApiError::FailedPrecondition(format!(
-                "instance '{id}' was adopted without manage: the agent never signals pid {}; it leaves the books when that process exits",
-                a.pid
-            )));
-        }
-        let Some(c) = self.books.cancel(id, run, kind) else {
-            return Err(ApiError::NotFound(match run {
-                Some(g) => format!("run {g} of instance '{id}' has ended"),
-                None => format!("no instance '{id}'"),
-            }));
-        };
-        let (mut stopping, mut ended) = (None, None);
-        if c.resident {
-            self.keep_conversations(id, c.generation).await;
-            match self.sup.stop_run(id, c.generation, grace, cause).await {
-                Ok(s) => stopping = Some(s),
-                // Not spawned yet: the Start that finds it cancelled ends
-                // it (before or right after its spawn).
-                Err(SupervisorError::NotFound(_) | SupervisorError::NotTheRun { .. }) => {}
-                Err(e) => tracing::warn!(instance_id = id, error = %e, "stop"),
-            }
-        } else {
-            // Ended already: its last status, before a Start replaces it.
-            ended = self.sup.status(id);
-        }
-        // Released by the run's terminal event (or, for a run not yet
-        // spawned, by the Start that finds it cancelled); the end is read
-        // after it, when it is there already: one wake-up for this stop,
-        // not one for each of the run's transitions as well.
-        self.books.released(id, c.generation).await;
-        if let Some(s) = stopping {
-            ended = Some(s.ended().await);
-        }
-        let change = self.persist();
-        if self.config().node.durable_answers {
-            // The journal no longer lists it: a crash cannot bring it back.
-            self.durable(change).await?;
-        }
-        // The run this Stop ended, never a new one that a Start has begun
-        // under the same id meanwhile.
-        let ended = ended
-            .or_else(|| self.sup.status(id))
-            .filter(|s| s.generation == c.generation);
-        if let Some(status) = ended {
-            let mut out = resident_api::instance(id, &c.spec, Some(&status));
-            match self.books.record(id) {
-                Some(r) if r.generation == c.generation => self.with_record(&mut out, &r),
-                _ => out.cause = kind as i32,
-            }
-            return Ok(out);
-        }
-        // No process of the run: it was stopped before its spawn.
-        Ok(match self.books.record(id) {
-            Some(r) if r.generation == c.generation => self.view(id, &r),
-            _ => resident_api::unspawned(id, &c.spec),
-        })
     }
 }
 
@@ -612,30 +559,7 @@ fn pin(w: Arc<Workload>, pinned: &[Vec<String>]) -> (Arc<Workload>, Option<Strin
     (Arc::new(pinned), unpinned)
 }
 
-impl Agent {
-    /// Before a stop: a READY server of a workload that keeps its KV
-    /// (`keep_kv`) saves its conversations to its disk pool. Whatever comes
-    /// of it, the stop goes on.
-    async fn keep_conversations(&self, id: &str, generation: u64) {
-        let Some(record) = self.books.record(id).filter(|r| r.generation == generation) else {
-            return;
-        };
-        if record.workload.keep_kv.is_none() {
-            return;
-        }
-        let Some(status) = self
-            .sup
-            .status(id)
-            .filter(|s| s.generation == generation && s.state == State::Ready)
-        else {
-            return;
-        };
-        self.kv
-            .save(id, &record.workload, status.port)
-            .await
-            .count(&self.metrics);
-    }
-
+impl Admissions {
     /// After a spawn: once run `generation` of `id` is READY, its saved
     /// conversations (`keep_kv`) are restored, before a Start that waits
     /// for READY answers (`conversations_restored`).
@@ -678,14 +602,14 @@ fn generated_id(w: &Workload, n: u64) -> InstanceId {
 }
 
 /// Adopt: the flow (adoption.rs checks the process).
-impl Agent {
+impl Admissions {
     /// Adopts a running process (see the module's text); answers once the
     /// journal on disk holds it.
-    pub async fn adopt(self: &Arc<Self>, call: AdoptCall) -> Result<pb::Instance, ApiError> {
+    pub(super) async fn adopt(self: &Arc<Self>, call: AdoptCall) -> Result<pb::Instance, ApiError> {
         self.adopt_answering(call, None, Answer::Durable).await
     }
 
-    /// [`Agent::adopt`]; with `start_ticks`, only the process that started
+    /// [`Admissions::adopt`]; with `start_ticks`, only the process that started
     /// then (a journaled adoption being restored).
     pub(super) async fn adopt_answering(
         self: &Arc<Self>,
@@ -693,7 +617,7 @@ impl Agent {
         start_ticks: Option<u64>,
         answer: Answer,
     ) -> Result<pb::Instance, ApiError> {
-        let config = self.config();
+        let config = self.config.get();
         let w = workload_of(&config, &call.workload)?;
         let pid = call.pid;
         if !w.spec.any_of.is_empty() {
@@ -746,32 +670,33 @@ impl Agent {
         let id = call.id;
         let admitted = self
             .books
-            .adopt(&config, &w, &id, self.now_ms(), adoption, &present);
+            .adopt(&config, &w, &id, self.clock.now_ms(), adoption, &present);
         let (generation, forgotten) = match admitted {
             Ok(a) => a,
             Err(ApiError::Refused { refusal, placement }) => {
-                self.refused(&call.workload, &refusal, resident_core::Policy::Refuse);
+                self.teller
+                    .refused(&call.workload, &refusal, resident_core::Policy::Refuse);
                 return Err(ApiError::Refused { refusal, placement });
             }
             Err(e) => return Err(e),
         };
         for (gone, record) in &forgotten {
-            self.forgotten(gone, record);
+            self.teller.forgotten(gone, record);
         }
         let spec = w.launch(id.as_str(), generation, &config.node, &[]);
         if let Err(e) = self.sup.adopt(spec, adoption).await {
             // Nothing watches it: its end is marked here.
             self.books.release(id.as_str(), generation);
-            self.publish_ended(id.as_str());
+            self.teller.publish_ended(id.as_str());
             return Err(ApiError::FailedPrecondition(e.to_string()));
         }
         tracing::info!(instance_id = %id, pid, port, manage = call.manage, "adopted");
-        let change = self.persist();
+        let change = self.durability.change();
         if answer == Answer::Durable && config.node.durable_answers {
             // On failure it stays adopted and watched; the caller hears
             // that the journal could not say so.
-            self.durable(change).await?;
+            self.durability.settled(change).await?;
         }
-        self.get(id.as_str())
+        self.teller.get(id.as_str())
     }
 }

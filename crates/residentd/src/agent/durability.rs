@@ -18,12 +18,15 @@ use parking_lot::Mutex;
 use resident_api::ApiError;
 use tokio::sync::{Notify, oneshot};
 
+use super::shared::Closing;
 use crate::journal::{self, Journal};
 
 /// The journal and what of it is on disk.
 #[derive(Debug)]
 pub(super) struct Durability {
     journal: Journal,
+    /// Ends the waits when the agent has closed.
+    closing: Closing,
     /// Wakes the writer.
     dirty: Notify,
     /// One write at a time.
@@ -54,9 +57,10 @@ impl OnDisk {
 }
 
 impl Durability {
-    pub(super) fn new(journal: Journal) -> Self {
+    pub(super) fn new(journal: Journal, closing: Closing) -> Self {
         Self {
             journal,
+            closing,
             dirty: Notify::new(),
             one_writer: Mutex::new(()),
             changes: AtomicU64::new(0),
@@ -80,6 +84,17 @@ impl Durability {
         change
     }
 
+    /// Numbers a change and, with `wait` (`durable_answers`), waits until
+    /// the journal on disk holds it: the answer that follows is then a
+    /// promise a crash keeps.
+    pub(super) async fn commit(&self, wait: bool) -> Result<(), ApiError> {
+        let change = self.change();
+        if wait {
+            self.settled(change).await?;
+        }
+        Ok(())
+    }
+
     /// From now on only a sealing write goes through.
     pub(super) fn seal(&self) {
         self.sealed.store(true, Ordering::Release);
@@ -100,14 +115,11 @@ impl Durability {
     }
 
     /// Waits until the journal on disk holds `change` (and every earlier
-    /// one). Err when the write failed, or `closing` resolved (the agent
-    /// shuts down) before it was made. Each waiter is woken once, by the
+    /// one). Err when the write failed, or the agent finished closing
+    /// before it was made. Each waiter is woken once, by the
     /// write that settles its change.
-    pub(super) async fn settled(
-        &self,
-        change: u64,
-        closing: impl std::future::Future<Output = ()>,
-    ) -> Result<(), ApiError> {
+    pub(super) async fn settled(&self, change: u64) -> Result<(), ApiError> {
+        let closing = self.closing.finished();
         tokio::pin!(closing);
         loop {
             let woken = {

@@ -1,30 +1,36 @@
-//! The agent: the books (one lock, so plan-and-reserve is atomic), the
-//! supervisor, the event log, the probes and the journal, joined. Every
-//! RPC of the service is one method here; the service only translates.
+//! The agent: a small coordinator over rooms with walls. Each room is a
+//! struct holding the handles it needs (the books, the supervisor, the
+//! journal's durability, another room) and nothing else; no file here but
+//! this one names `Agent` (`walls.rs` checks it, and that the rooms use
+//! each other one way, with no circle). Every RPC of the service is one
+//! method here, handed to the room that answers it; the service only
+//! translates. Here: the parts and rooms built, shutdown, and the walk of
+//! an upgrade.
 //!
-//! The coordinator's rooms, each an `impl Agent` of its own:
-//! `admission.rs` carries a Start, an Adopt and a Stop out; `follower.rs`
-//! applies the supervisor's transitions (the one place a run's end
-//! releases its memory), feeds the probes' readings to the books and runs
-//! the periodic work; `queries.rs` answers Get, List, Place, Touch, Node
-//! and reload; `persist.rs` composes what the journal holds and restores
-//! from it; `sleep.rs` puts servers to sleep and wakes them
-//! (`[workload.sleep]`). Here: the parts joined, shutdown, and the walk
-//! of an upgrade.
+//! The rooms that carry the agent's flows, in the order they use each
+//! other: `tell.rs` (an instance as the agent tells it, and the events
+//! that carry it), `reading.rs` (the probes' readings into the books),
+//! `stop.rs` (every stop), `sleep.rs` (sleeps and wakes,
+//! `[workload.sleep]`), `admission.rs` (a Start, its wake, an Adopt),
+//! `restore.rs` (the journaled instances back after a restart), then
+//! `follower.rs` (the supervisor's transitions, the one place a run's end
+//! releases its memory, and the per-second tick) and `queries.rs` (pools,
+//! Place, Touch, Node, the roster, reload). `persist.rs` composes what the
+//! journal holds for its one writer.
 //!
-//! Rooms with walls, which import nothing of the agent: `books.rs`
-//! (admits, releases and cancels: nothing else touches the ledger),
-//! `upgrade.rs` (where an upgrade stands, what it hands over),
-//! `durability.rs` (change numbers, the journal written with group
-//! commit, who waits for what), `adoption.rs` (what Adopt checks of a
-//! process), `probes.rs` (host and device probes, their health,
-//! per-process device use, the wait for memory to come back),
-//! `exposure.rs` (who listens beyond loopback under `expose =
+//! The parts they share: `books.rs` (admits, releases and cancels:
+//! nothing else touches the ledger), `upgrade.rs` (where an upgrade
+//! stands, what it hands over), `durability.rs` (change numbers, the
+//! journal written with group commit, who waits for what), `adoption.rs`
+//! (what Adopt checks of a process), `probes.rs` (host and device probes,
+//! their health, per-process device use, the wait for memory to come
+//! back), `exposure.rs` (who listens beyond loopback under `expose =
 //! "loopback"`), `overrun.rs` (an overrun's words and whether its policy
 //! stops it), `picture.rs` (what a fleet view keeps of the node,
 //! `WatchNode`), `kv.rs` (saved conversations and the disk pools' books),
-//! `http.rs` (the client for the servers' own endpoints) and `roster.rs`
-//! (a workload by name).
+//! `http.rs` (the client for the servers' own endpoints), `roster.rs` (a
+//! workload by name) and `shared.rs` (the clock, the config in force, the
+//! agent's end).
 //!
 //! No code here reads the file system or scans /proc on a runtime thread:
 //! clippy's `disallowed_methods` (crates/residentd/clippy.toml) is on for
@@ -34,18 +40,19 @@
 #![warn(clippy::disallowed_methods)]
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::time::{Duration, Instant};
 
-use parking_lot::{Mutex, RwLock};
 use resident_api::{ApiError, pb};
 use resident_config::Config;
+use resident_core::{InstanceId, Policy};
 use resident_probe::MemoryProbe;
 use resident_supervisor::{Supervisor, SupervisorConfig};
 use tokio::sync::mpsc;
 
 use crate::events::EventLog;
 use crate::journal::Journal;
+use crate::metrics::Metrics;
 use upgrade::Stage;
 
 mod admission;
@@ -61,41 +68,23 @@ mod persist;
 mod picture;
 mod probes;
 mod queries;
+mod reading;
+mod restore;
 mod roster;
+mod shared;
 mod sleep;
+mod stop;
+mod tell;
 mod upgrade;
+#[cfg(test)]
+mod walls;
 
+pub use admission::Started;
 pub use adoption::AdoptCall;
 use books::Books;
 pub use books::Hold;
 pub use picture::Figures;
-
-/// The result of a Start.
-#[derive(Debug)]
-pub struct Started {
-    /// The instance now.
-    pub instance: pb::Instance,
-    /// False for an idempotent repeat.
-    pub created: bool,
-    /// Who was stopped to make room.
-    pub evicted: Vec<String>,
-    /// Who was put to sleep to make room.
-    pub slept: Vec<String>,
-}
-
-/// Something outside the agent that follows the config (`on_reload`).
-pub type ReloadHook =
-    Box<dyn Fn(&Config, &Config) -> Result<(), resident_config::ConfigError> + Send + Sync>;
-
-/// The hooks `on_reload` registered, in order.
-#[derive(Default)]
-struct ReloadHooks(Vec<ReloadHook>);
-
-impl std::fmt::Debug for ReloadHooks {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} reload hooks", self.0.len())
-    }
-}
+pub use queries::ReloadHook;
 
 /// How long shutdown waits for the supervisor's last terminal events to
 /// release every reservation.
@@ -104,37 +93,28 @@ const SHUTDOWN_RELEASE: Duration = Duration::from_secs(5);
 /// The node agent.
 #[derive(Debug)]
 pub struct Agent {
-    config: RwLock<Arc<Config>>,
-    books: Books,
+    config: shared::Current,
+    books: Arc<Books>,
     sup: Supervisor,
-    events: EventLog,
-    /// Host memory and the device-bound pools' probes (`probes.rs`).
-    probes: Arc<probes::Probes>,
-    epoch: Instant,
-    /// Numbers generated instance ids.
-    id_seq: AtomicU64,
-    closing: AtomicBool,
-    /// Flips to true when shutdown begins; long streams end on it.
-    closed: tokio::sync::watch::Sender<bool>,
-    /// The journal, change numbers and durable answers (`durability.rs`).
-    durability: durability::Durability,
-    /// What follows the config outside the agent (the TLS listeners'
-    /// certificates), asked at each reload before anything changes.
-    reload_hooks: Mutex<ReloadHooks>,
-    /// The start time of each journaled process group's leader, by
-    /// instance, run and pid.
-    start_ticks: Mutex<std::collections::HashMap<String, persist::Ticks>>,
-    metrics: crate::metrics::Metrics,
+    events: Arc<EventLog>,
+    metrics: Arc<Metrics>,
+    durability: Arc<durability::Durability>,
+    closing: shared::Closing,
+    clock: shared::Clock,
     /// Where an upgrade stands (`upgrade.rs`).
     upgrade: upgrade::Upgrades,
-    /// The exposure guard (`exposure.rs`).
-    exposure: exposure::Guard,
-    /// The disk pools and the conversations saved in them (`keep_kv`).
-    kv: Arc<kv::KvStore>,
-    /// What a fleet view waits on (`picture.rs`).
-    signals: picture::Signals,
-    /// Footprint keys read lately (`roster.rs`).
-    keys: roster::Keys,
+    teller: Arc<tell::Teller>,
+    reader: Arc<reading::Reader>,
+    stopper: Arc<stop::Stopper>,
+    sleeps: Arc<sleep::Sleeps>,
+    admissions: Arc<admission::Admissions>,
+    queries: Arc<queries::Queries>,
+    /// Held, never called: the supervisor's follower and the tick hold it
+    /// weakly, and end with the agent.
+    #[allow(dead_code, reason = "its tasks end when the agent drops it")]
+    follower: Arc<follower::Follower>,
+    scribe: Arc<persist::Scribe>,
+    restorer: Arc<restore::Restorer>,
 }
 
 impl Agent {
@@ -154,57 +134,162 @@ impl Agent {
             ..SupervisorConfig::default()
         };
         // The history handed over by the agent an upgrade replaced, if any.
-        let events = EventLog::new(4096, 1024);
+        let events = Arc::new(EventLog::new(4096, 1024));
         events.load(&config.node.state_dir, upgrade::EVENTS_FILE);
         let config = Arc::new(config);
-        let agent = Arc::new(Self {
-            books: Books::new(&config),
-            config: RwLock::new(config),
-            sup: Supervisor::new(sup_config, tx),
-            events,
-            probes: Arc::new(probes::Probes::new(host)),
-            epoch: Instant::now(),
-            id_seq: AtomicU64::new(0),
-            closing: AtomicBool::new(false),
-            closed: tokio::sync::watch::Sender::new(false),
-            upgrade: upgrade::Upgrades::default(),
-            signals: picture::Signals::default(),
-            keys: roster::Keys::default(),
-            durability: durability::Durability::new(journal),
-            start_ticks: Mutex::new(std::collections::HashMap::new()),
-            metrics: crate::metrics::Metrics::new(),
-            reload_hooks: Mutex::new(ReloadHooks::default()),
-            exposure: exposure::Guard::default(),
-            kv: Arc::new(kv::KvStore::default()),
+        let books = Arc::new(Books::new(&config));
+        let kv = Arc::new(kv::KvStore::default());
+        kv.configure(&config);
+        let config = shared::Current::new(config);
+        let sup = Supervisor::new(sup_config, tx);
+        let metrics = Arc::new(Metrics::new());
+        let closing = shared::Closing::new();
+        let durability = Arc::new(durability::Durability::new(journal, closing.clone()));
+        let clock = shared::Clock::new();
+        let probes = Arc::new(probes::Probes::new(host));
+        let signals = Arc::new(picture::Signals::default());
+        let keys = Arc::new(roster::Keys::default());
+        let teller = Arc::new(tell::Teller {
+            books: books.clone(),
+            sup: sup.clone(),
+            events: events.clone(),
+            durability: durability.clone(),
+            metrics: metrics.clone(),
+            clock,
         });
-        agent.kv.configure(&agent.config());
-        agent.open_device_probes();
-        agent.refresh_probes();
-        tokio::spawn(follower::follow_supervisor(Arc::downgrade(&agent), rx));
-        tokio::spawn(follower::tick(Arc::downgrade(&agent)));
-        tokio::spawn(persist::write_journal(Arc::downgrade(&agent)));
-        Ok(agent)
+        let reader = Arc::new(reading::Reader {
+            config: config.clone(),
+            books: books.clone(),
+            sup: sup.clone(),
+            probes: probes.clone(),
+            durability: durability.clone(),
+            signals: signals.clone(),
+            metrics: metrics.clone(),
+            teller: teller.clone(),
+        });
+        let stopper = Arc::new(stop::Stopper {
+            config: config.clone(),
+            books: books.clone(),
+            sup: sup.clone(),
+            kv: kv.clone(),
+            durability: durability.clone(),
+            metrics: metrics.clone(),
+            teller: teller.clone(),
+        });
+        let sleeps = Arc::new(sleep::Sleeps {
+            config: config.clone(),
+            books: books.clone(),
+            sup: sup.clone(),
+            kv: kv.clone(),
+            durability: durability.clone(),
+            metrics: metrics.clone(),
+            teller: teller.clone(),
+            stopper: stopper.clone(),
+            clock,
+        });
+        let admissions = Arc::new(admission::Admissions {
+            config: config.clone(),
+            books: books.clone(),
+            sup: sup.clone(),
+            kv: kv.clone(),
+            probes,
+            durability: durability.clone(),
+            metrics: metrics.clone(),
+            teller: teller.clone(),
+            reader: reader.clone(),
+            stopper: stopper.clone(),
+            sleeps: sleeps.clone(),
+            keys: keys.clone(),
+            clock,
+            closing: closing.clone(),
+            id_seq: AtomicU64::new(0),
+        });
+        let queries = Arc::new(queries::Queries {
+            config: config.clone(),
+            books: books.clone(),
+            kv,
+            events: events.clone(),
+            durability: durability.clone(),
+            signals: signals.clone(),
+            teller: teller.clone(),
+            reader: reader.clone(),
+            keys,
+            clock,
+            reload_hooks: Default::default(),
+        });
+        let follower = Arc::new(follower::Follower {
+            config: config.clone(),
+            books: books.clone(),
+            sup: sup.clone(),
+            events: events.clone(),
+            durability: durability.clone(),
+            metrics: metrics.clone(),
+            signals,
+            exposure: exposure::Guard::default(),
+            teller: teller.clone(),
+            reader: reader.clone(),
+            stopper: stopper.clone(),
+            sleeps: sleeps.clone(),
+            clock,
+        });
+        let scribe = Arc::new(persist::Scribe {
+            books: books.clone(),
+            sup: sup.clone(),
+            durability: durability.clone(),
+            metrics: metrics.clone(),
+            start_ticks: Default::default(),
+        });
+        let restorer = Arc::new(restore::Restorer {
+            config: config.clone(),
+            books: books.clone(),
+            sup: sup.clone(),
+            durability: durability.clone(),
+            admissions: admissions.clone(),
+            sleeps: sleeps.clone(),
+            clock,
+        });
+        reader.open_device_probes();
+        reader.refresh();
+        tokio::spawn(follower::follow_supervisor(Arc::downgrade(&follower), rx));
+        tokio::spawn(follower::tick(Arc::downgrade(&follower)));
+        tokio::spawn(persist::write_journal(Arc::downgrade(&scribe)));
+        Ok(Arc::new(Self {
+            config,
+            books,
+            sup,
+            events,
+            metrics,
+            durability,
+            closing,
+            clock,
+            upgrade: upgrade::Upgrades::default(),
+            teller,
+            reader,
+            stopper,
+            sleeps,
+            admissions,
+            queries,
+            follower,
+            scribe,
+            restorer,
+        }))
     }
 
     /// The configuration in force. A request takes it once and decides on
     /// that one snapshot, so a reload never mixes two configs in it.
     pub fn config(&self) -> Arc<Config> {
-        self.config.read().clone()
-    }
-
-    fn now_ms(&self) -> u64 {
-        u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
+        self.config.get()
     }
 
     /// Has `hook` take each reloaded config (old, new) before the agent
     /// does: an error refuses the reload, and nothing changes. A listener
     /// follows its certificates this way.
     pub fn on_reload(&self, hook: ReloadHook) {
-        self.reload_hooks.lock().0.push(hook);
+        self.queries.on_reload(hook);
     }
 
     /// The metrics.
-    pub fn metrics(&self) -> &crate::metrics::Metrics {
+    pub fn metrics(&self) -> &Metrics {
         &self.metrics
     }
 
@@ -215,10 +300,7 @@ impl Agent {
 
     /// Resolves once shutdown has begun; Watch and Logs streams end then.
     pub fn closing(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
-        let mut rx = self.closed.subscribe();
-        async move {
-            let _ = rx.wait_for(|closed| *closed).await;
-        }
+        self.closing.finished()
     }
 
     /// The supervisor.
@@ -237,11 +319,11 @@ impl Agent {
         // one thread has no other to hand its tasks to).
         let flavor = tokio::runtime::Handle::current().runtime_flavor();
         if flavor == tokio::runtime::RuntimeFlavor::MultiThread {
-            tokio::task::block_in_place(|| self.write_journal_now(true));
+            tokio::task::block_in_place(|| self.scribe.write_now(true));
         } else {
-            self.write_journal_now(true);
+            self.scribe.write_now(true);
         }
-        self.closed.send_replace(true);
+        self.closing.finish();
         self.sup.shutdown().await;
         let released = async {
             for id in self.books.resident_ids() {
@@ -263,7 +345,7 @@ impl Agent {
     /// sealing write of the journal (shutdown, hand-over) goes through.
     fn close(&self) {
         self.books.close();
-        self.closing.store(true, Ordering::Release);
+        self.closing.close();
         self.durability.seal();
     }
 
@@ -333,15 +415,15 @@ impl Agent {
         // Nothing the agent decides by itself (an idle sleep or stop, a
         // lease's expiry) begins after the journal below.
         self.close();
-        self.closed.send_replace(true);
+        self.closing.finish();
         self.sup.hand_over(upgrade::HAND_OVER_BOUND).await;
-        let me = self.clone();
-        let _ = tokio::task::spawn_blocking(move || me.write_journal_now(true)).await;
+        let scribe = self.scribe.clone();
+        let _ = tokio::task::spawn_blocking(move || scribe.write_now(true)).await;
         let state_dir = self.config().node.state_dir.clone();
         if let Err(e) = self.events.save(&state_dir, upgrade::EVENTS_FILE) {
             tracing::warn!(error = %e, "cannot hand the event history over; watchers will list again");
         }
-        upgrade::hand_holds_over(&state_dir, &self.books.holds(self.now_ms()));
+        upgrade::hand_holds_over(&state_dir, &self.books.holds(self.clock.now_ms()));
         tracing::info!("every instance handed over; starting the new binary");
         match crate::upgrade::start_next().await {
             Ok(next) => {
@@ -367,5 +449,126 @@ impl Agent {
                 )))
             }
         }
+    }
+}
+
+/// The calls of the service, each handed to the room that answers it.
+impl Agent {
+    /// Starts an instance of `workload`: plan and reserve atomically, stop
+    /// the victims, spawn, and (with `wait_ready`) wait for READY. Answers
+    /// once the journal on disk holds the instance.
+    pub async fn start(
+        &self,
+        workload: &str,
+        id: Option<InstanceId>,
+        policy: Option<Policy>,
+        wait_ready: bool,
+        lease_ms: u64,
+    ) -> Result<Started, ApiError> {
+        let admissions = &self.admissions;
+        admissions
+            .start(workload, id, policy, wait_ready, lease_ms)
+            .await
+    }
+
+    /// Stops an instance and answers once its group has exited, its
+    /// memory is released and the journal on disk no longer lists it.
+    pub async fn stop(&self, id: &str, grace: Option<Duration>) -> Result<pb::Instance, ApiError> {
+        self.stopper.stop(id, None, grace, None).await
+    }
+
+    /// Adopts a running process (`adoption.rs`); answers once the journal
+    /// on disk holds it.
+    pub async fn adopt(&self, call: AdoptCall) -> Result<pb::Instance, ApiError> {
+        self.admissions.adopt(call).await
+    }
+
+    /// Puts `id` to sleep (the Sleep RPC); answers once it is SLEEPING.
+    pub async fn sleep(&self, id: &str) -> Result<pb::Instance, ApiError> {
+        self.sleeps.sleep(id).await
+    }
+
+    /// After a restart: the journaled instances admitted again, then
+    /// taken over or spawned (`restore.rs`).
+    pub async fn restore(&self) {
+        self.restorer.restore().await;
+    }
+
+    /// One instance.
+    pub fn get(&self, id: &str) -> Result<pb::Instance, ApiError> {
+        self.teller.get(id)
+    }
+
+    /// Every instance, in id order.
+    pub fn list(&self) -> Vec<pb::Instance> {
+        self.teller.list()
+    }
+
+    /// The pools as they are.
+    pub fn pools(&self) -> Vec<pb::PoolStatus> {
+        self.queries.pools()
+    }
+
+    /// The placement query: what a Start would do, changing nothing; of
+    /// a Start naming `id`, when given.
+    pub async fn place(
+        &self,
+        workload: &str,
+        policy: Option<Policy>,
+        id: Option<&InstanceId>,
+    ) -> Result<pb::Placement, ApiError> {
+        self.queries.place(workload, policy, id).await
+    }
+
+    /// The roster: every workload with its declared and learned demand.
+    pub fn workloads(&self) -> Vec<pb::Workload> {
+        self.queries.workloads()
+    }
+
+    /// Forgets what was learned for `workload` (a name or alias).
+    pub async fn forget_footprint(&self, workload: &str) -> Result<pb::Workload, ApiError> {
+        self.queries.forget_footprint(workload).await
+    }
+
+    /// Marks a use of `id` and protects it from eviction, or ends that
+    /// protection, as `hold` says.
+    pub fn touch(&self, id: &str, hold: Hold) -> Result<pb::Instance, ApiError> {
+        self.queries.touch(id, hold)
+    }
+
+    /// Re-reads the configuration file: workloads, groups and pools change;
+    /// running instances are not touched. An invalid file changes nothing.
+    pub fn reload(&self) -> Result<Vec<String>, resident_config::ConfigError> {
+        self.queries.reload()
+    }
+
+    /// Reads the live probes into the books now.
+    pub fn refresh_probes(&self) {
+        self.reader.refresh();
+    }
+
+    /// The epoch of this agent's revisions.
+    pub fn epoch(&self) -> u64 {
+        self.queries.epoch()
+    }
+
+    /// The whole node, as `Node` answers.
+    pub fn node_status(&self, revision: u64, instances: Vec<pb::Instance>) -> pb::NodeStatus {
+        self.queries.node_status(revision, instances)
+    }
+
+    /// The pools' figures and every hold in force, now.
+    pub fn figures(&self) -> Figures {
+        self.queries.figures()
+    }
+
+    /// Changes each time the figures may have moved without an event.
+    pub fn figures_moved(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.queries.figures_moved()
+    }
+
+    /// Counts changes of the roster (`Workloads`' answer).
+    pub fn roster_generation(&self) -> u64 {
+        self.queries.roster_generation()
     }
 }

@@ -1,119 +1,73 @@
-//! What the agent answers without starting or stopping anything: Get,
-//! List, the pools, Place, Touch, and a reload of the configuration.
+//! What the agent answers without starting or stopping anything: the
+//! pools, Node and a fleet view's figures, Place, Touch, the roster, and a
+//! reload of the configuration (Get and List are the teller's).
 
 use std::sync::Arc;
 
+use parking_lot::Mutex;
 use resident_api::{ApiError, pb};
 use resident_config::{Config, Workload};
 use resident_core::{InstanceId, Policy};
 
-use super::Agent;
-use super::books::Sleepy;
-use super::books::{Hold, Record};
-use super::picture::{self, Figures};
-use super::roster::{footprint_key, workload_of};
+use super::books::{Books, Hold};
+use super::durability::Durability;
+use super::kv::KvStore;
+use super::picture::{self, Figures, Signals};
+use super::reading::Reader;
+use super::roster::{Keys, footprint_key, workload_of};
+use super::shared::{Clock, Current};
+use super::tell::Teller;
+use crate::events::EventLog;
 
-impl Agent {
-    /// An instance as its record and its current run say.
-    pub(super) fn view(&self, id: &str, record: &Record) -> pb::Instance {
-        let status = self
-            .sup
-            .status(id)
-            .filter(|s| s.generation == record.generation);
-        let mut out = match status {
-            None if record.cancelled => resident_api::unspawned(id, &record.spec),
-            _ => resident_api::instance(id, &record.spec, status.as_ref()),
-        };
-        self.with_record(&mut out, record);
-        out
+/// Something outside the agent that follows the config (`on_reload`).
+pub type ReloadHook =
+    Box<dyn Fn(&Config, &Config) -> Result<(), resident_config::ConfigError> + Send + Sync>;
+
+/// The hooks `on_reload` registered, in order.
+#[derive(Default)]
+pub(super) struct ReloadHooks(Vec<ReloadHook>);
+
+impl std::fmt::Debug for ReloadHooks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} reload hooks", self.0.len())
     }
+}
 
-    /// Fills in what the record knows beside the run: the devices of its
-    /// chosen pools, whether it was adopted, a note on the run, and its
-    /// lease (its length and what is left now).
-    pub(super) fn with_record(&self, out: &mut pb::Instance, record: &Record) {
-        let devices: Vec<String> = record.devices.iter().map(u32::to_string).collect();
-        out.devices = devices.join(",");
-        if let Some(a) = record.adopted {
-            out.adopted = true;
-            out.managed = a.manage;
-        }
-        let ended = [pb::State::Exited as i32, pb::State::Failed as i32].contains(&out.state);
-        // Falling asleep and waking show SLEEPING too: its server is not
-        // serving (a request then would find it mid-sleep, or asleep), and
-        // a Start waits for the call under way and then wakes it.
-        if out.state == pb::State::Ready as i32 {
-            let asleep = match record.sleep {
-                Some(Sleepy::Asleep(since)) => {
-                    let secs = self.now_ms().saturating_sub(since) / 1000;
-                    Some(format!("asleep for {secs} s; a Start wakes it"))
-                }
-                Some(Sleepy::Falling) => {
-                    Some("falling asleep; a Start wakes it once it is asleep".to_string())
-                }
-                Some(Sleepy::Waking) => Some("waking".to_string()),
-                Some(Sleepy::Woken(ms)) => {
-                    out.message = format!("{}; WOKEN in {ms} ms", out.message);
-                    None
-                }
-                None => None,
-            };
-            if let Some(text) = asleep {
-                out.state = pb::State::Sleeping as i32;
-                out.message = format!("SLEEPING: {text}");
-            }
-        }
-        if let Some(note) = record.note.as_ref().filter(|_| !ended) {
-            out.message = format!("{}; {note}", out.message);
-        }
-        if let Some(o) = record.overrun.as_ref().filter(|_| !ended) {
-            out.message = format!("{}; {}", out.message, o.text);
-        }
-        // The typed word beside the text: why a stop was asked, else what
-        // the agent tells of a running one.
-        out.cause = match (record.cause, &record.overrun, &record.note) {
-            (Some(cause), _, _) => cause,
-            (None, Some(_), _) if !ended => pb::Cause::Overrun,
-            (None, _, Some(note)) if !ended && note.starts_with("EXPOSED") => pb::Cause::Exposed,
-            _ => pb::Cause::Unspecified,
-        } as i32;
-        for (pool, charge) in self.books.charges(&out.instance_id) {
-            out.reserved_bytes = out.reserved_bytes.saturating_add(charge.counted());
-            out.overrun_bytes = out.overrun_bytes.saturating_add(charge.overrun());
-            if let Some(d) = out.demand.iter_mut().find(|d| d.pool == pool.as_str()) {
-                d.overrun_bytes = charge.overrun();
-            }
-        }
-        if let Some(report) = &record.report {
-            out.server_buffers = report
-                .buffers
-                .iter()
-                .map(|b| pb::ServerBuffer {
-                    device: b.device.clone(),
-                    kind: b.kind.as_str().to_string(),
-                    bytes: b.bytes,
-                })
-                .collect();
-        }
-        out.hold_left_ms = self.books.hold_left(&out.instance_id, self.now_ms());
-        if let Some(lease) = record.lease {
-            out.lease_ms = lease.ms;
-            out.lease_left_ms = lease.until.saturating_sub(self.now_ms());
-        }
-    }
+/// The queries and the reload.
+#[derive(Debug)]
+pub(super) struct Queries {
+    pub(super) config: Current,
+    pub(super) books: Arc<Books>,
+    pub(super) kv: Arc<KvStore>,
+    pub(super) events: Arc<EventLog>,
+    pub(super) durability: Arc<Durability>,
+    pub(super) signals: Arc<Signals>,
+    pub(super) teller: Arc<Teller>,
+    pub(super) reader: Arc<Reader>,
+    pub(super) keys: Arc<Keys>,
+    pub(super) clock: Clock,
+    /// What follows the config outside the agent (the TLS listeners'
+    /// certificates), asked at each reload before anything changes.
+    pub(super) reload_hooks: Mutex<ReloadHooks>,
+}
 
+impl Queries {
     /// The epoch of this agent's revisions (drawn when it began afresh;
     /// an upgrade hands it over with the history).
-    pub fn epoch(&self) -> u64 {
+    pub(super) fn epoch(&self) -> u64 {
         self.events.epoch()
     }
 
     /// The whole node, as `Node` answers: `revision` and `instances` as
     /// read together by the caller (the revision first), the pools read
     /// now.
-    pub fn node_status(&self, revision: u64, instances: Vec<pb::Instance>) -> pb::NodeStatus {
+    pub(super) fn node_status(
+        &self,
+        revision: u64,
+        instances: Vec<pb::Instance>,
+    ) -> pb::NodeStatus {
         picture::node_status(
-            &self.config(),
+            &self.config.get(),
             revision,
             instances,
             self.pools(),
@@ -122,39 +76,25 @@ impl Agent {
     }
 
     /// The pools' figures and every hold in force, now.
-    pub fn figures(&self) -> Figures {
-        let now = self.now_ms();
+    pub(super) fn figures(&self) -> Figures {
+        let now = self.clock.now_ms();
         Figures::new(self.pools(), self.books.holds(now), now)
     }
 
     /// Changes each time the figures may have moved without an event.
-    pub fn figures_moved(&self) -> tokio::sync::watch::Receiver<u64> {
+    pub(super) fn figures_moved(&self) -> tokio::sync::watch::Receiver<u64> {
         self.signals.figures_moved()
     }
 
     /// Counts changes of the roster (`Workloads`' answer).
-    pub fn roster_generation(&self) -> u64 {
+    pub(super) fn roster_generation(&self) -> u64 {
         self.signals.roster_generation()
-    }
-
-    /// One instance.
-    pub fn get(&self, id: &str) -> Result<pb::Instance, ApiError> {
-        match self.books.record(id) {
-            Some(r) => Ok(self.view(id, &r)),
-            None => Err(ApiError::NotFound(format!("no instance '{id}'"))),
-        }
-    }
-
-    /// Every instance, in id order.
-    pub fn list(&self) -> Vec<pb::Instance> {
-        let records = self.books.records();
-        records.iter().map(|(id, r)| self.view(id, r)).collect()
     }
 
     /// The pools as they are; a disk pool's figures are its own books':
     /// what its saved conversations hold (`keep_kv`), its budget tightened
     /// by its filesystem's free space.
-    pub fn pools(&self) -> Vec<pb::PoolStatus> {
+    pub(super) fn pools(&self) -> Vec<pb::PoolStatus> {
         let mut pools = self.books.pools();
         for disk in self.kv.pools() {
             if let Some(p) = pools.iter_mut().find(|p| p.name == disk.name) {
@@ -166,24 +106,24 @@ impl Agent {
 
     /// The placement query: what a Start would do, changing nothing; of
     /// a Start naming `id`, when given.
-    pub async fn place(
+    pub(super) async fn place(
         self: &Arc<Self>,
         workload: &str,
         policy: Option<Policy>,
         id: Option<&InstanceId>,
     ) -> Result<pb::Placement, ApiError> {
-        let config = self.config();
+        let config = self.config.get();
         let w = workload_of(&config, workload)?;
         let policy = policy.unwrap_or(config.node.on_full);
-        self.refresh_probes_async(&config).await;
+        self.reader.refresh_async(&config).await;
         let key = self.keys.recent(&config, &w);
-        self.books.place(&w, id, policy, self.now_ms(), key)
+        self.books.place(&w, id, policy, self.clock.now_ms(), key)
     }
 
     /// The roster: every workload with its declared demand, raised by
     /// what was learned for the command and files it resolves to now.
-    pub fn workloads(&self) -> Vec<pb::Workload> {
-        let config = self.config();
+    pub(super) fn workloads(&self) -> Vec<pb::Workload> {
+        let config = self.config.get();
         config
             .workloads
             .iter()
@@ -226,24 +166,23 @@ impl Agent {
     /// Forgets what was learned for `workload` (a name or alias) and
     /// answers with its roster entry once the journal on disk no longer
     /// holds it.
-    pub async fn forget_footprint(&self, workload: &str) -> Result<pb::Workload, ApiError> {
-        let config = self.config();
+    pub(super) async fn forget_footprint(&self, workload: &str) -> Result<pb::Workload, ApiError> {
+        let config = self.config.get();
         let w = workload_of(&config, workload)?;
         let name = w.spec.workload.to_string();
         if self.books.forget_learned(&name) {
             tracing::info!(workload = %name, "learned footprint forgotten");
             self.signals.roster_changed();
-            let change = self.persist();
-            self.durable(change).await?;
+            self.durability.commit(true).await?;
         }
         Ok(self.roster_entry(&config, &name, &w))
     }
 
     /// Marks a use of `id` and protects it from eviction, or ends that
     /// protection, as `hold` says.
-    pub fn touch(&self, id: &str, hold: Hold) -> Result<pb::Instance, ApiError> {
-        if !self.books.touch(id, self.now_ms(), hold) {
-            self.get(id)?;
+    pub(super) fn touch(&self, id: &str, hold: Hold) -> Result<pb::Instance, ApiError> {
+        if !self.books.touch(id, self.clock.now_ms(), hold) {
+            self.teller.get(id)?;
             return Err(ApiError::FailedPrecondition(format!(
                 "instance '{id}' is not resident"
             )));
@@ -251,26 +190,13 @@ impl Agent {
         if !matches!(hold, Hold::For(0)) {
             self.signals.figures_may_have_moved();
         }
-        self.get(id)
-    }
-
-    /// Tells watchers that an ended instance was dropped, and lets the
-    /// supervisor forget its run.
-    pub(super) fn forgotten(&self, id: &str, record: &Record) {
-        let last = self.view(id, record);
-        self.sup.forget(id, record.generation);
-        tracing::debug!(instance_id = %id, "forgot an ended instance");
-        self.events.publish(pb::Event {
-            instance: Some(last),
-            kind: pb::EventKind::Forgotten as i32,
-            ..Default::default()
-        });
+        self.teller.get(id)
     }
 
     /// Re-reads the configuration file: workloads, groups and pools change;
     /// running instances are not touched. An invalid file changes nothing.
-    pub fn reload(&self) -> Result<Vec<String>, resident_config::ConfigError> {
-        let old = self.config();
+    pub(super) fn reload(&self) -> Result<Vec<String>, resident_config::ConfigError> {
+        let old = self.config.get();
         let new = resident_config::load(&old.source)?;
         let mut warnings = new.warnings.clone();
         warnings.extend(restart_needed(&old, &new));
@@ -285,11 +211,11 @@ impl Agent {
         // The agent's snapshot first, then the books': an admission
         // decided on either old snapshot meanwhile is decided again.
         let new = Arc::new(new);
-        *self.config.write() = new.clone();
+        self.config.set(new.clone());
         self.books.reconfigure(&new);
         self.kv.configure(&new);
-        self.open_device_probes();
-        self.refresh_probes();
+        self.reader.open_device_probes();
+        self.reader.refresh();
         self.signals.roster_changed();
         Ok(warnings)
     }
@@ -326,4 +252,12 @@ fn restart_needed(old: &resident_config::Config, new: &resident_config::Config) 
             format!("node.{key} changed: it takes effect at the next restart of the agent")
         })
         .collect()
+}
+
+impl Queries {
+    /// Has `hook` take each reloaded config (old, new) before the agent
+    /// does.
+    pub(super) fn on_reload(&self, hook: ReloadHook) {
+        self.reload_hooks.lock().0.push(hook);
+    }
 }

@@ -14,13 +14,34 @@ use resident_api::{ApiError, pb};
 use resident_config::{HttpCall, Workload};
 use resident_supervisor::State;
 
-use super::Agent;
-use super::books::{Sleeper, Sleepy};
-use super::http::{get_json, http_call};
+use resident_supervisor::Supervisor;
 
-impl Agent {
+use super::books::{Books, Sleeper, Sleepy};
+use super::durability::Durability;
+use super::http::{get_json, http_call};
+use super::kv::KvStore;
+use super::shared::{Clock, Current};
+use super::stop::Stopper;
+use super::tell::Teller;
+use crate::metrics::Metrics;
+
+/// The sleeps and wakes.
+#[derive(Debug)]
+pub(super) struct Sleeps {
+    pub(super) config: Current,
+    pub(super) books: Arc<Books>,
+    pub(super) sup: Supervisor,
+    pub(super) kv: Arc<KvStore>,
+    pub(super) durability: Arc<Durability>,
+    pub(super) metrics: Arc<Metrics>,
+    pub(super) teller: Arc<Teller>,
+    pub(super) stopper: Arc<Stopper>,
+    pub(super) clock: Clock,
+}
+
+impl Sleeps {
     /// Puts `id` to sleep (the Sleep RPC); answers once it is SLEEPING.
-    pub async fn sleep(self: &Arc<Self>, id: &str) -> Result<pb::Instance, ApiError> {
+    pub(super) async fn sleep(self: &Arc<Self>, id: &str) -> Result<pb::Instance, ApiError> {
         let ready = self.sup.status(id).is_some_and(|s| s.state == State::Ready);
         let by_itself = self
             .books
@@ -37,7 +58,7 @@ impl Agent {
                 "instance '{id}' is not READY: only a serving instance is put to sleep"
             )));
         }
-        let sleeper = self.books.begin_sleep(id, None, self.now_ms())?;
+        let sleeper = self.books.begin_sleep(id, None, self.clock.now_ms())?;
         // On a task of its own: a caller that goes away mid-call (a
         // deadline, Ctrl-C) must not leave the instance half asleep.
         let me = self.clone();
@@ -45,7 +66,7 @@ impl Agent {
             .await
             .map_err(|e| ApiError::Internal(format!("the sleep task failed: {e}")))??;
         match self.books.record(id) {
-            Some(record) => Ok(self.view(id, &record)),
+            Some(record) => Ok(self.teller.view(id, &record)),
             None => Err(ApiError::NotFound(format!("no instance '{id}'"))),
         }
     }
@@ -60,7 +81,7 @@ impl Agent {
         s: &Sleeper,
         why: &str,
     ) -> Result<(), ApiError> {
-        self.publish_view(&s.id);
+        self.teller.publish_view(&s.id);
         self.journal_move(&s.id).await;
         let Some((call, timeout, port)) = self.sleep_call(&s.id, s.generation, true) else {
             return Err(ApiError::NotFound(format!(
@@ -85,7 +106,7 @@ impl Agent {
             Ok(()) => {
                 if !self
                     .books
-                    .settle(&s.id, s.generation, Sleepy::Asleep(self.now_ms()))
+                    .settle(&s.id, s.generation, Sleepy::Asleep(self.clock.now_ms()))
                 {
                     return Err(ApiError::Aborted(format!(
                         "instance '{}' was stopped while it fell asleep",
@@ -93,7 +114,7 @@ impl Agent {
                     )));
                 }
                 self.metrics.slept(&s.workload);
-                self.publish_view(&s.id);
+                self.teller.publish_view(&s.id);
                 self.journal_now().await.map_err(|e| {
                     ApiError::Unavailable(format!(
                         "instance '{}' is asleep, but the journal does not say so: {e}",
@@ -119,7 +140,7 @@ impl Agent {
         workload: &str,
     ) -> Result<(), ApiError> {
         let began = Instant::now();
-        self.publish_view(id);
+        self.teller.publish_view(id);
         self.journal_move(id).await;
         let Some((call, timeout, port)) = self.sleep_call(id, generation, false) else {
             return Err(ApiError::NotFound(format!(
@@ -164,7 +185,7 @@ impl Agent {
                     )));
                 }
                 self.metrics.woke(workload, began.elapsed().as_secs_f64());
-                self.publish_view(id);
+                self.teller.publish_view(id);
                 self.journal_now().await.map_err(|e| {
                     ApiError::Unavailable(format!(
                         "instance '{id}' is awake, but the journal does not say so: {e}"
@@ -200,11 +221,8 @@ impl Agent {
     /// `durable_answers`, waits until it is on disk (the answer that
     /// follows is then a promise a crash keeps).
     async fn journal_now(&self) -> Result<(), ApiError> {
-        let change = self.persist();
-        if self.config().node.durable_answers {
-            self.durable(change).await?;
-        }
-        Ok(())
+        let durable = self.config.get().node.durable_answers;
+        self.durability.commit(durable).await
     }
 
     /// The journal written with `id` falling asleep or waking, before its
@@ -245,7 +263,7 @@ impl Agent {
     async fn sleep_failed(&self, id: &str, generation: u64, text: String) {
         tracing::warn!(instance_id = id, "{text}; stopping it");
         let cause = Some((pb::Cause::SleepFailed, text));
-        if let Err(e) = self.stop_because(id, Some(generation), None, cause).await {
+        if let Err(e) = self.stopper.stop(id, Some(generation), None, cause).await {
             tracing::warn!(instance_id = id, error = %e, "stopping after a failed sleep call");
         }
     }
@@ -318,7 +336,7 @@ impl Agent {
     /// stopped it without sleep, its message saying why.
     pub(super) fn sleep_idle(self: &Arc<Self>) {
         self.follow_sleepers();
-        for (id, run) in self.books.sleepy(self.now_ms()) {
+        for (id, run) in self.books.sleepy(self.clock.now_ms()) {
             let ready = self
                 .sup
                 .status(&id)
@@ -327,7 +345,7 @@ impl Agent {
                 continue;
             }
             let me = self.clone();
-            match self.books.begin_sleep(&id, Some(run), self.now_ms()) {
+            match self.books.begin_sleep(&id, Some(run), self.clock.now_ms()) {
                 Ok(sleeper) => {
                     tokio::spawn(async move { me.fall_asleep(&sleeper, "idle").await });
                 }
@@ -338,7 +356,7 @@ impl Agent {
                     );
                     tracing::info!(instance_id = %id, "{text}");
                     let cause = Some((pb::Cause::Idle, text));
-                    tokio::spawn(async move { me.stop_because(&id, Some(run), None, cause).await });
+                    tokio::spawn(async move { me.stopper.stop(&id, Some(run), None, cause).await });
                 }
                 Err(_) => {}
             }
@@ -346,7 +364,7 @@ impl Agent {
     }
 }
 
-impl Agent {
+impl Sleeps {
     /// Reads, for each READY instance of a workload that sleeps by itself
     /// (`follow`: llama-server's `/props`), whether its server sleeps now,
     /// and follows it in the books: asleep, its asleep demand held; awake
@@ -400,7 +418,7 @@ impl Agent {
                 // Held, or used within its idle time (a wake the books
                 // admitted whose request has not reached it yet): not
                 // asleep for long, whatever it says now.
-                let quiet = me.books.quiet(&id, me.now_ms(), idle_ms);
+                let quiet = me.books.quiet(&id, me.clock.now_ms(), idle_ms);
                 if sleeping && !asleep_now && quiet {
                     me.fell_asleep_by_itself(&id, generation, &workload).await;
                 } else if !sleeping && asleep_now {
@@ -439,12 +457,12 @@ impl Agent {
     /// that does not fit is stopped, as its idle time would have stopped
     /// it without sleep).
     async fn fell_asleep_by_itself(self: &Arc<Self>, id: &str, generation: u64, workload: &str) {
-        match self.books.fell_asleep(id, generation, self.now_ms()) {
+        match self.books.fell_asleep(id, generation, self.clock.now_ms()) {
             Ok(true) => {
                 tracing::info!(instance_id = %id, %workload, "fell asleep by itself");
                 self.metrics.slept(workload);
-                self.publish_view(id);
-                self.persist();
+                self.teller.publish_view(id);
+                self.durability.change();
             }
             Ok(false) => {}
             Err(ApiError::Refused { refusal, .. }) => {
@@ -454,7 +472,7 @@ impl Agent {
                 );
                 tracing::warn!(instance_id = %id, "{text}");
                 let cause = Some((pb::Cause::Idle, text));
-                let _ = self.stop_because(id, Some(generation), None, cause).await;
+                let _ = self.stopper.stop(id, Some(generation), None, cause).await;
             }
             Err(e) => {
                 tracing::warn!(instance_id = %id, error = %e, "following a server that fell asleep")
@@ -470,12 +488,15 @@ impl Agent {
         let Ok(iid) = resident_core::InstanceId::new(id) else {
             return;
         };
-        match self.books.woke_by_itself(&iid, generation, self.now_ms()) {
+        match self
+            .books
+            .woke_by_itself(&iid, generation, self.clock.now_ms())
+        {
             Ok(true) => {
                 tracing::warn!(instance_id = %id, %workload, "woke by itself (a request reached it directly, not through a Start): its awake demand is held again");
                 self.metrics.woke(workload, 0.0);
-                self.persist();
-                self.publish_view(id);
+                self.durability.change();
+                self.teller.publish_view(id);
             }
             Ok(false) => {}
             Err(ApiError::Refused { refusal, .. }) => {
@@ -485,7 +506,7 @@ impl Agent {
                 );
                 tracing::warn!(instance_id = %id, "{text}; stopping it");
                 let cause = Some((pb::Cause::Overrun, text));
-                let _ = self.stop_because(id, Some(generation), None, cause).await;
+                let _ = self.stopper.stop(id, Some(generation), None, cause).await;
             }
             Err(e) => {
                 tracing::warn!(instance_id = %id, error = %e, "following a server that woke by itself")

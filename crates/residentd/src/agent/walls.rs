@@ -1,0 +1,167 @@
+//! The walls between the agent's rooms, checked on the source: no file
+//! under `agent/` but `mod.rs` names the coordinator type `Agent`, and
+//! the rooms' uses of each other (`super::room`, or `super::super::room`
+//! from a room's own folder) form no circle.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+/// Every `.rs` file under `dir`, with the room it belongs to (its stem,
+/// or its folder's name).
+#[allow(
+    clippy::disallowed_methods,
+    reason = "a test reading the source, not the runtime"
+)]
+fn files(dir: &Path, room: Option<&str>, out: &mut Vec<(String, PathBuf)>) {
+    let mut entries: Vec<_> = std::fs::read_dir(dir)
+        .expect("read agent/")
+        .map(|e| e.expect("an entry").path())
+        .collect();
+    entries.sort();
+    for path in entries {
+        let stem = path.file_stem().map(|s| s.to_string_lossy().to_string());
+        let stem = stem.expect("a file name");
+        if path.is_dir() {
+            files(&path, Some(room.unwrap_or(&stem)), out);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push((room.unwrap_or(&stem).to_string(), path));
+        }
+    }
+}
+
+/// The code of a file: each line cut at its comment (`//`).
+#[allow(
+    clippy::disallowed_methods,
+    reason = "a test reading the source, not the runtime"
+)]
+fn code(path: &Path) -> Vec<String> {
+    let text = std::fs::read_to_string(path).expect("read a source file");
+    text.lines()
+        .map(|l| l.split("//").next().unwrap_or("").to_string())
+        .collect()
+}
+
+/// Whether `line` holds `word` as a whole identifier.
+fn names(line: &str, word: &str) -> bool {
+    let ident = |c: char| c.is_alphanumeric() || c == '_';
+    line.match_indices(word).any(|(at, _)| {
+        let before = line[..at].chars().next_back();
+        let after = line[at + word.len()..].chars().next();
+        !before.is_some_and(ident) && !after.is_some_and(ident)
+    })
+}
+
+/// The rooms each room uses: `from -> {to}`.
+fn uses(all: &[(String, PathBuf)], rooms: &BTreeSet<String>) -> BTreeMap<String, BTreeSet<String>> {
+    let mut graph: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for (room, path) in all {
+        let nested = path.parent().and_then(|p| p.file_name()) != Some("agent".as_ref());
+        let prefix = if nested { "super::super::" } else { "super::" };
+        for line in code(path) {
+            for (at, _) in line.match_indices(prefix) {
+                let rest = &line[at + prefix.len()..];
+                let to: String = rest
+                    .chars()
+                    .take_while(|c| c.is_alphanumeric() || *c == '_')
+                    .collect();
+                if rooms.contains(&to) && &to != room && to != "mod" {
+                    graph.entry(room.clone()).or_default().insert(to);
+                }
+            }
+        }
+    }
+    graph
+}
+
+/// A circle in `graph`, if there is one.
+fn circle(graph: &BTreeMap<String, BTreeSet<String>>) -> Option<Vec<String>> {
+    fn visit(
+        at: &str,
+        graph: &BTreeMap<String, BTreeSet<String>>,
+        path: &mut Vec<String>,
+        done: &mut BTreeSet<String>,
+    ) -> Option<Vec<String>> {
+        if let Some(i) = path.iter().position(|p| p == at) {
+            let mut found = path[i..].to_vec();
+            found.push(at.to_string());
+            return Some(found);
+        }
+        if done.contains(at) {
+            return None;
+        }
+        path.push(at.to_string());
+        for next in graph.get(at).into_iter().flatten() {
+            if let Some(found) = visit(next, graph, path, done) {
+                return Some(found);
+            }
+        }
+        path.pop();
+        done.insert(at.to_string());
+        None
+    }
+    let mut done = BTreeSet::new();
+    graph
+        .keys()
+        .find_map(|room| visit(room, graph, &mut Vec::new(), &mut done))
+}
+
+fn agent_files() -> Vec<(String, PathBuf)> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/agent");
+    let mut all = Vec::new();
+    files(&dir, None, &mut all);
+    assert!(all.len() >= 20, "agent/ read: {} files", all.len());
+    all
+}
+
+#[test]
+fn no_room_names_the_coordinator() {
+    let mut named = Vec::new();
+    for (room, path) in agent_files() {
+        // The coordinator itself, and this check, which names it.
+        if room == "mod" || room == "walls" {
+            continue;
+        }
+        for (n, line) in code(&path).iter().enumerate() {
+            if names(line, "Agent") {
+                named.push(format!("{}:{}: {}", path.display(), n + 1, line.trim()));
+            }
+        }
+    }
+    assert!(
+        named.is_empty(),
+        "rooms that name the coordinator:\n{}",
+        named.join("\n")
+    );
+}
+
+#[test]
+fn the_rooms_use_each_other_one_way() {
+    let all = agent_files();
+    let rooms: BTreeSet<String> = all.iter().map(|(r, _)| r.clone()).collect();
+    let graph = uses(&all, &rooms);
+    // The check sees the rooms' uses: the admissions use the stopper.
+    assert!(
+        graph.get("admission").is_some_and(|u| u.contains("stop")),
+        "{graph:?}"
+    );
+    assert_eq!(circle(&graph), None, "the rooms' uses: {graph:?}");
+}
+
+#[test]
+fn a_circle_is_found() {
+    let graph: BTreeMap<String, BTreeSet<String>> = [
+        ("a", vec!["b"]),
+        ("b", vec!["c"]),
+        ("c", vec!["a"]),
+        ("d", vec!["a"]),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.into_iter().map(String::from).collect()))
+    .collect();
+    let found = circle(&graph).expect("a circle");
+    assert_eq!(found.first(), found.last());
+    assert_eq!(found.len(), 4);
+    let mut line = graph.clone();
+    line.get_mut("c").expect("c").clear();
+    assert_eq!(circle(&line), None);
+}
