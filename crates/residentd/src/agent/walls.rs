@@ -1,7 +1,8 @@
 //! The walls between the agent's rooms, checked on the source: no file
 //! under `agent/` but `mod.rs` names the coordinator type `Agent`, and
 //! the rooms' uses of each other (`super::room`, or `super::super::room`
-//! from a room's own folder) form no circle.
+//! from a room's own folder) form no circle. So too for the modules of
+//! every crate of the workspace (`crate::module`).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -51,12 +52,24 @@ fn names(line: &str, word: &str) -> bool {
     })
 }
 
-/// The rooms each room uses: `from -> {to}`.
-fn uses(all: &[(String, PathBuf)], rooms: &BTreeSet<String>) -> BTreeMap<String, BTreeSet<String>> {
+/// The rooms each room uses: `from -> {to}`, where a use is `prefix`
+/// and the room's name (`crate::` for a crate's modules), or, with no
+/// prefix, `super::` from a file of `top` and `super::super::` from a
+/// file in a room's own folder.
+fn uses(
+    all: &[(String, PathBuf)],
+    rooms: &BTreeSet<String>,
+    top: &Path,
+    prefix: Option<&str>,
+) -> BTreeMap<String, BTreeSet<String>> {
     let mut graph: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     for (room, path) in all {
-        let nested = path.parent().and_then(|p| p.file_name()) != Some("agent".as_ref());
-        let prefix = if nested { "super::super::" } else { "super::" };
+        let nested = path.parent() != Some(top);
+        let prefix = match prefix {
+            Some(p) => p,
+            None if nested => "super::super::",
+            None => "super::",
+        };
         for line in code(path) {
             for (at, _) in line.match_indices(prefix) {
                 let rest = &line[at + prefix.len()..];
@@ -64,7 +77,8 @@ fn uses(all: &[(String, PathBuf)], rooms: &BTreeSet<String>) -> BTreeMap<String,
                     .chars()
                     .take_while(|c| c.is_alphanumeric() || *c == '_')
                     .collect();
-                if rooms.contains(&to) && &to != room && to != "mod" {
+                let roots = ["mod", "lib", "main"];
+                if rooms.contains(&to) && &to != room && !roots.contains(&room.as_str()) {
                     graph.entry(room.clone()).or_default().insert(to);
                 }
             }
@@ -105,10 +119,13 @@ fn circle(graph: &BTreeMap<String, BTreeSet<String>>) -> Option<Vec<String>> {
         .find_map(|room| visit(room, graph, &mut Vec::new(), &mut done))
 }
 
+fn agent_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("src/agent")
+}
+
 fn agent_files() -> Vec<(String, PathBuf)> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/agent");
     let mut all = Vec::new();
-    files(&dir, None, &mut all);
+    files(&agent_dir(), None, &mut all);
     assert!(all.len() >= 20, "agent/ read: {} files", all.len());
     all
 }
@@ -138,13 +155,39 @@ fn no_room_names_the_coordinator() {
 fn the_rooms_use_each_other_one_way() {
     let all = agent_files();
     let rooms: BTreeSet<String> = all.iter().map(|(r, _)| r.clone()).collect();
-    let graph = uses(&all, &rooms);
+    let graph = uses(&all, &rooms, &agent_dir(), None);
     // The check sees the rooms' uses: the admissions use the stopper.
     assert!(
         graph.get("admission").is_some_and(|u| u.contains("stop")),
         "{graph:?}"
     );
     assert_eq!(circle(&graph), None, "the rooms' uses: {graph:?}");
+}
+
+#[test]
+#[allow(
+    clippy::disallowed_methods,
+    reason = "a test reading the source, not the runtime"
+)]
+fn no_crate_s_modules_use_each_other_in_a_circle() {
+    let crates = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut seen = 0;
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&crates)
+        .expect("read crates/")
+        .map(|e| e.expect("an entry").path().join("src"))
+        .filter(|p| p.is_dir())
+        .collect();
+    dirs.sort();
+    for src in dirs {
+        let mut all = Vec::new();
+        files(&src, None, &mut all);
+        let modules: BTreeSet<String> = all.iter().map(|(r, _)| r.clone()).collect();
+        let graph = uses(&all, &modules, &src, Some("crate::"));
+        seen += graph.values().map(BTreeSet::len).sum::<usize>();
+        assert_eq!(circle(&graph), None, "{}: {graph:?}", src.display());
+    }
+    // The check sees the uses: residentd's, the supervisor's, the core's.
+    assert!(seen >= 50, "{seen} uses between modules");
 }
 
 #[test]
