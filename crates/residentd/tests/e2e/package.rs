@@ -286,3 +286,52 @@ fn the_package_holds_its_files_and_passes_lintian() {
         );
     }
 }
+
+/// What the maintainer scripts ask of systemd, read from their text: a
+/// package installed or upgraded never starts, restarts or stops the
+/// agent (a restart stops every model); only a removal stops it.
+#[test]
+fn the_maintainer_scripts_never_start_or_restart_the_agent() {
+    let dir = workspace().join("packaging/deb");
+    let callers = ["systemctl", "deb-systemd-invoke", "invoke-rc.d", "service"];
+    let starts = [
+        "start",
+        "restart",
+        "try-restart",
+        "reload-or-restart",
+        "try-reload-or-restart",
+        "condrestart",
+    ];
+    let mut stops = Vec::new();
+    for script in ["postinst", "prerm", "postrm"] {
+        let path = dir.join(script);
+        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path:?}: {e}"));
+        let code: Vec<&str> = text
+            .lines()
+            .map(|l| l.split('#').next().unwrap_or("").trim())
+            .collect();
+        for (n, line) in code.iter().enumerate() {
+            let words: Vec<&str> = line.split_whitespace().collect();
+            if !words.iter().any(|w| callers.contains(w)) {
+                continue;
+            }
+            let at = format!("{script}:{}: {line}", n + 1);
+            assert!(
+                !words.iter().any(|w| starts.contains(w)),
+                "{at}: starts or restarts a unit"
+            );
+            if words.contains(&"stop") {
+                // The nearest condition above it names the removal.
+                let guard = code[..n].iter().rev().find(|l| l.starts_with("if "));
+                assert!(
+                    guard.is_some_and(|g| g.contains("\"$1\" = \"remove\"")),
+                    "{at}: stops a unit, and not only at a removal ({guard:?})"
+                );
+                stops.push(at);
+            }
+        }
+    }
+    // The check sees the one stop there is: prerm's, at a removal.
+    assert_eq!(stops.len(), 1, "{stops:?}");
+    assert!(stops[0].starts_with("prerm:"), "{stops:?}");
+}
