@@ -37,6 +37,9 @@ static ONE_BROWSER: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 struct Browser {
     _alone: tokio::sync::MutexGuard<'static, ()>,
     child: Child,
+    /// browser.py's TMPDIR: chromium leaves its singleton's directory
+    /// there, removed with this once the browser has ended.
+    _tmp: tempfile::TempDir,
     /// None once closed (the end of browser.py's input).
     stdin: Option<ChildStdin>,
     /// browser.py's process group (its pid).
@@ -50,8 +53,10 @@ impl Browser {
     async fn start() -> Option<Self> {
         let python = venv_python("the console's browser tests")?;
         let alone = ONE_BROWSER.lock().await;
+        let tmp = tempfile::tempdir().expect("tempdir");
         let mut child = tokio::process::Command::new(python)
             .arg(workspace().join("tests/console/browser.py"))
+            .env("TMPDIR", tmp.path())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             // Its own process group, which chromedriver and chromium join:
@@ -69,6 +74,7 @@ impl Browser {
         let mut b = Self {
             _alone: alone,
             child,
+            _tmp: tmp,
             stdin: Some(stdin),
             group,
             answers,

@@ -427,11 +427,19 @@ impl Mounted {
 }
 
 impl Drop for Mounted {
+    /// Unmounts, then removes the mount point and its directory where
+    /// they are left empty: a test's TempDir dropped while the tmpfs was
+    /// still mounted could not remove them.
     fn drop(&mut self) {
         let _ = std::process::Command::new("umount")
             .arg("-l")
             .arg(&self.0)
             .status();
+        if std::fs::remove_dir(&self.0).is_ok()
+            && let Some(parent) = self.0.parent()
+        {
+            let _ = std::fs::remove_dir(parent);
+        }
     }
 }
 
@@ -520,6 +528,8 @@ async fn a_full_or_read_only_state_dir_refuses_starts_and_running_ones_go_on() {
         .collect();
     assert_eq!(journaled, ["a", "c", "f"]);
     d.terminate().await;
+    // Unmounted before the Daemon's TempDir is removed.
+    drop(state);
 }
 
 #[tokio::test]
