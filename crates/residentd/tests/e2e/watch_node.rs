@@ -172,9 +172,22 @@ async fn figures_moved_without_an_event_come_at_most_once_per_interval() {
     let took = began.elapsed();
     let figures = seen.iter().filter(|u| u.figures.is_some()).count() as u32;
     let bound = (took.as_millis() / every.as_millis()) as u32 + 2;
+    // What each update carried, for a failure to show why.
+    let carried: Vec<String> = seen
+        .iter()
+        .map(|u| {
+            let event = u.event.as_ref().map(|e| format!("{:?}", e.kind()));
+            let holds = u.figures.as_ref().map(|f| f.holds.len());
+            format!(
+                "event {event:?}, figures with holds {holds:?}, roster {}",
+                u.roster.is_some()
+            )
+        })
+        .collect();
     assert!(
         (1..=bound).contains(&figures),
-        "{figures} figures updates in {took:?} for {touches} touches (at most {bound})"
+        "{figures} figures updates in {took:?} for {touches} touches (at most {bound}):\n{}",
+        carried.join("\n")
     );
 }
 
