@@ -19,6 +19,7 @@ use super::adoption::{AdoptCall, Looked, look_at};
 use super::books::{Admitted, Books, Decision, Sleepy};
 use super::durability::Durability;
 use super::kv::KvStore;
+use super::parts::Parts;
 use super::probes::Probes;
 use super::reading::Reader;
 use super::roster::{Keys, workload_of};
@@ -44,22 +45,51 @@ pub struct Started {
 /// The admissions: Start, Adopt, and the wakes a Start makes.
 #[derive(Debug)]
 pub(super) struct Admissions {
-    pub(super) config: Current,
-    pub(super) books: Arc<Books>,
-    pub(super) sup: Supervisor,
-    pub(super) kv: Arc<KvStore>,
-    pub(super) probes: Arc<Probes>,
-    pub(super) durability: Arc<Durability>,
-    pub(super) metrics: Arc<Metrics>,
-    pub(super) teller: Arc<Teller>,
-    pub(super) reader: Arc<Reader>,
-    pub(super) stopper: Arc<Stopper>,
-    pub(super) sleeps: Arc<Sleeps>,
-    pub(super) keys: Arc<Keys>,
-    pub(super) clock: Clock,
-    pub(super) closing: Closing,
+    config: Current,
+    books: Arc<Books>,
+    sup: Supervisor,
+    kv: Arc<KvStore>,
+    probes: Arc<Probes>,
+    durability: Arc<Durability>,
+    metrics: Arc<Metrics>,
+    teller: Arc<Teller>,
+    reader: Arc<Reader>,
+    stopper: Arc<Stopper>,
+    sleeps: Arc<Sleeps>,
+    keys: Arc<Keys>,
+    clock: Clock,
+    closing: Closing,
     /// Numbers generated instance ids.
-    pub(super) id_seq: AtomicU64,
+    id_seq: AtomicU64,
+}
+
+impl Admissions {
+    /// The room, on the parts (and the rooms) it uses.
+    pub(super) fn new(
+        p: &Parts,
+        teller: Arc<Teller>,
+        reader: Arc<Reader>,
+        stopper: Arc<Stopper>,
+        sleeps: Arc<Sleeps>,
+    ) -> Self {
+        Self {
+            config: p.config.clone(),
+            books: p.books.clone(),
+            sup: p.sup.clone(),
+            kv: p.kv.clone(),
+            probes: p.probes.clone(),
+            durability: p.durability.clone(),
+            metrics: p.metrics.clone(),
+            teller,
+            reader,
+            stopper,
+            sleeps,
+            keys: p.keys.clone(),
+            clock: p.clock,
+            closing: p.closing.clone(),
+            id_seq: AtomicU64::new(0),
+        }
+    }
 }
 
 /// When a Start answers.

@@ -16,6 +16,7 @@ use super::books::{Books, Guarded, Sleepy};
 use super::durability::Durability;
 use super::exposure::{Exposed, Guard};
 use super::overrun;
+use super::parts::Parts;
 use super::picture::Signals;
 use super::reading::Reader;
 use super::shared::{Clock, Current};
@@ -28,22 +29,47 @@ use crate::metrics::Metrics;
 /// The follower.
 #[derive(Debug)]
 pub(super) struct Follower {
-    pub(super) config: Current,
-    pub(super) books: Arc<Books>,
-    pub(super) sup: Supervisor,
-    pub(super) events: Arc<EventLog>,
-    pub(super) durability: Arc<Durability>,
-    pub(super) metrics: Arc<Metrics>,
-    pub(super) signals: Arc<Signals>,
-    pub(super) exposure: Guard,
-    pub(super) teller: Arc<Teller>,
-    pub(super) reader: Arc<Reader>,
-    pub(super) stopper: Arc<Stopper>,
-    pub(super) sleeps: Arc<Sleeps>,
-    pub(super) clock: Clock,
+    config: Current,
+    books: Arc<Books>,
+    sup: Supervisor,
+    events: Arc<EventLog>,
+    durability: Arc<Durability>,
+    metrics: Arc<Metrics>,
+    signals: Arc<Signals>,
+    exposure: Guard,
+    teller: Arc<Teller>,
+    reader: Arc<Reader>,
+    stopper: Arc<Stopper>,
+    sleeps: Arc<Sleeps>,
+    clock: Clock,
 }
 
 impl Follower {
+    /// The room, on the parts (and the rooms) it uses.
+    pub(super) fn new(
+        p: &Parts,
+        teller: Arc<Teller>,
+        reader: Arc<Reader>,
+        stopper: Arc<Stopper>,
+        sleeps: Arc<Sleeps>,
+    ) -> Self {
+        Self {
+            config: p.config.clone(),
+            books: p.books.clone(),
+            sup: p.sup.clone(),
+            events: p.events.clone(),
+            durability: p.durability.clone(),
+            metrics: p.metrics.clone(),
+            signals: p.signals.clone(),
+            exposure: Guard::default(),
+            teller,
+            reader,
+            stopper,
+            sleeps,
+            clock: p.clock,
+        }
+    }
+
     fn on_transition(&self, status: Status) {
         let record = self.books.record(&status.instance);
         let Some(mut record) = record.filter(|r| r.generation == status.generation) else {

@@ -1,8 +1,9 @@
 //! The agent: a small coordinator over rooms with walls. Each room is a
 //! struct holding the handles it needs (the books, the supervisor, the
-//! journal's durability, another room) and nothing else; no file here but
-//! this one names `Agent` (`walls.rs` checks it, and that the rooms use
-//! each other one way, with no circle). Every RPC of the service is one
+//! journal's durability, another room) and nothing else, taken from the
+//! parts (`parts.rs`) in its `new` and kept in fields of its own; no file
+//! here but this one names `Agent` (`walls.rs` checks these, and that
+//! the rooms use each other one way, with no circle). Every RPC of the service is one
 //! method here, handed to the room that answers it; the service only
 //! translates. Here: the parts and rooms built, shutdown, and the walk of
 //! an upgrade.
@@ -30,7 +31,7 @@
 //! `WatchNode`), `kv.rs` (saved conversations and the disk pools' books),
 //! `http.rs` (the client for the servers' own endpoints), `roster.rs` (a
 //! workload by name) and `shared.rs` (the clock, the config in force, the
-//! agent's end).
+//! agent's end); `parts.rs` hands them to the rooms.
 //!
 //! No code here reads the file system or scans /proc on a runtime thread:
 //! clippy's `disallowed_methods` (crates/residentd/clippy.toml) is on for
@@ -40,7 +41,6 @@
 #![warn(clippy::disallowed_methods)]
 
 use std::sync::Arc;
-use std::sync::atomic::AtomicU64;
 use std::time::{Duration, Instant};
 
 use resident_api::{ApiError, pb};
@@ -64,6 +64,7 @@ mod follower;
 mod http;
 mod kv;
 mod overrun;
+mod parts;
 mod persist;
 mod picture;
 mod probes;
@@ -93,14 +94,7 @@ const SHUTDOWN_RELEASE: Duration = Duration::from_secs(5);
 /// The node agent.
 #[derive(Debug)]
 pub struct Agent {
-    config: shared::Current,
-    books: Arc<Books>,
-    sup: Supervisor,
-    events: Arc<EventLog>,
-    metrics: Arc<Metrics>,
-    durability: Arc<durability::Durability>,
-    closing: shared::Closing,
-    clock: shared::Clock,
+    parts: parts::Parts,
     /// Where an upgrade stands (`upgrade.rs`).
     upgrade: upgrade::Upgrades,
     teller: Arc<tell::Teller>,
@@ -137,131 +131,56 @@ impl Agent {
         let events = Arc::new(EventLog::new(4096, 1024));
         events.load(&config.node.state_dir, upgrade::EVENTS_FILE);
         let config = Arc::new(config);
-        let books = Arc::new(Books::new(&config));
         let kv = Arc::new(kv::KvStore::default());
         kv.configure(&config);
-        let config = shared::Current::new(config);
-        let sup = Supervisor::new(sup_config, tx);
-        let metrics = Arc::new(Metrics::new());
         let closing = shared::Closing::new();
-        let durability = Arc::new(durability::Durability::new(journal, closing.clone()));
-        let clock = shared::Clock::new();
-        let probes = Arc::new(probes::Probes::new(host));
-        let signals = Arc::new(picture::Signals::default());
-        let keys = Arc::new(roster::Keys::default());
-        let teller = Arc::new(tell::Teller {
-            books: books.clone(),
-            sup: sup.clone(),
-            events: events.clone(),
-            durability: durability.clone(),
-            metrics: metrics.clone(),
-            clock,
-        });
-        let reader = Arc::new(reading::Reader {
-            config: config.clone(),
-            books: books.clone(),
-            sup: sup.clone(),
-            probes: probes.clone(),
-            durability: durability.clone(),
-            signals: signals.clone(),
-            metrics: metrics.clone(),
-            teller: teller.clone(),
-        });
-        let stopper = Arc::new(stop::Stopper {
-            config: config.clone(),
-            books: books.clone(),
-            sup: sup.clone(),
-            kv: kv.clone(),
-            durability: durability.clone(),
-            metrics: metrics.clone(),
-            teller: teller.clone(),
-        });
-        let sleeps = Arc::new(sleep::Sleeps {
-            config: config.clone(),
-            books: books.clone(),
-            sup: sup.clone(),
-            kv: kv.clone(),
-            durability: durability.clone(),
-            metrics: metrics.clone(),
-            teller: teller.clone(),
-            stopper: stopper.clone(),
-            clock,
-        });
-        let admissions = Arc::new(admission::Admissions {
-            config: config.clone(),
-            books: books.clone(),
-            sup: sup.clone(),
-            kv: kv.clone(),
-            probes,
-            durability: durability.clone(),
-            metrics: metrics.clone(),
-            teller: teller.clone(),
-            reader: reader.clone(),
-            stopper: stopper.clone(),
-            sleeps: sleeps.clone(),
-            keys: keys.clone(),
-            clock,
-            closing: closing.clone(),
-            id_seq: AtomicU64::new(0),
-        });
-        let queries = Arc::new(queries::Queries {
-            config: config.clone(),
-            books: books.clone(),
+        let p = parts::Parts {
+            books: Arc::new(Books::new(&config)),
+            config: shared::Current::new(config),
+            sup: Supervisor::new(sup_config, tx),
+            events,
+            metrics: Arc::new(Metrics::new()),
+            durability: Arc::new(durability::Durability::new(journal, closing.clone())),
             kv,
-            events: events.clone(),
-            durability: durability.clone(),
-            signals: signals.clone(),
-            teller: teller.clone(),
-            reader: reader.clone(),
-            keys,
-            clock,
-            reload_hooks: Default::default(),
-        });
-        let follower = Arc::new(follower::Follower {
-            config: config.clone(),
-            books: books.clone(),
-            sup: sup.clone(),
-            events: events.clone(),
-            durability: durability.clone(),
-            metrics: metrics.clone(),
-            signals,
-            exposure: exposure::Guard::default(),
-            teller: teller.clone(),
-            reader: reader.clone(),
-            stopper: stopper.clone(),
-            sleeps: sleeps.clone(),
-            clock,
-        });
-        let scribe = Arc::new(persist::Scribe {
-            books: books.clone(),
-            sup: sup.clone(),
-            durability: durability.clone(),
-            metrics: metrics.clone(),
-            start_ticks: Default::default(),
-        });
-        let restorer = Arc::new(restore::Restorer {
-            config: config.clone(),
-            books: books.clone(),
-            sup: sup.clone(),
-            durability: durability.clone(),
-            admissions: admissions.clone(),
-            sleeps: sleeps.clone(),
-            clock,
-        });
+            probes: Arc::new(probes::Probes::new(host)),
+            signals: Arc::new(picture::Signals::default()),
+            keys: Arc::new(roster::Keys::default()),
+            clock: shared::Clock::new(),
+            closing,
+        };
+        // The rooms, each built on those it uses.
+        let teller = Arc::new(tell::Teller::new(&p));
+        let reader = Arc::new(reading::Reader::new(&p, teller.clone()));
+        let stopper = Arc::new(stop::Stopper::new(&p, teller.clone()));
+        let sleeps = Arc::new(sleep::Sleeps::new(&p, teller.clone(), stopper.clone()));
+        let admissions = Arc::new(admission::Admissions::new(
+            &p,
+            teller.clone(),
+            reader.clone(),
+            stopper.clone(),
+            sleeps.clone(),
+        ));
+        let queries = Arc::new(queries::Queries::new(&p, teller.clone(), reader.clone()));
+        let follower = Arc::new(follower::Follower::new(
+            &p,
+            teller.clone(),
+            reader.clone(),
+            stopper.clone(),
+            sleeps.clone(),
+        ));
+        let scribe = Arc::new(persist::Scribe::new(&p));
+        let restorer = Arc::new(restore::Restorer::new(
+            &p,
+            admissions.clone(),
+            sleeps.clone(),
+        ));
         reader.open_device_probes();
         reader.refresh();
         tokio::spawn(follower::follow_supervisor(Arc::downgrade(&follower), rx));
         tokio::spawn(follower::tick(Arc::downgrade(&follower)));
         tokio::spawn(persist::write_journal(Arc::downgrade(&scribe)));
         Ok(Arc::new(Self {
-            config,
-            books,
-            sup,
-            events,
-            metrics,
-            durability,
-            closing,
-            clock,
+            parts: p,
             upgrade: upgrade::Upgrades::default(),
             teller,
             reader,
@@ -278,7 +197,7 @@ impl Agent {
     /// The configuration in force. A request takes it once and decides on
     /// that one snapshot, so a reload never mixes two configs in it.
     pub fn config(&self) -> Arc<Config> {
-        self.config.get()
+        self.parts.config.get()
     }
 
     /// Has `hook` take each reloaded config (old, new) before the agent
@@ -290,22 +209,22 @@ impl Agent {
 
     /// The metrics.
     pub fn metrics(&self) -> &Metrics {
-        &self.metrics
+        &self.parts.metrics
     }
 
     /// The event log.
     pub fn events(&self) -> &EventLog {
-        &self.events
+        &self.parts.events
     }
 
     /// Resolves once shutdown has begun; Watch and Logs streams end then.
     pub fn closing(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
-        self.closing.finished()
+        self.parts.closing.finished()
     }
 
     /// The supervisor.
     pub fn supervisor(&self) -> &Supervisor {
-        &self.sup
+        &self.parts.sup
     }
 
     /// Refuses new starts and stops every instance gracefully; returns
@@ -323,12 +242,12 @@ impl Agent {
         } else {
             self.scribe.write_now(true);
         }
-        self.closing.finish();
-        self.sup.shutdown().await;
+        self.parts.closing.finish();
+        self.parts.sup.shutdown().await;
         let released = async {
-            for id in self.books.resident_ids() {
-                if let Some(r) = self.books.record(&id) {
-                    self.books.released(&id, r.generation).await;
+            for id in self.parts.books.resident_ids() {
+                if let Some(r) = self.parts.books.record(&id) {
+                    self.parts.books.released(&id, r.generation).await;
                 }
             }
         };
@@ -336,7 +255,7 @@ impl Agent {
             .await
             .is_err()
         {
-            tracing::warn!(held = ?self.books.resident_ids(), "reservations still held after shutdown");
+            tracing::warn!(held = ?self.parts.books.resident_ids(), "reservations still held after shutdown");
         }
     }
 
@@ -344,9 +263,9 @@ impl Agent {
     /// by itself (an idle sleep or stop, a lease's expiry), and only the
     /// sealing write of the journal (shutdown, hand-over) goes through.
     fn close(&self) {
-        self.books.close();
-        self.closing.close();
-        self.durability.seal();
+        self.parts.books.close();
+        self.parts.closing.close();
+        self.parts.durability.seal();
     }
 
     /// Whether an upgrade is under way (changes are refused meanwhile).
@@ -415,15 +334,18 @@ impl Agent {
         // Nothing the agent decides by itself (an idle sleep or stop, a
         // lease's expiry) begins after the journal below.
         self.close();
-        self.closing.finish();
-        self.sup.hand_over(upgrade::HAND_OVER_BOUND).await;
+        self.parts.closing.finish();
+        self.parts.sup.hand_over(upgrade::HAND_OVER_BOUND).await;
         let scribe = self.scribe.clone();
         let _ = tokio::task::spawn_blocking(move || scribe.write_now(true)).await;
         let state_dir = self.config().node.state_dir.clone();
-        if let Err(e) = self.events.save(&state_dir, upgrade::EVENTS_FILE) {
+        if let Err(e) = self.parts.events.save(&state_dir, upgrade::EVENTS_FILE) {
             tracing::warn!(error = %e, "cannot hand the event history over; watchers will list again");
         }
-        upgrade::hand_holds_over(&state_dir, &self.books.holds(self.clock.now_ms()));
+        upgrade::hand_holds_over(
+            &state_dir,
+            &self.parts.books.holds(self.parts.clock.now_ms()),
+        );
         tracing::info!("every instance handed over; starting the new binary");
         match crate::upgrade::start_next().await {
             Ok(next) => {

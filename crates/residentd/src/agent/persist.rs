@@ -18,22 +18,34 @@ use resident_supervisor::Supervisor;
 
 use super::books::Books;
 use super::durability::Durability;
+use super::parts::Parts;
 use crate::journal;
 use crate::metrics::Metrics;
 
 /// The scribe.
 #[derive(Debug)]
 pub(super) struct Scribe {
-    pub(super) books: Arc<Books>,
-    pub(super) sup: Supervisor,
-    pub(super) durability: Arc<Durability>,
-    pub(super) metrics: Arc<Metrics>,
+    books: Arc<Books>,
+    sup: Supervisor,
+    durability: Arc<Durability>,
+    metrics: Arc<Metrics>,
     /// The start time of each journaled process group's leader, by
     /// instance, run and pid.
-    pub(super) start_ticks: Mutex<HashMap<String, Ticks>>,
+    start_ticks: Mutex<HashMap<String, Ticks>>,
 }
 
 impl Scribe {
+    /// The room, on the parts (and the rooms) it uses.
+    pub(super) fn new(p: &Parts) -> Self {
+        Self {
+            books: p.books.clone(),
+            sup: p.sup.clone(),
+            durability: p.durability.clone(),
+            metrics: p.metrics.clone(),
+            start_ticks: Mutex::default(),
+        }
+    }
+
     /// Writes the journal now (blocking: it fsyncs): what the books hold,
     /// with each run's group. Once sealed only the sealing write (at
     /// shutdown, at a hand-over) goes through.

@@ -12,6 +12,7 @@ use resident_core::{InstanceId, Policy};
 use super::books::{Books, Hold};
 use super::durability::Durability;
 use super::kv::KvStore;
+use super::parts::Parts;
 use super::picture::{self, Figures, Signals};
 use super::reading::Reader;
 use super::roster::{Keys, footprint_key, workload_of};
@@ -36,22 +37,39 @@ impl std::fmt::Debug for ReloadHooks {
 /// The queries and the reload.
 #[derive(Debug)]
 pub(super) struct Queries {
-    pub(super) config: Current,
-    pub(super) books: Arc<Books>,
-    pub(super) kv: Arc<KvStore>,
-    pub(super) events: Arc<EventLog>,
-    pub(super) durability: Arc<Durability>,
-    pub(super) signals: Arc<Signals>,
-    pub(super) teller: Arc<Teller>,
-    pub(super) reader: Arc<Reader>,
-    pub(super) keys: Arc<Keys>,
-    pub(super) clock: Clock,
+    config: Current,
+    books: Arc<Books>,
+    kv: Arc<KvStore>,
+    events: Arc<EventLog>,
+    durability: Arc<Durability>,
+    signals: Arc<Signals>,
+    teller: Arc<Teller>,
+    reader: Arc<Reader>,
+    keys: Arc<Keys>,
+    clock: Clock,
     /// What follows the config outside the agent (the TLS listeners'
     /// certificates), asked at each reload before anything changes.
-    pub(super) reload_hooks: Mutex<ReloadHooks>,
+    reload_hooks: Mutex<ReloadHooks>,
 }
 
 impl Queries {
+    /// The room, on the parts (and the rooms) it uses.
+    pub(super) fn new(p: &Parts, teller: Arc<Teller>, reader: Arc<Reader>) -> Self {
+        Self {
+            config: p.config.clone(),
+            books: p.books.clone(),
+            kv: p.kv.clone(),
+            events: p.events.clone(),
+            durability: p.durability.clone(),
+            signals: p.signals.clone(),
+            teller,
+            reader,
+            keys: p.keys.clone(),
+            clock: p.clock,
+            reload_hooks: Mutex::default(),
+        }
+    }
+
     /// The epoch of this agent's revisions (drawn when it began afresh;
     /// an upgrade hands it over with the history).
     pub(super) fn epoch(&self) -> u64 {

@@ -11,6 +11,7 @@ use resident_supervisor::Supervisor;
 
 use super::books::{Books, Readings};
 use super::durability::Durability;
+use super::parts::Parts;
 use super::picture::Signals;
 use super::probes::Probes;
 use super::shared::Current;
@@ -20,17 +21,31 @@ use crate::metrics::Metrics;
 /// The reader.
 #[derive(Debug)]
 pub(super) struct Reader {
-    pub(super) config: Current,
-    pub(super) books: Arc<Books>,
-    pub(super) sup: Supervisor,
-    pub(super) probes: Arc<Probes>,
-    pub(super) durability: Arc<Durability>,
-    pub(super) signals: Arc<Signals>,
-    pub(super) metrics: Arc<Metrics>,
-    pub(super) teller: Arc<Teller>,
+    config: Current,
+    books: Arc<Books>,
+    sup: Supervisor,
+    probes: Arc<Probes>,
+    durability: Arc<Durability>,
+    signals: Arc<Signals>,
+    metrics: Arc<Metrics>,
+    teller: Arc<Teller>,
 }
 
 impl Reader {
+    /// The room, on the parts (and the rooms) it uses.
+    pub(super) fn new(p: &Parts, teller: Arc<Teller>) -> Self {
+        Self {
+            config: p.config.clone(),
+            books: p.books.clone(),
+            sup: p.sup.clone(),
+            probes: p.probes.clone(),
+            durability: p.durability.clone(),
+            signals: p.signals.clone(),
+            metrics: p.metrics.clone(),
+            teller,
+        }
+    }
+
     /// Reads the live probes into the books: host memory for host-bound
     /// pools, device readings, and each instance's measured bytes. The
     /// probes and `/proc` are read first; the books' lock is taken once,

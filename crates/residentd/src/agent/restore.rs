@@ -14,6 +14,7 @@ use super::admission::{Admission, Admissions, Answer, Request, TakenOver};
 use super::adoption::AdoptCall;
 use super::books::{Admitted, Books, Hold, Sleepy};
 use super::durability::Durability;
+use super::parts::Parts;
 use super::shared::{Clock, Current};
 use super::sleep::Sleeps;
 use crate::journal;
@@ -21,16 +22,29 @@ use crate::journal;
 /// The restorer.
 #[derive(Debug)]
 pub(super) struct Restorer {
-    pub(super) config: Current,
-    pub(super) books: Arc<Books>,
-    pub(super) sup: Supervisor,
-    pub(super) durability: Arc<Durability>,
-    pub(super) admissions: Arc<Admissions>,
-    pub(super) sleeps: Arc<Sleeps>,
-    pub(super) clock: Clock,
+    config: Current,
+    books: Arc<Books>,
+    sup: Supervisor,
+    durability: Arc<Durability>,
+    admissions: Arc<Admissions>,
+    sleeps: Arc<Sleeps>,
+    clock: Clock,
 }
 
 impl Restorer {
+    /// The room, on the parts (and the rooms) it uses.
+    pub(super) fn new(p: &Parts, admissions: Arc<Admissions>, sleeps: Arc<Sleeps>) -> Self {
+        Self {
+            config: p.config.clone(),
+            books: p.books.clone(),
+            sup: p.sup.clone(),
+            durability: p.durability.clone(),
+            admissions,
+            sleeps,
+            clock: p.clock,
+        }
+    }
+
     /// After a restart: admits the journaled instances again in their
     /// original order (PENDING, memory reserved) and returns, so the agent
     /// serves at once; each is then taken over or spawned in a task of its

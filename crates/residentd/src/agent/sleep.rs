@@ -20,6 +20,7 @@ use super::books::{Books, Sleeper, Sleepy};
 use super::durability::Durability;
 use super::http::{get_json, http_call};
 use super::kv::KvStore;
+use super::parts::Parts;
 use super::shared::{Clock, Current};
 use super::stop::Stopper;
 use super::tell::Teller;
@@ -28,18 +29,33 @@ use crate::metrics::Metrics;
 /// The sleeps and wakes.
 #[derive(Debug)]
 pub(super) struct Sleeps {
-    pub(super) config: Current,
-    pub(super) books: Arc<Books>,
-    pub(super) sup: Supervisor,
-    pub(super) kv: Arc<KvStore>,
-    pub(super) durability: Arc<Durability>,
-    pub(super) metrics: Arc<Metrics>,
-    pub(super) teller: Arc<Teller>,
-    pub(super) stopper: Arc<Stopper>,
-    pub(super) clock: Clock,
+    config: Current,
+    books: Arc<Books>,
+    sup: Supervisor,
+    kv: Arc<KvStore>,
+    durability: Arc<Durability>,
+    metrics: Arc<Metrics>,
+    teller: Arc<Teller>,
+    stopper: Arc<Stopper>,
+    clock: Clock,
 }
 
 impl Sleeps {
+    /// The room, on the parts (and the rooms) it uses.
+    pub(super) fn new(p: &Parts, teller: Arc<Teller>, stopper: Arc<Stopper>) -> Self {
+        Self {
+            config: p.config.clone(),
+            books: p.books.clone(),
+            sup: p.sup.clone(),
+            kv: p.kv.clone(),
+            durability: p.durability.clone(),
+            metrics: p.metrics.clone(),
+            teller,
+            stopper,
+            clock: p.clock,
+        }
+    }
+
     /// Puts `id` to sleep (the Sleep RPC); answers once it is SLEEPING.
     pub(super) async fn sleep(self: &Arc<Self>, id: &str) -> Result<pb::Instance, ApiError> {
         let ready = self.sup.status(id).is_some_and(|s| s.state == State::Ready);

@@ -14,6 +14,7 @@ use resident_supervisor::{State, Supervisor, SupervisorError};
 use super::books::Books;
 use super::durability::Durability;
 use super::kv::KvStore;
+use super::parts::Parts;
 use super::shared::Current;
 use super::tell::Teller;
 use crate::metrics::Metrics;
@@ -21,16 +22,29 @@ use crate::metrics::Metrics;
 /// The stopper.
 #[derive(Debug)]
 pub(super) struct Stopper {
-    pub(super) config: Current,
-    pub(super) books: Arc<Books>,
-    pub(super) sup: Supervisor,
-    pub(super) kv: Arc<KvStore>,
-    pub(super) durability: Arc<Durability>,
-    pub(super) metrics: Arc<Metrics>,
-    pub(super) teller: Arc<Teller>,
+    config: Current,
+    books: Arc<Books>,
+    sup: Supervisor,
+    kv: Arc<KvStore>,
+    durability: Arc<Durability>,
+    metrics: Arc<Metrics>,
+    teller: Arc<Teller>,
 }
 
 impl Stopper {
+    /// The room, on the parts (and the rooms) it uses.
+    pub(super) fn new(p: &Parts, teller: Arc<Teller>) -> Self {
+        Self {
+            config: p.config.clone(),
+            books: p.books.clone(),
+            sup: p.sup.clone(),
+            kv: p.kv.clone(),
+            durability: p.durability.clone(),
+            metrics: p.metrics.clone(),
+            teller,
+        }
+    }
+
     /// Stops an instance and answers once its group has exited, its
     /// memory is released and the journal on disk no longer lists it. With
     /// `cause`, the ended run's message gives it instead of "stopped" (an

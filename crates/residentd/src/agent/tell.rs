@@ -13,6 +13,7 @@ use resident_supervisor::Supervisor;
 
 use super::books::{Books, Record, Sleepy};
 use super::durability::Durability;
+use super::parts::Parts;
 use super::shared::Clock;
 use crate::events::EventLog;
 use crate::metrics::Metrics;
@@ -20,15 +21,27 @@ use crate::metrics::Metrics;
 /// The teller.
 #[derive(Debug)]
 pub(super) struct Teller {
-    pub(super) books: Arc<Books>,
-    pub(super) sup: Supervisor,
-    pub(super) events: Arc<EventLog>,
-    pub(super) durability: Arc<Durability>,
-    pub(super) metrics: Arc<Metrics>,
-    pub(super) clock: Clock,
+    books: Arc<Books>,
+    sup: Supervisor,
+    events: Arc<EventLog>,
+    durability: Arc<Durability>,
+    metrics: Arc<Metrics>,
+    clock: Clock,
 }
 
 impl Teller {
+    /// The room, on the parts (and the rooms) it uses.
+    pub(super) fn new(p: &Parts) -> Self {
+        Self {
+            books: p.books.clone(),
+            sup: p.sup.clone(),
+            events: p.events.clone(),
+            durability: p.durability.clone(),
+            metrics: p.metrics.clone(),
+            clock: p.clock,
+        }
+    }
+
     /// An instance as its record and its current run say.
     pub(super) fn view(&self, id: &str, record: &Record) -> pb::Instance {
         let status = self

@@ -1,8 +1,10 @@
 //! The walls between the agent's rooms, checked on the source: no file
 //! under `agent/` but `mod.rs` names the coordinator type `Agent`, and
 //! the rooms' uses of each other (`super::room`, or `super::super::room`
-//! from a room's own folder) form no circle. So too for the modules of
-//! every crate of the workspace (`crate::module`).
+//! from a room's own folder) form no circle, and a room built on the
+//! parts (`Room::new(&Parts, ..)`) keeps its fields to itself. So too,
+//! no circle, for the modules of every crate of the workspace
+//! (`crate::module`).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -149,6 +151,54 @@ fn no_room_names_the_coordinator() {
         "rooms that name the coordinator:\n{}",
         named.join("\n")
     );
+}
+
+/// The rooms built on the parts, each with the fields of its struct
+/// that others could reach (`pub` of any kind).
+fn open_fields(all: &[(String, PathBuf)]) -> Vec<(String, Vec<String>)> {
+    let mut rooms = Vec::new();
+    for (room, path) in all {
+        if room == "walls" {
+            continue;
+        }
+        let lines = code(path);
+        let text = lines.join("\n");
+        let on_parts = |i: &usize| text[i + 7..].trim_start().starts_with("p: &Parts");
+        let Some(at) = text.match_indices("fn new(").map(|(i, _)| i).find(on_parts) else {
+            continue;
+        };
+        let name = text[..at]
+            .rfind("impl ")
+            .map(|i| &text[i + 5..])
+            .and_then(|t| t.split_whitespace().next())
+            .expect("the impl of a new(&Parts)")
+            .to_string();
+        let open = format!("struct {name} {{");
+        let start = lines
+            .iter()
+            .position(|l| l.contains(&open))
+            .unwrap_or_else(|| panic!("{}: no {open}", path.display()));
+        let fields: Vec<String> = lines[start + 1..]
+            .iter()
+            .take_while(|l| l.trim() != "}")
+            .filter(|l| l.trim_start().starts_with("pub"))
+            .map(|l| l.trim().to_string())
+            .collect();
+        rooms.push((name, fields));
+    }
+    rooms
+}
+
+#[test]
+fn a_room_keeps_its_fields_to_itself() {
+    let rooms = open_fields(&agent_files());
+    // The check sees the rooms: the teller, the stopper, the admissions.
+    let names: Vec<&str> = rooms.iter().map(|(n, _)| n.as_str()).collect();
+    for room in ["Teller", "Stopper", "Admissions"] {
+        assert!(names.contains(&room), "{names:?}");
+    }
+    let open: Vec<_> = rooms.iter().filter(|(_, f)| !f.is_empty()).collect();
+    assert!(open.is_empty(), "fields others can reach: {open:?}");
 }
 
 #[test]
