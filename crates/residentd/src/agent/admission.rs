@@ -433,6 +433,7 @@ impl Admissions {
             // end is marked here, and told to watchers (no supervisor
             // event will).
             self.books.release(id, generation);
+            self.durability.change();
             self.teller.publish_ended(id);
             return Err(ApiError::Aborted(format!(
                 "instance '{id}' was stopped before it was spawned"
@@ -446,6 +447,7 @@ impl Admissions {
                 self.books
                     .cancel(id, Some(generation), pb::Cause::Unspecified);
                 self.books.release(id, generation);
+                self.durability.change();
                 self.teller.publish_ended(id);
                 return Err(e);
             }
@@ -717,6 +719,7 @@ impl Admissions {
         if let Err(e) = self.sup.adopt(spec, adoption).await {
             // Nothing watches it: its end is marked here.
             self.books.release(id.as_str(), generation);
+            self.durability.change();
             self.teller.publish_ended(id.as_str());
             return Err(ApiError::FailedPrecondition(e.to_string()));
         }

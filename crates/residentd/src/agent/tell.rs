@@ -12,7 +12,6 @@ use resident_core::Policy;
 use resident_supervisor::Supervisor;
 
 use super::books::{Books, Record, Sleepy};
-use super::durability::Durability;
 use super::parts::Parts;
 use super::shared::Clock;
 use crate::events::EventLog;
@@ -24,7 +23,6 @@ pub(super) struct Teller {
     books: Arc<Books>,
     sup: Supervisor,
     events: Arc<EventLog>,
-    durability: Arc<Durability>,
     metrics: Arc<Metrics>,
     clock: Clock,
 }
@@ -36,7 +34,6 @@ impl Teller {
             books: p.books.clone(),
             sup: p.sup.clone(),
             events: p.events.clone(),
-            durability: p.durability.clone(),
             metrics: p.metrics.clone(),
             clock: p.clock,
         }
@@ -152,7 +149,6 @@ impl Teller {
         let Some(record) = self.books.record(id) else {
             return;
         };
-        self.durability.change();
         self.publish(self.view(id, &record), pb::EventKind::Transition);
     }
 
